@@ -1,0 +1,303 @@
+// pybind11 binding of libbea: parse a snapshot once, estimate many queries against it, several
+// instances per call; the GIL is released inside every replay.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bea/analytic.h"
+#include "bea/replay.h"
+#include "bea/snapshot.h"
+#include "bea/value.h"
+
+namespace py = pybind11;
+using namespace bea;
+
+namespace {
+
+Value to_value(py::handle h, int depth) {
+  if (depth > kMaxDepth) throw std::invalid_argument("input nested too deeply");
+  Value v;
+  if (h.is_none()) return v;
+  if (py::isinstance<py::bool_>(h)) {
+    v.type = Value::Type::Bool;
+    v.b = h.cast<bool>();
+  } else if (py::isinstance<py::int_>(h)) {
+    v.type = Value::Type::Int;
+    int overflow = 0;
+    const long long x = PyLong_AsLongLongAndOverflow(h.ptr(), &overflow);
+    if (overflow != 0) throw std::invalid_argument("integer out of range");
+    if (x == -1 && PyErr_Occurred()) throw py::error_already_set();
+    v.i = x;
+  } else if (py::isinstance<py::float_>(h)) {
+    v.type = Value::Type::Float;
+    v.d = h.cast<double>();
+  } else if (py::isinstance<py::str>(h)) {
+    v.type = Value::Type::Str;
+    v.s = h.cast<std::string>();
+  } else if (py::isinstance<py::dict>(h)) {
+    v.type = Value::Type::Map;
+    auto d = py::reinterpret_borrow<py::dict>(h);
+    v.map.reserve(d.size());
+    for (auto kv : d) {
+      if (!py::isinstance<py::str>(kv.first)) throw std::invalid_argument("map key is not a string");
+      v.map.emplace_back(kv.first.cast<std::string>(), to_value(kv.second, depth + 1));
+    }
+  } else if (py::isinstance<py::list>(h) || py::isinstance<py::tuple>(h)) {
+    v.type = Value::Type::Arr;
+    auto seq = py::reinterpret_borrow<py::sequence>(h);
+    v.arr.reserve(seq.size());
+    for (auto item : seq) v.arr.push_back(to_value(item, depth + 1));
+  } else {
+    throw std::invalid_argument(std::string("unsupported value type: ") + std::string(py::str(h.get_type())));
+  }
+  return v;
+}
+
+Coeffs coeffs_from(py::handle h) {
+  Coeffs c;
+  if (h.is_none()) return c;
+  auto seq = py::reinterpret_borrow<py::sequence>(h);
+  if (seq.size() != 4) throw std::invalid_argument("beta must have 4 coefficients");
+  double b[4];
+  for (size_t k = 0; k < 4; ++k) {
+    b[k] = seq[k].cast<double>();
+    if (!std::isfinite(b[k])) throw std::invalid_argument("beta must be finite");
+  }
+  c.b0 = b[0];
+  c.b1 = b[1];
+  c.b2 = b[2];
+  c.b3 = b[3];
+  return c;
+}
+
+const char* status_name(Status s) {
+  switch (s) {
+    case Status::Ok: return "ok";
+    case Status::Unschedulable: return "unschedulable";
+    case Status::StepLimit: return "step_limit";
+  }
+  return "unknown";
+}
+
+// A parsed snapshot plus its replay-ready form, cached per length policy.
+class PySnapshot {
+ public:
+  explicit PySnapshot(Snapshot s) : snap_(std::move(s)) {}
+
+  const Prepared& prepared(const ReplayOptions& opt) {
+    if (!prep_ || opt.default_output_tokens != prep_default_ || opt.overrun_fraction != prep_overrun_) {
+      prep_ = std::make_unique<Prepared>(prepare(snap_, opt));
+      prep_default_ = opt.default_output_tokens;
+      prep_overrun_ = opt.overrun_fraction;
+    }
+    return *prep_;
+  }
+  void set_lengths(const std::unordered_map<std::string, int64_t>& l) {
+    snap_.set_output_lengths(l);
+    prep_.reset();
+  }
+  const Snapshot& snap() const { return snap_; }
+
+ private:
+  Snapshot snap_;
+  std::unique_ptr<Prepared> prep_;
+  int64_t prep_default_ = -1;
+  double prep_overrun_ = 0.5;
+};
+
+ReplayOptions options(py::handle beta, bool trace, bool collapse, int64_t default_out, double overrun,
+                      int64_t max_steps) {
+  ReplayOptions o;
+  o.beta = coeffs_from(beta);
+  o.trace = trace;
+  o.collapse = collapse;
+  o.default_output_tokens = default_out;
+  if (!std::isfinite(overrun) || overrun < 0.0) throw std::invalid_argument("overrun_fraction must be >= 0");
+  o.overrun_fraction = overrun;
+  if (max_steps < 1) throw std::invalid_argument("max_steps must be >= 1");
+  o.max_steps = max_steps;
+  return o;
+}
+
+Query query_from(py::handle h) {
+  if (py::isinstance<Query>(h)) return h.cast<Query>();
+  return query_from_value(to_value(h, 0));
+}
+
+py::dict result_dict(const Estimate& e, const Prepared& p, const Query& q, bool trace) {
+  py::dict d;
+  d["ttft_s"] = e.ttft_s;
+  d["n_batches"] = e.n_batches;
+  d["status"] = status_name(e.status);
+  if (trace) {
+    py::list steps;
+    for (const auto& st : e.trace) {
+      py::dict m;
+      for (const auto& it : st) {
+        const std::string& id = static_cast<size_t>(it.req) < p.names.size() ? p.names[static_cast<size_t>(it.req)] : q.id;
+        m[py::str(id)] = it.n;
+      }
+      steps.append(m);
+    }
+    d["batches"] = steps;
+  }
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(libbea, m) {
+  m.doc() = "BEA: replay vLLM V1 scheduling from a per-step snapshot to predict a query's TTFT.";
+
+  py::class_<Query>(m, "Query", "A new query to place: prompt length, max_tokens, prefix-cache hit.")
+      .def(py::init([](int64_t prompt_tokens, int64_t max_tokens, int64_t prefix_hit_tokens, std::string id,
+                       int64_t priority, double arrival) {
+             py::dict d;
+             d["id"] = id;
+             d["prompt_tokens"] = prompt_tokens;
+             d["max_tokens"] = max_tokens;
+             d["prefix_hit_tokens"] = prefix_hit_tokens;
+             d["priority"] = priority;
+             d["arrival"] = arrival;
+             return query_from_value(to_value(d, 0));
+           }),
+           py::arg("prompt_tokens"), py::arg("max_tokens") = 1, py::arg("prefix_hit_tokens") = 0,
+           py::arg("id") = "__query__", py::arg("priority") = 0, py::arg("arrival") = 0.0)
+      .def_static("from_dict", [](py::handle d) { return query_from_value(to_value(d, 0)); })
+      .def_readonly("id", &Query::id)
+      .def_readonly("prompt_tokens", &Query::prompt_tokens)
+      .def_readonly("max_tokens", &Query::max_tokens)
+      .def_readonly("prefix_hit_tokens", &Query::prefix_hit_tokens);
+
+  py::class_<PySnapshot, std::shared_ptr<PySnapshot>>(m, "Snapshot",
+                                                      "A validated bear.snapshot/1, parsed once and replayed many times.")
+      .def_static(
+          "from_dict", [](py::handle d) { return std::make_shared<PySnapshot>(snapshot_from_value(to_value(d, 0))); },
+          "Build from a dict (e.g. decoded JSON); ValueError names the bad field.")
+      .def_static(
+          "from_msgpack",
+          [](py::bytes b) {
+            std::string_view sv = b;
+            Value v;
+            {
+              py::gil_scoped_release nogil;
+              v = parse_msgpack(reinterpret_cast<const uint8_t*>(sv.data()), sv.size());
+            }
+            return std::make_shared<PySnapshot>(snapshot_from_value(v));
+          },
+          "Build from msgpack bytes; ValueError on malformed input.")
+      .def("set_output_lengths",
+           [](PySnapshot& s, py::handle d) { s.set_lengths(lengths_from_value(to_value(d, 0))); },
+           "Predicted total output tokens per resident request id.")
+      .def_property_readonly("instance", [](const PySnapshot& s) { return s.snap().instance; })
+      .def_property_readonly("model", [](const PySnapshot& s) { return s.snap().model; })
+      .def_property_readonly("seq", [](const PySnapshot& s) { return s.snap().seq; })
+      .def_property_readonly("time", [](const PySnapshot& s) { return s.snap().time; })
+      .def_property_readonly("free_blocks", [](const PySnapshot& s) { return s.snap().free_blocks; })
+      .def_property_readonly("n_running", [](const PySnapshot& s) { return s.snap().running.size(); })
+      .def_property_readonly("n_waiting", [](const PySnapshot& s) { return s.snap().waiting.size(); })
+      .def_property_readonly("async_scheduling", [](const PySnapshot& s) { return s.snap().config.async_scheduling; })
+      .def_property_readonly("max_num_seqs", [](const PySnapshot& s) { return s.snap().config.max_num_seqs; })
+      .def_property_readonly("request_ids",
+                             [](const PySnapshot& s) {
+                               std::vector<std::string> ids;
+                               for (const auto* l : {&s.snap().running, &s.snap().waiting})
+                                 for (const auto& r : *l) ids.push_back(r.id);
+                               return ids;
+                             })
+      .def("pending_prefill_tokens", [](const PySnapshot& s) { return pending_prefill_tokens(s.snap()); });
+
+  m.def(
+      "estimate",
+      [](PySnapshot& s, py::handle request, py::handle beta, py::handle lengths, bool trace, bool collapse,
+         int64_t default_output_tokens, double overrun_fraction, int64_t max_steps) {
+        if (!lengths.is_none()) s.set_lengths(lengths_from_value(to_value(lengths, 0)));
+        const Query q = query_from(request);
+        const ReplayOptions opt = options(beta, trace, collapse, default_output_tokens, overrun_fraction, max_steps);
+        const Prepared& p = s.prepared(opt);
+        Estimate e;
+        {
+          py::gil_scoped_release nogil;
+          e = estimate(p, q, opt);
+        }
+        return result_dict(e, p, q, trace);
+      },
+      py::arg("snapshot"), py::arg("request"), py::arg("beta") = py::none(), py::arg("lengths") = py::none(),
+      py::arg("trace") = false, py::arg("collapse") = true, py::arg("default_output_tokens") = -1,
+      py::arg("overrun_fraction") = 0.5, py::arg("max_steps") = 2'000'000,
+      "Replay the snapshot with the new request; returns {ttft_s, n_batches, status[, batches]}.");
+
+  m.def(
+      "estimate_many",
+      [](std::vector<std::shared_ptr<PySnapshot>> snaps, py::handle request, std::vector<py::object> betas,
+         int64_t default_output_tokens, double overrun_fraction) {
+        if (betas.size() != snaps.size()) throw std::invalid_argument("one beta per snapshot");
+        const Query q = query_from(request);
+        std::vector<ReplayOptions> opts;
+        std::vector<const Prepared*> preps;
+        opts.reserve(snaps.size());
+        for (size_t k = 0; k < snaps.size(); ++k) {
+          if (!snaps[k]) throw std::invalid_argument("snapshot is None");
+          opts.push_back(options(betas[k], false, true, default_output_tokens, overrun_fraction, 2'000'000));
+        }
+        for (size_t k = 0; k < snaps.size(); ++k) preps.push_back(&snaps[k]->prepared(opts[k]));
+        std::vector<Estimate> out(snaps.size());
+        std::vector<std::string> errors(snaps.size());
+        {
+          py::gil_scoped_release nogil;
+          for (size_t k = 0; k < snaps.size(); ++k) {
+            try {
+              out[k] = estimate(*preps[k], q, opts[k]);
+            } catch (const std::exception& ex) {
+              errors[k] = ex.what();
+            }
+          }
+        }
+        py::list res;
+        for (size_t k = 0; k < snaps.size(); ++k) {
+          if (!errors[k].empty()) throw std::invalid_argument(errors[k]);
+          res.append(py::make_tuple(out[k].ttft_s, out[k].n_batches, status_name(out[k].status)));
+        }
+        return res;
+      },
+      py::arg("snapshots"), py::arg("request"), py::arg("betas"), py::arg("default_output_tokens") = -1,
+      py::arg("overrun_fraction") = 0.5,
+      "Estimate one request against several instances in one call: [(ttft_s, n_batches, status), ...].");
+
+  m.def(
+      "batch_features",
+      [](py::handle items) {
+        BatchFeatures f;
+        for (auto it : py::reinterpret_borrow<py::sequence>(items)) {
+          auto d = py::reinterpret_borrow<py::dict>(it);
+          const int64_t n = d["n"].cast<int64_t>();
+          const int64_t ctx = d["context"].cast<int64_t>();
+          if (n < 0 || ctx < 0 || n > kMaxTokens || ctx > kMaxTokens) throw std::invalid_argument("n/context out of range");
+          f.add(n, ctx, d["decode"].cast<bool>());
+        }
+        return py::make_tuple(f.tokens, f.decode_ctx, f.prefill_work);
+      },
+      py::arg("items"), "Eq. 12 workload terms (Σn, Σ decode context, Σ prefill attention) of a bear.batch/1 item list.");
+  m.def("is_decode", &is_decode, py::arg("n"), py::arg("context"), py::arg("prompt_tokens"),
+        "Whether a step item counts as a decode in bear.batch/1 (n == 1 once the prompt is done).");
+  m.def("pending_prefill_tokens", [](PySnapshot& s) { return pending_prefill_tokens(s.snap()); });
+  m.def("prefill_throughput_ttft", &prefill_throughput_ttft, py::arg("pending_tokens"), py::arg("query_tokens"),
+        py::arg("theta"), "Paper eq. 8.");
+  m.def("lps_wait", &lps_wait, py::arg("alpha"), py::arg("mu"), py::arg("k"), "Paper eq. 13 (inf when rho >= 1).");
+  m.def("lps_ttft", &lps_ttft, py::arg("alpha"), py::arg("mu"), py::arg("k"), py::arg("query_tokens"),
+        py::arg("theta"), "Paper eq. 14.");
+  m.def("lps_wait_corrected", &lps_wait_corrected, py::arg("alpha"), py::arg("mean_service"), py::arg("k"),
+        py::arg("ca2"), py::arg("cs2"), "Paper eq. 15.");
+  m.def(
+      "parse_msgpack_check",
+      [](py::bytes b) {
+        std::string_view sv = b;
+        parse_msgpack(reinterpret_cast<const uint8_t*>(sv.data()), sv.size());
+      },
+      "Validate that bytes are one well-formed msgpack object (ValueError otherwise).");
+}

@@ -1,0 +1,3 @@
+from bear.cli import main
+
+main()

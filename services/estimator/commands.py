@@ -1,0 +1,7 @@
+"""CLI commands of the estimator side: placeholder replaced below."""
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    pass

@@ -1,0 +1,34 @@
+"""msgpack encoding shared by every subject; every message is a map with a ``v`` schema id."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from bear.protocol.errors import BearError, ErrorCode
+
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+
+
+def pack(obj: Any) -> bytes:
+    """Encode ``obj`` (maps, lists, str, int, float, bool, None, bytes) as msgpack."""
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:
+    """Decode msgpack bytes; malformed or oversized input raises ``BearError(BAD_REQUEST)``."""
+    if len(data) > max_bytes:
+        raise BearError(ErrorCode.TOO_LARGE, f"message of {len(data)} bytes exceeds {max_bytes}")
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated exception types
+        raise BearError(ErrorCode.BAD_REQUEST, f"undecodable msgpack: {exc}") from exc
+
+
+def unpack_map(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:
+    """Decode a message that must be a map."""
+    obj = unpack(data, max_bytes=max_bytes)
+    if not isinstance(obj, dict):
+        raise BearError(ErrorCode.BAD_REQUEST, "message is not a map")
+    return obj
