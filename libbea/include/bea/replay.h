@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "bea/batch_time.h"
+#include "bea/scheduler.h"
 #include "bea/snapshot.h"
 
 namespace bea {
@@ -41,10 +42,7 @@ struct Estimate {
 
 // Replay-ready form of a snapshot: the request table flattened once, reused by every estimate.
 struct Prepared {
-  struct Req {
-    int64_t P, C, O, max_tokens, blocks, excl, ph, hit, prio, target_out, preemptions;
-    double arrival;
-  };
+  using Req = Scheduler::Req;
   Config cfg;
   int64_t free_blocks = 0;
   double time = 0.0;

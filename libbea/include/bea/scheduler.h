@@ -1,0 +1,92 @@
+// vLLM V1 scheduling for one KV-cache group, as a reusable state machine: the BEA replay
+// (estimate) and the simulated instance (sim engine) both drive this one implementation.
+// Mirrors vllm/v1/core/sched/scheduler.py + kv_cache_manager.py (vllm-scheduler-replay.md §3-§7, §10).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <vector>
+
+#include "bea/batch_time.h"
+#include "bea/snapshot.h"
+
+namespace bea {
+
+class Scheduler {
+ public:
+  struct Req {
+    int64_t P = 0, C = 0, O = 0, max_tokens = 1, blocks = 0, excl = 0, ph = 0, hit = 0, prio = 0;
+    int64_t target_out = 1;  // total output tokens after which the request stops
+    int64_t preemptions = 0;
+    double arrival = 0.0;
+    int64_t stale = 0;          // async: outputs of a pre-preemption batch still in flight
+    int64_t cached_blocks = 0;  // prefix-cache model for requests preempted by this scheduler
+    int64_t cache_ahead = 0;
+    int64_t cache_mark = 0;
+    bool finished = false;
+  };
+  struct Item {
+    int32_t req;
+    int64_t n, context;
+    int64_t epoch;  // the request's preemption count when scheduled (stale detection)
+    bool samples;   // the step reaches the end of the known sequence: a token is sampled
+  };
+
+  explicit Scheduler(const Config& cfg) : cfg_(cfg) {}
+
+  // Residents, in snapshot order: the first n_running are running, the rest waiting.
+  void load(const std::vector<Req>& reqs, size_t n_running, int64_t free_blocks);
+  // A new arrival joins the waiting queue (FCFS: at the back; PRIORITY: by priority, arrival).
+  int32_t add(const Req& r);
+
+  // One schedule() call; fills `batch` (cleared first). Advances C at schedule time.
+  void schedule(std::vector<Item>& batch);
+  // One update_from_output() for an executed batch. Returns true when `watch` got a token.
+  // Requests that stop are released and appended to `finished` when given.
+  bool apply(const std::vector<Item>& batch, int32_t watch, std::vector<int32_t>* finished = nullptr);
+
+  // Fold a stretch of decode-only steps whose composition cannot change (sync mode): every
+  // running request decodes one token, admission stays blocked, no finish and no allocation
+  // failure inside. Adds the stretch's eq. 12 time to `now`; returns the steps folded (0: none).
+  int64_t collapse_decode(double& now, const Coeffs& beta, int64_t max_steps);
+
+  double batch_time(const std::vector<Item>& batch, const Coeffs& beta) const;
+  void add_features(const std::vector<Item>& batch, BatchFeatures& f) const;
+
+  const Config& config() const { return cfg_; }
+  const std::vector<Req>& reqs() const { return reqs_; }
+  Req& req(int32_t k) { return reqs_[static_cast<size_t>(k)]; }
+  const std::vector<int32_t>& running() const { return running_; }
+  const std::deque<int32_t>& waiting() const { return waiting_; }
+  int64_t free_blocks() const { return free_; }
+  // Drop a request (abort): blocks freed, removed from its queue.
+  void abort(int32_t k);
+
+ private:
+  bool waiting_before(int32_t a, int32_t b) const;
+  void enqueue_preempted(int32_t r);
+  int64_t effective_lpt() const;
+  bool alloc_running(Req& r, int64_t n);
+  void take(Req& r, int64_t k);
+  void release(Req& r);
+  void prefix_hit(const Req& w, int64_t& k, int64_t& evictable) const;
+  void preempt(int32_t v);
+  bool admission_blocked(int64_t leftover) const;
+  struct Admission {
+    bool ok = false;
+    int64_t n = 0, c0 = 0, total = 0, fresh = 0;
+  };
+  Admission plan_admission(const Req& w, int64_t budget, int64_t lpt) const;
+
+  Config cfg_;
+  std::vector<Req> reqs_;
+  std::vector<int32_t> running_;
+  std::deque<int32_t> waiting_;
+  std::vector<int32_t> skipped_;
+  int64_t free_ = 0;
+  int64_t alloc_total_ = 0;
+};
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return a <= 0 ? 0 : (a + b - 1) / b; }
+
+}  // namespace bea
