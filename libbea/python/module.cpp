@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -147,6 +148,15 @@ py::dict result_dict(const Estimate& e, const Prepared& p, const Query& q, bool 
       steps.append(m);
     }
     d["batches"] = steps;
+    py::list states;
+    for (const auto& st : e.steps) {
+      py::dict m;
+      m["running"] = st.running;
+      m["free_blocks"] = st.free_blocks;
+      m["tokens"] = st.tokens;
+      states.append(m);
+    }
+    d["steps"] = states;
   }
   return d;
 }
@@ -296,6 +306,38 @@ PYBIND11_MODULE(libbea, m) {
   m.def("lps_wait_corrected", &lps_wait_corrected, py::arg("alpha"), py::arg("mean_service"), py::arg("k"),
         py::arg("ca2"), py::arg("cs2"), "Paper eq. 15.");
   bind_engine(m);
+
+  m.def(
+      "time_estimates",
+      [](PySnapshot& s, py::handle request, py::handle beta, int64_t reps, bool per_call) {
+        if (reps < 1) throw std::invalid_argument("reps must be >= 1");
+        const Query q = query_from(request);
+        const ReplayOptions opt = options(beta, false, true, -1, 0.5, 2'000'000);
+        const Prepared& p = s.prepared(opt);
+        std::vector<double> out;
+        {
+          py::gil_scoped_release nogil;
+          using clock = std::chrono::steady_clock;
+          volatile double sink = 0.0;
+          if (per_call) {
+            out.reserve(static_cast<size_t>(reps));
+            for (int64_t k = 0; k < reps; ++k) {
+              const auto t0 = clock::now();
+              const Estimate e = estimate(p, q, opt);
+              const auto t1 = clock::now();
+              sink = sink + e.ttft_s;
+              out.push_back(std::chrono::duration<double>(t1 - t0).count());
+            }
+          } else {
+            const auto t0 = clock::now();
+            for (int64_t k = 0; k < reps; ++k) sink = sink + estimate(p, q, opt).ttft_s;
+            out.push_back(std::chrono::duration<double>(clock::now() - t0).count());
+          }
+        }
+        return out;
+      },
+      py::arg("snapshot"), py::arg("request"), py::arg("beta"), py::arg("reps"), py::arg("per_call") = true,
+      "Benchmark helper: run the same estimate `reps` times in C++ (GIL released); per-call seconds, or [total].");
 
   m.def(
       "parse_msgpack_check",

@@ -85,8 +85,13 @@ Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt) {
     if (!opt.trace) return;
     std::vector<TraceItem> step;
     step.reserve(batch.size());
-    for (const auto& it : batch) step.push_back({it.req, it.n});
+    int64_t tokens = 0;
+    for (const auto& it : batch) {
+      step.push_back({it.req, it.n});
+      tokens += it.n;
+    }
     est.trace.push_back(std::move(step));
+    est.steps.push_back({static_cast<int64_t>(sched.running().size()), sched.free_blocks(), tokens});
   };
   auto time_of = [&](const std::vector<Scheduler::Item>& batch, const std::vector<std::pair<int64_t, int64_t>>* orphans) {
     BatchFeatures f;
@@ -117,7 +122,7 @@ Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt) {
       }
       ++est.n_batches;
       record(batch);
-      now += time_of(batch, nullptr);
+      now += sched.last_features().time(opt.beta);
       if (sched.apply(batch, query)) {
         est.ttft_s = now;
         return est;
@@ -156,7 +161,7 @@ Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt) {
       record(batch);
       inflight.swap(batch);
       has_inflight = true;
-      inflight_end = now + time_of(inflight, nullptr);
+      inflight_end = now + sched.last_features().time(opt.beta);
     }
   }
   est.status = Status::StepLimit;

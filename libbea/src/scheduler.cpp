@@ -68,6 +68,7 @@ int64_t Scheduler::effective_lpt() const {
 
 // ------------------------------------------------------------------ KV accounting
 bool Scheduler::alloc_running(Req& r, int64_t n) {
+  if (r.C + n <= r.blocks * cfg_.block_size) return true;  // fits the blocks it holds (no division)
   const int64_t slots = std::min(r.C + n, cfg_.max_model_len);
   const int64_t need = ceil_div(slots, cfg_.block_size) - r.blocks;
   if (need <= 0) return true;
@@ -123,6 +124,20 @@ void Scheduler::preempt(int32_t v) {
 }
 
 // ------------------------------------------------------------------ schedule()
+namespace {
+// Field-by-field into the vector's own storage: building a temporary Item and copying it made
+// the compiler read back a just-written byte, a store-forwarding stall that cost half of schedule().
+inline void push_item(std::vector<Scheduler::Item>& batch, int32_t req, int64_t n, int64_t context, int64_t epoch) {
+  batch.emplace_back();
+  Scheduler::Item& it = batch.back();
+  it.req = req;
+  it.n = n;
+  it.context = context;
+  it.epoch = epoch;
+  it.samples = false;
+}
+}  // namespace
+
 void Scheduler::schedule(std::vector<Item>& batch) {
   batch.clear();
   const bool async = cfg_.async_scheduling;
@@ -185,7 +200,7 @@ void Scheduler::schedule(std::vector<Item>& batch) {
       if (self && cfg_.policy == Policy::Priority && cfg_.priority_self_preempt_continues) continue;
       break;
     }
-    batch.push_back({ri, n, r.C, r.preemptions, false});
+    push_item(batch, ri, n, r.C, r.preemptions);
     budget -= n;
     ++i;
   }
@@ -212,15 +227,17 @@ void Scheduler::schedule(std::vector<Item>& batch) {
       w.cached_blocks = 0;
       w.C = a.c0;
       running_.push_back(wi);
-      batch.push_back({wi, a.n, a.c0, w.preemptions, false});
+      push_item(batch, wi, a.n, a.c0, w.preemptions);
       budget -= a.n;
     }
     for (auto it = skipped_.rbegin(); it != skipped_.rend(); ++it) waiting_.push_front(*it);
   }
 
   // _update_after_schedule: computed tokens advance at schedule time.
+  features_ = BatchFeatures{};
   for (auto& it : batch) {
     Req& r = req(it.req);
+    features_.add(it.n, it.context, is_decode(it.n, it.context, r.P));
     r.C += it.n;
     it.samples = r.C >= r.P + r.O + r.ph;
     if (async && it.samples) r.ph += 1;
@@ -277,11 +294,15 @@ int64_t Scheduler::collapse_decode(double& now, const Coeffs& beta, int64_t max_
   const size_t R = running_.size();
   if (R < 1 || waiting_.empty() || cfg_.async_scheduling) return 0;
   if (static_cast<int64_t>(R) > cfg_.max_num_scheduled_tokens) return 0;
+  // The newest admissions (the list's tail) are the likeliest to still prefill: look there first.
+  for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
+    const Req& r = reqs_[static_cast<size_t>(*it)];
+    if (r.O < 1 || r.C != r.P + r.O - 1) return 0;  // not a plain decode
+  }
   int64_t min_rem = INT64_MAX;
   int64_t sum_ctx = 0;
   for (int32_t k : running_) {
     const Req& r = reqs_[static_cast<size_t>(k)];
-    if (r.O < 1 || r.C != r.P + r.O - 1) return 0;  // not a plain decode
     const int64_t stop = std::min(std::min(r.target_out, r.max_tokens), cfg_.max_model_len - r.P);
     min_rem = std::min(min_rem, stop - r.O);
     sum_ctx += r.C;

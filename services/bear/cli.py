@@ -21,6 +21,7 @@ app = typer.Typer(
 # Each module exposes ``register(app: typer.Typer) -> None``.
 COMMAND_MODULES = [
     "bear.estimator.commands",
+    "bear.snapshotter.commands",
 ]
 
 

@@ -38,6 +38,8 @@ struct Estimate {
   int64_t n_batches = 0;
   Status status = Status::Ok;
   std::vector<std::vector<TraceItem>> trace;
+  struct StepState { int64_t running, free_blocks, tokens; };
+  std::vector<StepState> steps;  // with trace: state right after each simulated schedule()
 };
 
 // Replay-ready form of a snapshot: the request table flattened once, reused by every estimate.

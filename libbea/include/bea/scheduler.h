@@ -51,6 +51,8 @@ class Scheduler {
   int64_t collapse_decode(double& now, const Coeffs& beta, int64_t max_steps);
 
   double batch_time(const std::vector<Item>& batch, const Coeffs& beta) const;
+  // Eq. 12 terms of the batch the last schedule() produced (computed while scheduling).
+  const BatchFeatures& last_features() const { return features_; }
   void add_features(const std::vector<Item>& batch, BatchFeatures& f) const;
 
   const Config& config() const { return cfg_; }
@@ -85,6 +87,7 @@ class Scheduler {
   std::vector<int32_t> skipped_;
   int64_t free_ = 0;
   int64_t alloc_total_ = 0;
+  BatchFeatures features_;
 };
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return a <= 0 ? 0 : (a + b - 1) / b; }

@@ -1,0 +1,170 @@
+"""``bear bench estimator``: per-estimate time and memory of the BEA replay.
+
+Timing is measured inside C++ around each call (``libbea.time_estimates``) so that the numbers
+are the estimator's own; the Python call overhead is measured separately through
+``libbea.estimate_many`` (what the estimator service calls). RSS is read before and after
+``n`` estimates to show that repeated estimates do not grow memory.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import resource
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bear import libbea
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def synthetic_snapshot(
+    n_running: int,
+    n_waiting: int,
+    prompt: int,
+    budget: int,
+    block_size: int,
+    max_num_seqs: int,
+    seed: int = 0,
+    num_gpu_blocks: int = 200_000,
+) -> tuple[dict[str, Any], dict[str, int]]:
+    """A busy instance: decoding residents with progress spread out, a queue of fresh prompts."""
+    rng = random.Random(seed)
+    running, lengths = [], {}
+    used = 0
+    for k in range(n_running):
+        out = rng.randint(1, 400)
+        p = prompt
+        c = p + out - 1
+        blocks = -(-c // block_size)
+        used += blocks
+        rid = f"r{k}"
+        running.append(
+            {"id": rid, "prompt_tokens": p, "computed_tokens": c, "output_tokens": out, "max_tokens": 4096,
+             "blocks": blocks, "exclusive_blocks": blocks, "preemptions": 0, "arrival": float(k), "priority": 0}
+        )
+        lengths[rid] = out + rng.randint(1, 600)
+    waiting = []
+    for k in range(n_waiting):
+        rid = f"w{k}"
+        waiting.append(
+            {"id": rid, "prompt_tokens": prompt, "computed_tokens": 0, "output_tokens": 0, "max_tokens": 4096,
+             "blocks": 0, "exclusive_blocks": 0, "preemptions": 0, "arrival": 1000.0 + k, "priority": 0}
+        )
+        lengths[rid] = rng.randint(50, 800)
+    snap = {
+        "schema": "bear.snapshot/1",
+        "instance": "bench",
+        "seq": 1,
+        "time": 2000.0,
+        "config": {
+            "max_num_batched_tokens": budget, "max_num_scheduled_tokens": budget, "max_num_seqs": max_num_seqs,
+            "long_prefill_token_threshold": 0, "enable_chunked_prefill": True, "policy": "fcfs",
+            "block_size": block_size, "num_gpu_blocks": num_gpu_blocks, "max_model_len": 32768,
+            "enable_prefix_caching": True, "async_scheduling": False, "scheduler_reserve_full_isl": True,
+            "watermark_blocks": 0,
+        },
+        "free_blocks": num_gpu_blocks - 1 - used,
+        "running": running,
+        "waiting": waiting,
+        "inflight": None,
+    }
+    return snap, lengths
+
+
+BETA = [8e-3, 4e-5, 2e-8, 5e-11]
+
+
+def scenarios() -> list[tuple[str, dict[str, Any], dict[str, int], dict[str, Any]]]:
+    out = []
+    snap, lengths = synthetic_snapshot(8, 2, prompt=1024, budget=2048, block_size=16, max_num_seqs=256)
+    out.append(("a: 8 running / 2 waiting", snap, lengths, {"prompt_tokens": 1024, "max_tokens": 256}))
+    snap, lengths = synthetic_snapshot(64, 32, prompt=8192, budget=8192, block_size=16, max_num_seqs=256)
+    out.append(("b: 64 running / 32 waiting, 8k prompts (max_num_seqs 256)", snap, lengths,
+                {"prompt_tokens": 8192, "max_tokens": 256}))
+    snap, lengths = synthetic_snapshot(64, 32, prompt=8192, budget=8192, block_size=16, max_num_seqs=64)
+    out.append(("b': same, admission-bound (max_num_seqs 64)", snap, lengths,
+                {"prompt_tokens": 8192, "max_tokens": 256}))
+    return out
+
+
+def _stats(samples: np.ndarray) -> dict[str, float]:
+    return {"median_us": float(np.median(samples) * 1e6), "p99_us": float(np.percentile(samples, 99) * 1e6)}
+
+
+def run_bench(n: int, timing_reps: int, cases_path: Path | None, as_json: bool) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from bear.estimator.cases import read_cases
+
+    console = Console(stderr=True)
+    rows: list[dict[str, Any]] = []
+    with Progress(console=console, transient=True) as progress:
+        scen = scenarios()
+        task = progress.add_task("benchmarking", total=len(scen) + 1)
+        for name, snap_d, lengths, query in scen:
+            snap = libbea.Snapshot.from_dict(snap_d)
+            snap.set_output_lengths(lengths)
+            ref = libbea.estimate(snap, query, beta=BETA)
+            per_call = np.asarray(libbea.time_estimates(snap, query, BETA, timing_reps, True))
+            t0 = _rss_mib()
+            total = libbea.time_estimates(snap, query, BETA, n, False)[0]
+            t1 = _rss_mib()
+            py = np.asarray([_py_call(snap, query) for _ in range(min(timing_reps, 5000))])
+            rows.append({"scenario": name, "n_batches": ref["n_batches"], **_stats(per_call),
+                         "mean_us_bulk": total / n * 1e6, "python_call_median_us": float(np.median(py) * 1e6),
+                         "rss_before_mib": t0, "rss_after_mib": t1, "estimates": n})
+            progress.advance(task)
+        # (c) the public real-vLLM cases: every case timed, pooled.
+        path = cases_path or Path(__file__).resolve().parents[2].parent / "shared/data/vllm-cpu-traces/cases.jsonl.gz"
+        case_list = list(read_cases(path))
+        prepared = []
+        for c in case_list:
+            s = libbea.Snapshot.from_dict(c["snapshot"])
+            s.set_output_lengths(c["output_lengths"])
+            prepared.append((s, c["request"]))
+        reps = max(1, timing_reps // len(prepared))
+        samples = np.concatenate([np.asarray(libbea.time_estimates(s, q, BETA, reps, True)) for s, q in prepared])
+        per_case = max(1, n // len(prepared))
+        t0 = _rss_mib()
+        total = sum(libbea.time_estimates(s, q, BETA, per_case, False)[0] for s, q in prepared)
+        t1 = _rss_mib()
+        rows.append({"scenario": f"c: public real-vLLM cases ({len(prepared)})",
+                     "n_batches": float(np.mean([libbea.estimate(s, q, beta=BETA)["n_batches"] for s, q in prepared])),
+                     **_stats(samples), "mean_us_bulk": total / (per_case * len(prepared)) * 1e6,
+                     "python_call_median_us": float("nan"), "rss_before_mib": t0, "rss_after_mib": t1,
+                     "estimates": per_case * len(prepared)})
+        progress.advance(task)
+    result = {"rows": rows}
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        table = Table(title="BEA estimate time (C++, one core)")
+        for col in ["scenario", "batches", "median µs", "p99 µs", "bulk mean µs", "py call µs", "RSS before→after MiB"]:
+            table.add_column(col)
+        for r in rows:
+            table.add_row(r["scenario"], f"{r['n_batches']:.0f}", f"{r['median_us']:.2f}", f"{r['p99_us']:.2f}",
+                          f"{r['mean_us_bulk']:.2f}",
+                          "-" if r["python_call_median_us"] != r["python_call_median_us"] else f"{r['python_call_median_us']:.2f}",
+                          f"{r['rss_before_mib']:.1f} → {r['rss_after_mib']:.1f} ({r['estimates']:,} estimates)")
+        Console().print(table)
+    return result
+
+
+def _py_call(snap: Any, query: dict[str, Any]) -> float:
+    import time
+
+    t0 = time.perf_counter()
+    libbea.estimate_many([snap], query, [BETA])
+    return time.perf_counter() - t0

@@ -1,0 +1,120 @@
+"""Fit the batch-time model of paper eq. 12 from ``bear.batch/1`` records.
+
+β is fitted by non-negative least squares on *relative* residuals (each row divided by its
+observed duration): the estimator is judged by percentage error, and a plain least-squares fit
+lets the few longest batches dominate. The features come from libbea itself
+(``libbea.batch_features``) so that calibration and replay share one definition of eq. 12.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from scipy.optimize import nnls
+
+from bear import libbea
+
+# β used when nothing was calibrated yet: a nominal mid-size model on one modern GPU
+# (8 ms per step, 40 µs/token); only a placeholder until the first fit replaces it.
+NOMINAL_BETA: tuple[float, float, float, float] = (8e-3, 4e-5, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    beta: tuple[float, float, float, float]
+    mape: float  # mean absolute percentage error of eq. 12 on the fitted records
+    n: int  # records used
+
+    def to_json(self) -> dict[str, Any]:
+        return {"beta": list(self.beta), "mape": self.mape, "n": self.n}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Calibration:
+        beta = d["beta"]
+        if not isinstance(beta, list | tuple) or len(beta) != 4:
+            raise ValueError("beta must be a list of 4 numbers")
+        b = tuple(float(x) for x in beta)
+        if any(not np.isfinite(x) or x < 0 for x in b):
+            raise ValueError("beta must be finite and non-negative")
+        return cls(beta=(b[0], b[1], b[2], b[3]), mape=float(d.get("mape", float("nan"))), n=int(d.get("n", 0)))
+
+
+def read_records(paths: Iterable[str | Path]) -> Iterator[dict[str, Any]]:
+    """bear.batch/1 records from JSONL files (``.gz`` accepted), one object per line."""
+    for p in paths:
+        path = Path(p)
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt") as f:
+            for line in f:
+                if line.strip():
+                    yield json.loads(line)
+
+
+def design_row(record: dict[str, Any]) -> tuple[float, float, float, float]:
+    """The eq. 12 regressors [1, Σn, Σ decode context, Σ prefill attention] of one record."""
+    tokens, decode_ctx, prefill_work = libbea.batch_features(record["items"])
+    return (1.0, tokens, decode_ctx, prefill_work)
+
+
+def usable(record: dict[str, Any]) -> bool:
+    d = record.get("duration_s")
+    return isinstance(d, int | float) and d > 0 and np.isfinite(d) and bool(record.get("items"))
+
+
+def design_matrix(records: Iterable[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    rows, ys = [], []
+    for r in records:
+        if usable(r):
+            rows.append(design_row(r))
+            ys.append(float(r["duration_s"]))
+    return np.asarray(rows, dtype=float).reshape(-1, 4), np.asarray(ys, dtype=float)
+
+
+def predict(beta: Iterable[float], x: np.ndarray) -> np.ndarray:
+    return x @ np.asarray(list(beta), dtype=float)
+
+
+def mape(pred: np.ndarray, y: np.ndarray) -> float:
+    return float(np.mean(np.abs(pred - y) / y)) if len(y) else float("nan")
+
+
+def fit_arrays(x: np.ndarray, y: np.ndarray) -> Calibration:
+    """NNLS on relative residuals; each column is scaled to unit norm for conditioning."""
+    if len(y) < 4:
+        raise ValueError(f"need at least 4 usable batch records, got {len(y)}")
+    a = x / y[:, None]
+    b = np.ones_like(y)
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    coef, _ = nnls(a / scale, b)
+    beta = coef / scale
+    b = [float(v) for v in beta]
+    return Calibration(beta=(b[0], b[1], b[2], b[3]), mape=mape(predict(b, x), y), n=len(y))
+
+
+def fit_beta(records: Iterable[dict[str, Any]]) -> Calibration:
+    """Fit β from bear.batch/1 records (records with a null duration are skipped)."""
+    x, y = design_matrix(records)
+    return fit_arrays(x, y)
+
+
+def prefill_throughput(records: Iterable[dict[str, Any]]) -> float:
+    """θ_pre of paper eq. 8: prefill tokens of batches with a prefill chunk / their total time."""
+    tokens = 0.0
+    seconds = 0.0
+    for r in records:
+        if not usable(r):
+            continue
+        pre = sum(int(it["n"]) for it in r["items"] if not it.get("decode"))
+        if pre > 0:
+            tokens += pre
+            seconds += float(r["duration_s"])
+    if seconds <= 0:
+        raise ValueError("no batch with a prefill chunk and a duration")
+    return tokens / seconds

@@ -1,0 +1,132 @@
+"""Prompt and model features of paper A.4, and the PCA that turns hashed pieces into 16 numbers.
+
+A prompt's feature row is computed once per request and shared by every candidate model; the model
+part (categorical id, log parameters, max context) is appended per candidate.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from bear.predictor.models import ModelSpec
+from bear.predictor.text import hashed_vector, pieces
+
+HASH_DIM = 512
+PCA_DIM = 16
+# Instructions sit at the start or the end of a prompt; the indicators only look there so that a
+# 10^4-token document costs no more than a short question.
+INDICATOR_SPAN = 1500
+
+_UNIT_WORDS = {"word": 1.0, "token": 0.75, "sentence": 20.0, "paragraph": 100.0, "line": 10.0,
+               "item": 15.0, "bullet": 15.0, "point": 15.0, "page": 500.0, "character": 0.2}
+_LIMIT = re.compile(
+    r"\b(?:in|within|under|at most|no more than|about|around|approximately|up to|exactly|fewer than|less than)"
+    r"\s+(\d{1,5})\s+(word|token|sentence|paragraph|line|item|bullet|point|page|character)s?\b"
+)
+_BRIEF = re.compile(r"\b(briefly|brief|short|shortly|concise|concisely|one sentence|single sentence|one word|"
+                    r"a few words|tl;dr|succinct|in short)\b")
+_DETAIL = re.compile(r"\b(in detail|detailed|comprehensive|thorough|thoroughly|elaborate|in depth|in-depth|"
+                     r"step by step|long|extensive|at length)\b")
+TASK_PATTERNS: dict[str, re.Pattern[str]] = {
+    "list": re.compile(r"\b(list|enumerate|bullet|top \d+|name \d+|give \d+)\b"),
+    "summarize": re.compile(r"\b(summar\w*|tl;dr|abstract|key points|overview)\b"),
+    "explain": re.compile(r"\b(explain\w*|describe|why|how does|how do|what causes)\b"),
+    "write": re.compile(r"\b(write|story|poem|essay|narrative|compose|letter)\b"),
+    "question": re.compile(r"(^|\n)\s*(who|what|when|where|which|how many|how much|is|are|did|does)\b|\?\s*$"),
+    "compare": re.compile(r"\b(compare|contrast|difference|versus|vs\.?)\b"),
+    "code": re.compile(r"\b(code|function|python|program|script|sql|algorithm)\b"),
+    "translate": re.compile(r"\b(translate|translation)\b"),
+    "rewrite": re.compile(r"\b(rewrite|paraphrase|rephrase|edit|improve)\b"),
+}
+
+SCALAR_NAMES = ["n_pieces", "n_chars", "n_sentences", "chars_per_piece", "limit_words", "brief", "detailed"]
+PROMPT_NAMES = [f"pca{i}" for i in range(PCA_DIM)] + SCALAR_NAMES + [f"task_{k}" for k in TASK_PATTERNS]
+MODEL_NAMES = ["model_id", "log_params", "max_context"]
+FEATURE_NAMES = PROMPT_NAMES + MODEL_NAMES
+MODEL_ID_COLUMN = len(PROMPT_NAMES)
+
+
+@dataclass(frozen=True)
+class PromptAnalysis:
+    """What one pass over the prompt yields: the hashed vector, the scalar features, the count
+    of pieces (also the fallback token count)."""
+
+    hashed: np.ndarray
+    scalars: np.ndarray
+    n_pieces: int
+
+
+def _indicator_text(text: str) -> str:
+    if len(text) <= 2 * INDICATOR_SPAN:
+        return text.lower()
+    return (text[:INDICATOR_SPAN] + "\n" + text[-INDICATOR_SPAN:]).lower()
+
+
+def analyse(text: str) -> PromptAnalysis:
+    """Hashed vector and scalar features of one prompt."""
+    p = pieces(text)
+    low = _indicator_text(text)
+    limit = 0.0
+    m = _LIMIT.search(low)
+    if m is not None:
+        limit = math.log1p(float(m.group(1)) * _UNIT_WORDS[m.group(2)])
+    scalars = [
+        float(p.n_pieces),
+        float(len(text)),
+        float(p.n_sentences),
+        len(text) / max(1, p.n_pieces),
+        limit,
+        1.0 if _BRIEF.search(low) else 0.0,
+        1.0 if _DETAIL.search(low) else 0.0,
+    ]
+    scalars += [1.0 if pat.search(low) else 0.0 for pat in TASK_PATTERNS.values()]
+    return PromptAnalysis(hashed_vector(p, HASH_DIM), np.asarray(scalars, dtype=np.float64), p.n_pieces)
+
+
+@dataclass
+class Pca:
+    """Mean and top principal directions of the hashed vectors of the training prompts."""
+
+    mean: np.ndarray  # (HASH_DIM,)
+    components: np.ndarray  # (HASH_DIM, PCA_DIM)
+
+    @classmethod
+    def fit(cls, hashed: np.ndarray, dim: int = PCA_DIM) -> Pca:
+        mean = hashed.mean(axis=0)
+        _, _, vt = np.linalg.svd(hashed - mean, full_matrices=False)
+        comps = np.zeros((hashed.shape[1], dim))
+        k = min(dim, vt.shape[0])
+        comps[:, :k] = vt[:k].T
+        return cls(mean, comps)
+
+    def project(self, hashed: np.ndarray) -> np.ndarray:
+        return (hashed - self.mean) @ self.components
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mean": self.mean.tolist(), "components": self.components.tolist()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Pca:
+        return cls(np.asarray(d["mean"], dtype=np.float64), np.asarray(d["components"], dtype=np.float64))
+
+
+def prompt_row(a: PromptAnalysis, pca: Pca) -> np.ndarray:
+    return np.concatenate([pca.project(a.hashed), a.scalars])
+
+
+def model_part(index: int, spec: ModelSpec) -> np.ndarray:
+    return np.asarray([float(index), spec.log_params, float(spec.max_context)], dtype=np.float64)
+
+
+def rows_for_models(prompt: np.ndarray, parts: list[np.ndarray]) -> np.ndarray:
+    """One feature row per candidate model: shared prompt features + that model's part."""
+    out = np.empty((len(parts), len(FEATURE_NAMES)), dtype=np.float64)
+    out[:, : len(prompt)] = prompt
+    for i, part in enumerate(parts):
+        out[i, len(prompt) :] = part
+    return out

@@ -1,0 +1,219 @@
+"""``bear.predict``: the predictor as a ``nats.micro`` service in a queue group (run more
+processes to scale). One request = one prompt + its candidate models; see docs/predictor.md.
+
+Loop discipline: a short prompt (≤ ``inline_max_bytes``) is predicted inline — measured at a few
+hundred µs, less than a thread hand-off round trip costs — and a long one in a bounded thread pool,
+so the loop is never blocked for more than that bound. At most ``max_inflight`` requests are being
+worked on; beyond that the reply is ``overloaded`` at once (the router retries elsewhere) instead of
+letting an unbounded backlog build up. Expired deadlines are answered ``deadline_exceeded`` without
+doing the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from bear.predictor.runtime import Predictor
+from bear.protocol.codec import pack, unpack_map
+from bear.protocol.deadline import Deadline
+from bear.protocol.errors import BearError, ErrorCode, error_reply
+from bear.protocol.subjects import Subjects
+
+log = structlog.get_logger(__name__)
+
+REQUEST_SCHEMA = "bear.predict/1"
+REPLY_SCHEMA = "bear.prediction/1"
+QUEUE_GROUP = "bear-predictor"
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    max_request_bytes: int = 1 << 20
+    max_prompt_bytes: int = 512 * 1024
+    max_models: int = 64
+    max_inflight: int = 256
+    inline_max_bytes: int = 8192
+    workers: int = 2
+    default_deadline_s: float = 1.0
+
+
+class _Metrics:
+    """Prometheus metrics, created once per process (the default registry rejects duplicates)."""
+
+    _instance: _Metrics | None = None
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.requests = Counter("bear_predictor_requests_total", "bear.predict requests by outcome", ["outcome"])
+        self.latency = Histogram(
+            "bear_predictor_latency_seconds", "time from receipt to reply of bear.predict requests",
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
+        )
+        self.inflight = Gauge("bear_predictor_inflight", "bear.predict requests being worked on")
+
+    @classmethod
+    def get(cls) -> _Metrics:
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+
+def parse_request(data: bytes, limits: ServiceLimits) -> tuple[dict[str, Any], Deadline]:
+    """Validate a ``bear.predict/1`` request; raises ``BearError`` with the right code."""
+    req = unpack_map(data, max_bytes=limits.max_request_bytes)
+    if req.get("v") != REQUEST_SCHEMA:
+        raise BearError(ErrorCode.BAD_REQUEST, f"expected v={REQUEST_SCHEMA!r}, got {req.get('v')!r}")
+    deadline = Deadline.from_request(req, limits.default_deadline_s)
+    prompt = req.get("prompt")
+    if not isinstance(prompt, str):
+        raise BearError(ErrorCode.BAD_REQUEST, "prompt must be a string")
+    if len(prompt) > limits.max_prompt_bytes:  # characters ≤ bytes: a cheap first bound
+        raise BearError(ErrorCode.TOO_LARGE, f"prompt longer than {limits.max_prompt_bytes} bytes")
+    models = req.get("models")
+    if not isinstance(models, list) or not models or not all(isinstance(m, str) for m in models):
+        raise BearError(ErrorCode.BAD_REQUEST, "models must be a non-empty list of model names")
+    if len(models) > limits.max_models:
+        raise BearError(ErrorCode.TOO_LARGE, f"more than {limits.max_models} candidate models")
+    if len(set(models)) != len(models):
+        raise BearError(ErrorCode.BAD_REQUEST, "duplicate model names")
+    pt = req.get("prompt_tokens")
+    if pt is not None:
+        if isinstance(pt, int) and not isinstance(pt, bool):
+            pt = dict.fromkeys(models, pt)
+        if not isinstance(pt, dict) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pt.values()
+        ):
+            raise BearError(ErrorCode.BAD_REQUEST, "prompt_tokens must be an int or a map model → int ≥ 0")
+        req["prompt_tokens"] = {str(k): int(v) for k, v in pt.items() if k in models}
+    return req, deadline
+
+
+class PredictorService:
+    """Owns the nats.micro service, the thread pool and the in-flight bound."""
+
+    def __init__(self, predictor: Predictor, subjects: Subjects | None = None,
+                 limits: ServiceLimits | None = None, metrics: bool = True) -> None:
+        self.predictor = predictor
+        self.subjects = subjects or Subjects()
+        self.limits = limits or ServiceLimits()
+        self._pool = ThreadPoolExecutor(max_workers=self.limits.workers, thread_name_prefix="predict")
+        self._inflight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._metrics = _Metrics.get() if metrics else None
+        self._svc: Any = None
+
+    async def start(self, nc: Any) -> None:
+        from nats import micro
+
+        self._svc = await micro.add_service(
+            nc, name="bear-predictor", version="0.1.0",
+            description="per-model accuracy, output length and cost from the prompt",
+            metadata={"models": ",".join(self.predictor.models)},
+        )
+        await self._svc.add_endpoint(name="predict", subject=self.subjects.predict,
+                                     handler=self._handle, queue_group=QUEUE_GROUP)
+        log.info("predictor_started", subject=self.subjects.predict, models=self.predictor.models)
+
+    async def stop(self) -> None:
+        if self._svc is not None:
+            await self._svc.stop()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _count(self, outcome: str, t0: float) -> None:
+        if self._metrics is not None:
+            self._metrics.requests.labels(outcome).inc()
+            self._metrics.latency.observe(time.perf_counter() - t0)
+
+    async def _reply(self, request: Any, body: dict[str, Any], outcome: str, t0: float) -> None:
+        try:
+            await request.respond(pack(body))
+        except Exception as exc:  # connection gone: nobody to tell, count it
+            log.warning("reply_failed", error=repr(exc))
+            outcome = "reply_failed"
+        self._count(outcome, t0)
+
+    def _compute(self, req: dict[str, Any]) -> dict[str, Any]:
+        preds = self.predictor.predict(req["prompt"], req["models"], req.get("prompt_tokens"))
+        body: dict[str, Any] = {"v": REPLY_SCHEMA, "models": {p.model: p.to_wire() for p in preds}}
+        if "id" in req:
+            body["id"] = req["id"]
+        return body
+
+    async def _handle(self, request: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            req, deadline = parse_request(request.data, self.limits)
+            deadline.check()
+        except BearError as exc:
+            await self._reply(request, exc.reply(), str(exc.code), t0)
+            return
+        if self._inflight >= self.limits.max_inflight:
+            await self._reply(request, error_reply(ErrorCode.OVERLOADED, "predictor at its in-flight limit"),
+                              "overloaded", t0)
+            return
+        if len(req["prompt"]) <= self.limits.inline_max_bytes:
+            await self._work(request, req, deadline, t0, inline=True)
+            return
+        task = asyncio.create_task(self._work(request, req, deadline, t0, inline=False))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _work(self, request: Any, req: dict[str, Any], deadline: Deadline, t0: float, inline: bool) -> None:
+        self._inflight += 1
+        if self._metrics is not None:
+            self._metrics.inflight.inc()
+        try:
+            if inline:
+                body = self._compute(req)
+            else:
+                fut = asyncio.get_running_loop().run_in_executor(self._pool, self._compute, req)
+                body = await asyncio.wait_for(fut, timeout=max(deadline.remaining(), 0.0) + 0.001)
+            deadline.check()  # the requester has given up: say so rather than send stale work
+            await self._reply(request, body, "ok", t0)
+        except BearError as exc:
+            await self._reply(request, exc.reply(), str(exc.code), t0)
+        except TimeoutError:
+            await self._reply(request, error_reply(ErrorCode.DEADLINE_EXCEEDED, "deadline passed during prediction"),
+                              "deadline_exceeded", t0)
+        except Exception as exc:
+            log.exception("predict_failed")
+            await self._reply(request, error_reply(ErrorCode.INTERNAL, repr(exc)), "internal", t0)
+        finally:
+            self._inflight -= 1
+            if self._metrics is not None:
+                self._metrics.inflight.dec()
+
+
+async def serve(nats_url: str, predictor: Predictor, limits: ServiceLimits, prefix: str = "bear",
+                metrics_port: int | None = None, ready: asyncio.Event | None = None) -> None:
+    """Run until SIGINT/SIGTERM."""
+    import signal
+
+    import nats
+
+    if metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port)
+    nc = await nats.connect(nats_url, name="bear-predictor", max_reconnect_attempts=-1)
+    svc = PredictorService(predictor, Subjects(prefix), limits)
+    await svc.start(nc)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    log.info("predictor_stopping")
+    await svc.stop()
+    await nc.drain()

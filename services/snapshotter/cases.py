@@ -1,0 +1,179 @@
+"""Turn a recorded run (the snapshotter's ``--record-to`` step log) into replay cases and batch
+records in the format of ``shared/data/vllm-cpu-traces/``.
+
+Case semantics (documented in docs/snapshotter.md): for each request R, let step s be the first
+engine step whose scheduler had seen R (R scheduled in s, or present in the state after s). The
+case's snapshot is the state after step s-1 — the last state without R, exactly what the next
+``schedule()`` started from — plus, as waiting requests, the other requests that reached the
+scheduler in the same gap and arrived before R (they are ahead of R in the FCFS queue).
+``expected_batches`` are the steps s, s+1, … up to the one that completes R's prompt, restricted
+to the requests of the case; ``engine_ttft_s`` runs from the start of step s's scheduling to the
+end of the update of that last step (engine clock).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from bear.snapshotter.records import batches_of, context_before, request_map, to_snapshot
+
+
+def read_steps(path: str | Path) -> Iterator[tuple[dict[str, Any] | None, dict[str, Any]]]:
+    """(meta or None, step) from a step log; meta comes with each engine generation's step 0."""
+    p = Path(path)
+    opener = gzip.open if p.suffix == ".gz" else open
+    with opener(p, "rt") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            if "meta" in obj:
+                yield obj["meta"], obj["step"]
+            else:
+                yield None, obj
+
+
+def generations(path: str | Path) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """Split a step log into engine generations (one per vLLM start), each with its metadata."""
+    out: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
+    for meta, step in read_steps(path):
+        if meta is not None:
+            out.append((meta, []))
+        if not out:
+            continue  # a log that starts mid-generation has no config: skip until the next start
+        out[-1][1].append(step)
+    return out
+
+
+def _rows(step: dict[str, Any]) -> Iterator[list[Any]]:
+    yield from step["running"]
+    yield from step["waiting"]
+
+
+def final_output_lengths(steps: list[dict[str, Any]]) -> dict[str, int]:
+    """Total output tokens of every request that finished within the log (sync engine: at most one
+    token per request per step; the finishing step is the one after its last appearance)."""
+    last_out: dict[str, tuple[int, int, int]] = {}  # id → (step index, output tokens, prompt)
+    for i, st in enumerate(steps):
+        for r in _rows(st):
+            last_out[r[0]] = (i, r[3], r[1])
+    lengths: dict[str, int] = {}
+    prev_computed: dict[str, int] = {}
+    for i, st in enumerate(steps):
+        for rid, n in st["sched"].items():
+            info = last_out.get(rid)
+            if info is not None and info[0] != i - 1:
+                continue  # not the step right after its last appearance
+            ctx = context_before(st, rid, prev_computed)
+            if info is None:
+                continue  # finished in its very first step: prompt length unknown from the log
+            _, out, prompt = info
+            if ctx + int(n) >= prompt + out:
+                lengths[rid] = out + 1
+        prev_computed = {r[0]: r[2] for r in _rows(st)}
+    return lengths
+
+
+def build_cases(
+    meta: dict[str, Any], steps: list[dict[str, Any]], *, trace: str, instance: str | None = None
+) -> list[dict[str, Any]]:
+    config = meta["config"]
+    inst = instance or trace
+    by_seq = {st["seq"]: st for st in steps}
+    lengths = final_output_lengths(steps)
+    first: dict[str, int] = {}
+    info: dict[str, list[Any]] = {}
+    for st in steps:
+        for rid in st["sched"]:
+            first.setdefault(rid, st["seq"])
+        for r in _rows(st):
+            first.setdefault(r[0], st["seq"])
+            info.setdefault(r[0], r)
+    by_first: dict[int, list[str]] = {}
+    for rid, s in first.items():
+        by_first.setdefault(s, []).append(rid)
+    cases: list[dict[str, Any]] = []
+    for rid, s in sorted(first.items(), key=lambda kv: (kv[1], info.get(kv[0], [0] * 10)[8])):
+        prev = by_seq.get(s - 1)
+        if prev is None or rid not in info:
+            continue
+        row = info[rid]
+        ahead = [
+            o for o in by_first[s]
+            if o != rid and o in info and (info[o][8], o) < (row[8], rid)
+        ]  # fmt: skip
+        snap = to_snapshot(prev, config, instance=inst, model=meta.get("model", ""))
+        snap.pop("model", None)
+        for o in sorted(ahead, key=lambda x: info[x][8]):
+            r = request_map(info[o])
+            r.update(computed_tokens=0, output_tokens=0, blocks=0, exclusive_blocks=0, preemptions=0)
+            snap["waiting"].append(r)
+        members = {r["id"] for r in snap["running"]} | {r["id"] for r in snap["waiting"]} | {rid}
+        if any(m not in lengths for m in members):
+            continue  # someone's total output length is not known (still running at the end)
+        expected: list[dict[str, int]] = []
+        prompt = int(row[1])
+        prev_computed = {r[0]: r[2] for r in _rows(prev)}
+        seq = s
+        done = False
+        preempt = False
+        t_start = by_seq[s]["t_sched0"] if s in by_seq else None
+        t_end = None
+        while seq in by_seq:
+            st = by_seq[seq]
+            expected.append({k: int(v) for k, v in st["sched"].items() if k in members})
+            preempt = preempt or bool(set(st["preempted"]) & members)
+            if rid in st["sched"]:
+                ctx = context_before(st, rid, prev_computed)
+                if ctx + int(st["sched"][rid]) >= prompt:
+                    done, t_end = True, st["t_upd1"]
+                    break
+            prev_computed = {r[0]: r[2] for r in _rows(st)}
+            seq += 1
+        if not done or t_start is None or t_end is None:
+            continue
+        hit = int(by_seq[_first_sched(by_seq, rid, s)]["new_reqs"].get(rid, 0))
+        cases.append({
+            "trace": trace,
+            "snapshot": snap,
+            "request": {"id": rid, "prompt_tokens": prompt, "max_tokens": int(row[4]), "prefix_hit_tokens": hit},
+            "output_lengths": {m: int(lengths[m]) for m in sorted(members)},
+            "expected_batches": expected,
+            "engine_ttft_s": t_end - t_start,
+            "preemption_in_horizon": preempt,
+        })  # fmt: skip
+    return cases
+
+
+def _first_sched(by_seq: dict[int, dict[str, Any]], rid: str, s: int) -> int:
+    seq = s
+    while seq in by_seq and rid not in by_seq[seq]["sched"]:
+        seq += 1
+    return seq if seq in by_seq else s
+
+
+def record_run(
+    step_logs: Iterable[str | Path], *, trace: str, out_dir: str | Path
+) -> tuple[Path, Path, int, int]:
+    """Write ``cases.jsonl.gz`` and ``batches_<trace>.jsonl.gz`` into ``out_dir``; returns the paths
+    and the counts of cases and batch records."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cases: list[dict[str, Any]] = []
+    batches: list[dict[str, Any]] = []
+    for log in step_logs:
+        for meta, steps in generations(log):
+            cases.extend(build_cases(meta, steps, trace=trace))
+            batches.extend(batches_of(steps, trace))
+    cpath, bpath = out / "cases.jsonl.gz", out / f"batches_{trace}.jsonl.gz"
+    with gzip.open(cpath, "wt") as f:
+        for c in cases:
+            f.write(json.dumps(c) + "\n")
+    with gzip.open(bpath, "wt") as f:
+        for b in batches:
+            f.write(json.dumps(b) + "\n")
+    return cpath, bpath, len(cases), len(batches)

@@ -1,0 +1,102 @@
+"""``bear snapshotter`` (publish one vLLM instance's steps on NATS) and ``bear record`` (turn a
+recorded run into replay cases + batch records)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def snapshotter(
+    instance: Annotated[str, typer.Option(help="Instance id (a NATS subject token, e.g. 'vllm-a').")],
+    shm: Annotated[
+        str, typer.Option(help="Shared-memory region the plugin writes (BEAR_SNAPSHOT_SHM of vLLM).")
+    ],
+    nats: Annotated[str, typer.Option("--nats", help="NATS server URL.")] = "nats://127.0.0.1:4222",
+    model: Annotated[str, typer.Option(help="Model name served by the instance (registry entry).")] = "",
+    base_url: Annotated[
+        str, typer.Option(help="OpenAI-compatible base URL of the instance (registry entry).")
+    ] = "",
+    gpu: Annotated[str, typer.Option(help="Accelerator description (registry entry).")] = "",
+    price_input: Annotated[
+        float, typer.Option(help="Price per million input tokens (registry entry).")
+    ] = 0.0,
+    price_output: Annotated[
+        float, typer.Option(help="Price per million output tokens (registry entry).")
+    ] = 0.0,
+    prefix: Annotated[str, typer.Option(help="Subject prefix of the deployment.")] = "bear",
+    min_interval_ms: Annotated[
+        float, typer.Option(help="Coalesce snapshots: publish at most one per interval (0 = every step).")
+    ] = 0.0,
+    batch_flush_ms: Annotated[
+        float, typer.Option(help="How often buffered bear.batch/1 records are published.")
+    ] = 200.0,
+    heartbeat_ms: Annotated[float, typer.Option(help="Registry heartbeat period.")] = 500.0,
+    stale_after_ms: Annotated[
+        float, typer.Option(help="The engine is down when the plugin's heartbeat is older than this.")
+    ] = 1000.0,
+    on_down: Annotated[
+        str, typer.Option(help="What to do with the registry entry when vLLM stops: mark|delete.")
+    ] = "mark",
+    record_to: Annotated[
+        Path | None,
+        typer.Option(help="Also append every step to this JSONL(.gz) log (input of `bear record`)."),
+    ] = None,
+    metrics_port: Annotated[int, typer.Option(help="Serve Prometheus metrics on this port (0 = off).")] = 0,
+    log_format: Annotated[str, typer.Option(help="Log format: json|console.")] = "console",
+    log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
+) -> None:
+    """Publish bear.snapshot/1 and bear.batch/1 of one vLLM instance and keep it registered."""
+    import asyncio
+    import signal
+
+    from bear.protocol.logging import configure_logging
+    from bear.snapshotter.metrics import SnapshotterMetrics
+    from bear.snapshotter.service import Snapshotter, SnapshotterConfig
+
+    if on_down not in ("mark", "delete"):
+        raise typer.BadParameter("--on-down must be mark or delete")
+    configure_logging(log_format, log_level)
+    cfg = SnapshotterConfig(
+        instance=instance, shm=shm, nats_url=nats, model=model, base_url=base_url, gpu=gpu,
+        price_input_per_mtok=price_input, price_output_per_mtok=price_output, prefix=prefix,
+        min_interval_s=min_interval_ms / 1e3, batch_flush_s=batch_flush_ms / 1e3, heartbeat_s=heartbeat_ms / 1e3,
+        stale_after_s=stale_after_ms / 1e3, on_down=on_down, record_to=str(record_to) if record_to else None,
+    )  # fmt: skip
+    metrics = SnapshotterMetrics()
+    if metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, registry=metrics.registry)
+
+    async def main() -> None:
+        svc = Snapshotter(cfg, metrics)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, svc.stop)
+        await svc.run()
+
+    asyncio.run(main())
+
+
+def record(
+    step_logs: Annotated[
+        list[Path], typer.Argument(help="Step logs written by `bear snapshotter --record-to`.")
+    ],
+    trace: Annotated[
+        str, typer.Option(help="Trace name (the cases' `trace` field and batches_<trace> file).")
+    ],
+    out: Annotated[Path, typer.Option(help="Output folder for cases.jsonl.gz and batches_<trace>.jsonl.gz.")],
+) -> None:
+    """Turn a recorded vLLM run into replay cases and batch records (format of vllm-cpu-traces)."""
+    from bear.snapshotter.cases import record_run
+
+    cpath, bpath, nc, nb = record_run(step_logs, trace=trace, out_dir=out)
+    typer.echo(f"{nc} cases -> {cpath}\n{nb} batch records -> {bpath}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("snapshotter")(snapshotter)
+    app.command("record")(record)

@@ -1,0 +1,348 @@
+"""The snapshotter process: reads the plugin's ring, publishes ``bear.snapshot.<id>`` and
+``bear.batches.<id>``, and keeps the instance's entry in the ``bear_instances`` KV bucket.
+
+It never talks back to vLLM: whatever happens here (NATS down, slow consumers, a crash) the engine
+only keeps overwriting its ring. While NATS is unreachable snapshots are dropped (a stale snapshot
+is worse than none) and batch records wait in a bounded drop-oldest buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import nats
+import structlog
+from bear.protocol.codec import pack
+from bear.protocol.subjects import Subjects
+from bear.snapshotter.metrics import SnapshotterMetrics
+from bear.snapshotter.records import BatchBuilder, RecordError, parse_step, to_snapshot
+from bear.snapshotter.shm import ShmReader
+from nats.aio.client import Client as NATS
+from nats.js.errors import BucketNotFoundError
+
+INSTANCE_SCHEMA = "bear.instance/1"
+log = structlog.get_logger("bear.snapshotter")
+
+
+@dataclass
+class SnapshotterConfig:
+    instance: str
+    shm: str
+    nats_url: str = "nats://127.0.0.1:4222"
+    model: str = ""
+    base_url: str = ""
+    gpu: str = ""
+    price_input_per_mtok: float = 0.0
+    price_output_per_mtok: float = 0.0
+    prefix: str = "bear"
+    min_interval_s: float = 0.0
+    batch_flush_s: float = 0.2
+    batch_buffer: int = 4096
+    poll_interval_s: float = 0.002
+    heartbeat_s: float = 0.5
+    stale_after_s: float = 1.0
+    on_down: str = "mark"  # "mark" | "delete"
+    record_to: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Snapshotter:
+    """One instance's publisher. ``run()`` until ``stop()``; every loop is independent so that a
+    NATS outage never delays reading the ring."""
+
+    def __init__(self, cfg: SnapshotterConfig, metrics: SnapshotterMetrics | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or SnapshotterMetrics()
+        self.subjects = Subjects(cfg.prefix)
+        self.nc: NATS | None = None
+        self._kv: Any = None
+        self._reader: ShmReader | None = None
+        self._meta: dict[str, Any] = {}
+        self._builder = BatchBuilder(cfg.instance)
+        self._batches: deque[dict[str, Any]] = deque(maxlen=cfg.batch_buffer)
+        self._pending_snapshot: dict[str, Any] | None = None
+        self._last_publish = 0.0
+        self._last_seq = -1
+        self._status = "starting"
+        self._status_dirty = True
+        self._stop = asyncio.Event()
+        self._record: IO[str] | None = None
+        self.published_seqs: list[int] = []  # tests and `bear record` read this; bounded below
+        self.log = log.bind(instance=cfg.instance)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        if self.cfg.record_to:
+            opener = gzip.open if self.cfg.record_to.endswith(".gz") else open
+            self._record = opener(self.cfg.record_to, "at")  # type: ignore[assignment]
+        tasks = [
+            asyncio.create_task(self._connect_loop(), name="nats"),
+            asyncio.create_task(self._read_loop(), name="read"),
+            asyncio.create_task(self._batch_loop(), name="batches"),
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+        ]
+        try:
+            await self._stop.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._final_status()
+            if self._record is not None:
+                self._record.close()
+            if self.nc is not None and not self.nc.is_closed:
+                try:
+                    await asyncio.wait_for(self.nc.drain(), 2.0)
+                except Exception:
+                    await self.nc.close()
+            if self._reader is not None:
+                self._reader.close()
+
+    # ---- NATS --------------------------------------------------------------------------------------
+    async def _connect_loop(self) -> None:
+        delay = 0.1
+        while self.nc is None:
+            try:
+                self.nc = await nats.connect(
+                    self.cfg.nats_url,
+                    name=f"bear-snapshotter-{self.cfg.instance}",
+                    allow_reconnect=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.25,
+                    connect_timeout=1.0,
+                    ping_interval=2,
+                    max_outstanding_pings=2,
+                    pending_size=8 * 1024 * 1024,
+                    disconnected_cb=self._on_disconnected,
+                    reconnected_cb=self._on_reconnected,
+                    error_cb=self._on_error,
+                )
+                self.log.info("nats_connected", url=self.cfg.nats_url)
+                self._status_dirty = True
+            except Exception as exc:
+                self.log.warning("nats_connect_failed", error=str(exc), retry_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _on_disconnected(self) -> None:
+        self.log.warning("nats_disconnected")
+
+    async def _on_reconnected(self) -> None:
+        self.log.info("nats_reconnected")
+        self._kv = None
+        self._status_dirty = True
+
+    async def _on_error(self, exc: Exception) -> None:
+        self.log.debug("nats_error", error=str(exc))
+
+    def _connected(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
+    async def _kv_bucket(self) -> Any:
+        if self._kv is None and self.nc is not None:
+            js = self.nc.jetstream(timeout=1.0)
+            bucket = self.subjects.instances_bucket
+            try:
+                self._kv = await js.key_value(bucket)
+            except BucketNotFoundError:
+                self._kv = await js.create_key_value(bucket=bucket, history=1)
+        return self._kv
+
+    # ---- registry ---------------------------------------------------------------------------------
+    def registry_entry(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "v": INSTANCE_SCHEMA,
+            "id": cfg.instance,
+            "model": cfg.model,
+            "base_url": cfg.base_url,
+            "gpu": cfg.gpu,
+            "prices": {
+                "input_per_mtok": cfg.price_input_per_mtok,
+                "output_per_mtok": cfg.price_output_per_mtok,
+            },
+            "status": self._status,
+            "heartbeat": time.time(),
+            "seq": self._last_seq,
+            "vllm_version": self._meta.get("vllm_version"),
+            "config": self._meta.get("config"),
+            **cfg.extra,
+        }
+
+    async def _put_status(self) -> None:
+        if not self._connected():
+            return
+        kv = await self._kv_bucket()
+        if self._status == "down" and self.cfg.on_down == "delete":
+            await kv.delete(self.cfg.instance)
+        else:
+            await kv.put(self.cfg.instance, pack(self.registry_entry()))
+        self._status_dirty = False
+
+    async def _heartbeat_loop(self) -> None:
+        last = 0.0
+        while True:
+            now = time.monotonic()
+            if self._status_dirty or now - last >= self.cfg.heartbeat_s:
+                try:
+                    await asyncio.wait_for(self._put_status(), 1.0)
+                    last = now
+                except Exception as exc:
+                    self._kv = None
+                    self.log.warning("registry_put_failed", error=repr(exc))
+            await asyncio.sleep(0.05)
+
+    async def _final_status(self) -> None:
+        if self._status == "up":
+            self._status = "down"
+            try:
+                await asyncio.wait_for(self._put_status(), 1.0)
+            except Exception as exc:
+                self.log.warning("registry_final_put_failed", error=repr(exc))
+
+    def _set_status(self, status: str, **why: Any) -> None:
+        if status != self._status:
+            self.log.info("instance_status", status=status, **why)
+            self._status = status
+            self._status_dirty = True
+            self.metrics.engine_up.set(1 if status == "up" else 0)
+
+    # ---- ring --------------------------------------------------------------------------------------
+    def _attach(self) -> bool:
+        try:
+            reader = ShmReader(self.cfg.shm)
+        except (FileNotFoundError, ValueError):
+            return False
+        if self._reader is not None:
+            self._reader.close()
+        self._reader = reader
+        self._meta = reader.meta()
+        self._builder.reset()
+        self._last_seq = -1
+        self.metrics.engine_restarts.inc()
+        self.log.info("engine_attached", pid=reader.pid, generation=reader.generation,
+                      vllm_version=self._meta.get("vllm_version"))  # fmt: skip
+        return True
+
+    def _writer_dead(self, r: ShmReader) -> str | None:
+        if r.closed:
+            return "closed"
+        if r.writer_alive() is False:
+            return "pid_gone"
+        if time.time() - r.heartbeat_s > self.cfg.stale_after_s:
+            return "heartbeat_stale"
+        return None
+
+    async def _read_loop(self) -> None:
+        while True:
+            r = self._reader
+            if (
+                r is None
+                or (r.replaced() and self._status != "up")
+                or (r.replaced() and self._writer_dead(r))
+            ):
+                if r is not None and self._status == "up":
+                    self._set_status("down", reason="region_replaced")
+                if not self._attach():
+                    await asyncio.sleep(0.05)
+                    continue
+                r = self._reader
+                assert r is not None
+            elif r.replaced():
+                # a new engine replaced the region while the old writer still looks alive: switch
+                self._attach()
+                r = self._reader
+                assert r is not None
+            dead = self._writer_dead(r)
+            if dead is not None:
+                self._drain(r)
+                self._set_status("down", reason=dead)
+                await asyncio.sleep(0.05)
+                continue
+            self._set_status("up")
+            self._drain(r)
+            await self._publish_snapshot()
+            await asyncio.sleep(self.cfg.poll_interval_s)
+
+    def _drain(self, r: ShmReader) -> None:
+        res = r.poll(limit=4096)
+        m = self.metrics
+        if res.skipped:
+            m.steps_skipped.inc(res.skipped)
+        if res.torn_retries:
+            m.torn_retries.inc(res.torn_retries)
+        for raw in res.records:
+            try:
+                step = parse_step(raw)
+            except RecordError as exc:
+                self.log.error("bad_record", error=str(exc))
+                continue
+            m.steps_read.inc()
+            if step["overhead_ns"]:
+                m.plugin_overhead.observe(step["overhead_ns"] / 1e9)
+            if self._record is not None:
+                self._record.write(
+                    json.dumps({"meta": self._meta, "step": step} if step["seq"] == 0 else step) + "\n"
+                )
+            self._last_seq = step["seq"]
+            snap = to_snapshot(
+                step, self._meta.get("config", {}), instance=self.cfg.instance, model=self.cfg.model
+            )
+            snap["v"] = snap["schema"]
+            if self._pending_snapshot is not None:
+                m.snapshots_dropped.labels("coalesced").inc()
+            self._pending_snapshot = snap
+            for b in self._builder.feed(step):
+                if len(self._batches) == self._batches.maxlen:
+                    m.batches_dropped.inc()
+                self._batches.append(b)
+
+    async def _publish_snapshot(self) -> None:
+        snap = self._pending_snapshot
+        if snap is None:
+            return
+        now = time.monotonic()
+        if self.cfg.min_interval_s and now - self._last_publish < self.cfg.min_interval_s:
+            return  # keep it pending: the newest one goes out when the interval has passed
+        self._pending_snapshot = None
+        if not self._connected():
+            self.metrics.snapshots_dropped.labels("disconnected").inc()
+            return
+        assert self.nc is not None
+        try:
+            await self.nc.publish(self.subjects.snapshot(self.cfg.instance), pack(snap))
+        except Exception as exc:
+            self.metrics.snapshots_dropped.labels("publish_error").inc()
+            self.log.warning("snapshot_publish_failed", error=repr(exc))
+            return
+        self._last_publish = now
+        self.metrics.snapshots_published.inc()
+        self.published_seqs.append(snap["seq"])
+        if len(self.published_seqs) > 100_000:
+            del self.published_seqs[:50_000]
+
+    async def _batch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.batch_flush_s)
+            if not self._batches:
+                continue
+            if not self._connected():
+                continue  # the bounded buffer drops the oldest while we wait
+            assert self.nc is not None
+            items = list(self._batches)
+            self._batches.clear()
+            try:
+                await self.nc.publish(self.subjects.batches(self.cfg.instance), pack(items))
+                self.metrics.batches_published.inc(len(items))
+            except Exception as exc:
+                self.metrics.batches_dropped.inc(len(items))
+                self.log.warning("batch_publish_failed", error=repr(exc))
