@@ -146,7 +146,7 @@ Snapshot snapshot_from_value(const Value& v) {
   Snapshot s;
   const Value* schema = v.get("schema");
   if (schema == nullptr) schema = v.get("v");
-  if (schema != nullptr && schema->type == Value::Type::Str && schema->s.rfind("bear.snapshot/", 0) != 0)
+  if (schema != nullptr && schema->type == Value::Type::Str && schema->s != "bear.snapshot/1")
     bad("schema", "expected bear.snapshot/1, got '" + schema->s + "'");
   s.instance = opt_str(v, "instance", "", "");
   s.model = opt_str(v, "model", "", "");

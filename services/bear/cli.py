@@ -21,6 +21,8 @@ app = typer.Typer(
 # Each module exposes ``register(app: typer.Typer) -> None``.
 COMMAND_MODULES = [
     "bear.estimator.commands",
+    "bear.estimator.service_commands",
+    "bear.predictor.commands",
     "bear.snapshotter.commands",
 ]
 

@@ -1,0 +1,39 @@
+"""Prometheus metrics of the estimator service (one set per process, shared by its workers)."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+
+@cache
+def metrics() -> Any:
+    from types import SimpleNamespace
+
+    from prometheus_client import Counter, Histogram
+
+    return SimpleNamespace(
+        requests=Counter("bear_estimator_requests_total", "Estimate requests handled"),
+        errors=Counter("bear_estimator_errors_total", "Estimate requests answered with an error", ["code"]),
+        deadline_dropped=Counter("bear_estimator_deadline_dropped_total", "Requests dropped past their deadline"),
+        latency=Histogram(
+            "bear_estimator_service_seconds",
+            "Service time of one estimate request (receipt to reply)",
+            buckets=(5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1, 1.0),
+        ),
+        methods=Counter("bear_estimator_answers_total", "Per-instance answers by method", ["method"]),
+        snapshots_kept=Counter("bear_estimator_snapshots_parsed_total", "Snapshots parsed and kept"),
+        snapshots_dropped=Counter(
+            "bear_estimator_snapshots_dropped_total", "Snapshots never used: replaced by a newer one before use"
+        ),
+        snapshots_malformed=Counter("bear_estimator_snapshots_malformed_total", "Malformed snapshots dropped"),
+        dispatch_malformed=Counter("bear_estimator_dispatch_malformed_total", "Malformed dispatch messages dropped"),
+        calibration_updates=Counter("bear_estimator_calibration_updates_total", "β updates received"),
+    )
+
+
+def start_metrics_server(port: int | None) -> None:
+    if port:
+        from prometheus_client import start_http_server
+
+        start_http_server(port)

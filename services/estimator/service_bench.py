@@ -1,0 +1,169 @@
+"""``bear estimator-bench``: throughput and service time of ONE estimator worker process over
+NATS, with realistic snapshots (built by libbea.Engine from a sim profile: residents decoding at
+several context lengths) refreshed every 200 ms, and load from separate client processes."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+from bear.protocol.codec import pack
+from bear.protocol.subjects import Subjects
+
+PROFILE = "qwen3-8b-h100"
+
+
+def make_snapshot(instance: str, residents: int, seed: int) -> dict[str, Any]:
+    """A busy instance: ``residents`` requests admitted and decoding, built by the sim scheduler."""
+    from bear import libbea
+    from bear.estimator.sim.profile import load_profile
+
+    rng = np.random.default_rng(seed)
+    eng = libbea.Engine(load_profile(PROFILE).engine_config())
+    for k in range(residents):
+        eng.add(f"{instance}-r{k}", int(rng.integers(100, 1500)), 4096, int(rng.integers(200, 2000)), 0.0)
+    for _ in range(64):
+        eng.step()
+        eng.finish_step()
+        if eng.n_waiting == 0 and eng.n_running == residents:
+            break
+    return eng.snapshot(instance, "Qwen/Qwen3-8B", time.time())
+
+
+async def _client(url: str, seconds: float, concurrency: int, instances: list[str], seed: int) -> dict[str, Any]:
+    import nats
+    from bear.estimator.client import EstimatorClient
+
+    nc = await nats.connect(url)
+    cli = EstimatorClient(nc, try_timeout_s=1.0)
+    rng = np.random.default_rng(seed)
+    rtts: list[float] = []
+    service: list[float] = []
+    methods: dict[str, int] = {}
+    errors = 0
+    end = time.perf_counter() + seconds
+
+    async def loop() -> None:
+        nonlocal errors
+        while time.perf_counter() < end:
+            q = {"id": f"q{rng.integers(1 << 30)}", "prompt_tokens": int(rng.integers(50, 2000)), "max_tokens": 512}
+            t0 = time.perf_counter()
+            try:
+                rep = await cli.estimate(q, instances, budget_s=2.0)
+            except Exception:
+                errors += 1
+                continue
+            rtts.append(time.perf_counter() - t0)
+            service.append(float(rep.get("service_s", 0.0)))
+            for e in rep["estimates"]:
+                methods[e["method"]] = methods.get(e["method"], 0) + 1
+
+    t_start = time.perf_counter()
+    await asyncio.gather(*(loop() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - t_start
+    await nc.close()
+    return {"n": len(rtts), "elapsed": elapsed, "rtts": rtts, "service": service, "methods": methods, "errors": errors}
+
+
+def _client_proc(url: str, seconds: float, concurrency: int, instances: list[str], seed: int, out: Any) -> None:
+    out.put(asyncio.run(_client(url, seconds, concurrency, instances, seed)))
+
+
+async def _publisher(url: str, snaps: list[dict[str, Any]], stop: asyncio.Event) -> None:
+    import nats
+
+    nc = await nats.connect(url)
+    subjects = Subjects()
+    while not stop.is_set():
+        for s in snaps:
+            s["time"] = time.time()
+            s["seq"] += 1
+            await nc.publish(subjects.snapshot(s["instance"]), pack(s))
+        await nc.flush()
+        try:
+            await asyncio.wait_for(stop.wait(), 0.2)
+        except TimeoutError:
+            pass
+    await nc.close()
+
+
+def run_bench(nats_url: str | None, *, seconds: float = 5.0, concurrency: int = 32, n_instances: int = 3,
+              residents: int = 64, clients: int = 2) -> dict[str, Any]:
+    from bear.protocol.nats_server import LocalNatsServer
+
+    server = None
+    worker = None
+    if nats_url is None:
+        server = LocalNatsServer().start()
+        nats_url = server.url
+        worker = subprocess.Popen([sys.executable, "-m", "bear", "estimator", "--nats", nats_url, "--log-level", "warning"])
+    try:
+        return asyncio.run(_run(nats_url, seconds, concurrency, n_instances, residents, clients))
+    finally:
+        if worker is not None:
+            worker.terminate()
+            worker.wait(timeout=10)
+        if server is not None:
+            server.close()
+
+
+async def _run(url: str, seconds: float, concurrency: int, n_instances: int, residents: int,
+               clients: int) -> dict[str, Any]:
+    import nats
+    from bear.estimator.client import EstimatorClient
+
+    snaps = [make_snapshot(f"bench-{i}", residents, i) for i in range(n_instances)]
+    instances = [s["instance"] for s in snaps]
+    stop = asyncio.Event()
+    pub = asyncio.create_task(_publisher(url, snaps, stop))
+    nc = await nats.connect(url)
+    cli = EstimatorClient(nc, try_timeout_s=0.5)
+    t_end = time.time() + 20
+    while True:  # warm up until the worker(s) answer with BEA for every instance
+        try:
+            rep = await cli.estimate({"prompt_tokens": 100, "max_tokens": 10}, instances)
+            if all(e["method"] == "bea" for e in rep["estimates"]):
+                break
+        except Exception:
+            if time.time() > t_end:
+                raise
+        if time.time() > t_end:
+            raise RuntimeError("workers never answered with BEA estimates")
+        await asyncio.sleep(0.1)
+    await nc.close()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_client_proc, args=(url, seconds, max(1, concurrency // clients), instances, k, out))
+             for k in range(clients)]
+    for p in procs:
+        p.start()
+    results = [await asyncio.to_thread(out.get) for _ in procs]
+    for p in procs:
+        p.join()
+    stop.set()
+    await pub
+    n = sum(r["n"] for r in results)
+    elapsed = max(r["elapsed"] for r in results)
+    rtts = np.array([x for r in results for x in r["rtts"]])
+    svc = np.array([x for r in results for x in r["service"]])
+    methods: dict[str, int] = {}
+    for r in results:
+        for k, v in r["methods"].items():
+            methods[k] = methods.get(k, 0) + v
+    return {
+        "requests": n,
+        "errors": sum(r["errors"] for r in results),
+        "req_per_s": n / elapsed if elapsed > 0 else 0.0,
+        "rtt_p50_us": float(np.percentile(rtts, 50) * 1e6) if n else None,
+        "rtt_p99_us": float(np.percentile(rtts, 99) * 1e6) if n else None,
+        "service_p50_us": float(np.percentile(svc, 50) * 1e6) if n else None,
+        "service_p99_us": float(np.percentile(svc, 99) * 1e6) if n else None,
+        "instances": n_instances,
+        "residents_per_instance": residents,
+        "methods": methods,
+    }
