@@ -130,6 +130,7 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("in_step", &Engine::in_step)
       .def_property_readonly("has_work", &Engine::has_work)
       .def_property_readonly("live", &Engine::live)
+      .def_property_readonly("table_size", &Engine::table_size)
       .def_property_readonly("n_running", [](const Engine& e) { return e.scheduler().running().size(); })
       .def_property_readonly("n_waiting", [](const Engine& e) { return e.scheduler().waiting().size(); })
       .def_property_readonly("free_blocks", [](const Engine& e) { return e.scheduler().free_blocks(); })

@@ -62,6 +62,11 @@ bool Engine::abort(const std::string& id) {
 
 const std::vector<Scheduler::Item>& Engine::step() {
   if (in_step_) throw std::logic_error("engine: step() called while a step is open");
+  // Keep memory bounded on a long-running instance: drop finished requests once they dominate.
+  // Done here, between steps, so that no index handed out (batch, outputs) outlives the table.
+  // (With prefix caching the cache model keeps allocation marks, so it is not compacted.)
+  const size_t dead = names_.size() - index_.size();
+  if (!sched_.config().enable_prefix_caching && dead > 4096 && dead > 2 * index_.size()) compact();
   sched_.schedule(batch_);
   out_before_.clear();
   for (const auto& it : batch_) out_before_.push_back(sched_.reqs()[static_cast<size_t>(it.req)].O);
@@ -83,10 +88,6 @@ std::vector<Engine::Output> Engine::finish_step() {
   }
   for (int32_t f : finished_) index_.erase(names_[static_cast<size_t>(f)]);
   in_step_ = false;
-  // Keep memory bounded on a long-running instance: drop finished requests once they dominate.
-  // (With prefix caching the cache model keeps allocation marks, so it is not compacted.)
-  const size_t dead = names_.size() - index_.size();
-  if (!sched_.config().enable_prefix_caching && dead > 4096 && dead > 2 * index_.size()) compact();
   return out;
 }
 

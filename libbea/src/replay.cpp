@@ -1,5 +1,7 @@
 #include "bea/replay.h"
 
+#include "bea/lazy_sync.h"
+
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -105,7 +107,23 @@ Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt) {
   std::vector<Scheduler::Item> batch;
   batch.reserve(p.reqs.size() + 1);
 
-  if (!p.cfg.async_scheduling) {
+  if (!p.cfg.async_scheduling && opt.collapse && !opt.trace && p.cfg.block_size <= 4096) {
+    // Fast path: decoders advanced as a group, exact fallback when order matters (lazy_sync.h).
+    LazySync fast(sched);
+    while (est.n_batches < opt.max_steps) {
+      int64_t steps = 0;
+      const LazySync::Result r = fast.step(now, opt.beta, query, opt.max_steps - est.n_batches, steps);
+      est.n_batches += steps;
+      if (r == LazySync::Result::WatchSampled) {
+        est.ttft_s = now;
+        return est;
+      }
+      if (r == LazySync::Result::Unschedulable) {
+        est.status = Status::Unschedulable;
+        return est;
+      }
+    }
+  } else if (!p.cfg.async_scheduling) {
     // Sync engine loop (§2): schedule, execute, update; the query entered before the first schedule.
     while (est.n_batches < opt.max_steps) {
       if (opt.collapse && !opt.trace) {

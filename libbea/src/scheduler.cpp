@@ -206,32 +206,7 @@ void Scheduler::schedule(std::vector<Item>& batch) {
   }
 
   // Phase 2: waiting requests, only if nothing was preempted.
-  if (!preempted) {
-    skipped_.clear();
-    while (budget > 0 && !waiting_.empty()) {
-      if (static_cast<int64_t>(running_.size()) >= cfg_.max_num_active_seqs) break;
-      const int32_t wi = waiting_.front();
-      Req& w = req(wi);
-      if (w.stale > 0) {  // async: not re-admitted before its stale output drains (skip, not block)
-        skipped_.push_back(wi);
-        waiting_.pop_front();
-        continue;
-      }
-      const Admission a = plan_admission(w, budget, lpt);
-      if (!a.ok) break;
-      waiting_.pop_front();
-      w.blocks = 0;
-      w.excl = 0;
-      take(w, a.fresh);
-      w.blocks = std::max(a.total, w.blocks);
-      w.cached_blocks = 0;
-      w.C = a.c0;
-      running_.push_back(wi);
-      push_item(batch, wi, a.n, a.c0, w.preemptions);
-      budget -= a.n;
-    }
-    for (auto it = skipped_.rbegin(); it != skipped_.rend(); ++it) waiting_.push_front(*it);
-  }
+  if (!preempted) admit_waiting(budget, lpt, batch);
 
   // _update_after_schedule: computed tokens advance at schedule time.
   features_ = BatchFeatures{};
@@ -242,6 +217,34 @@ void Scheduler::schedule(std::vector<Item>& batch) {
     it.samples = r.C >= r.P + r.O + r.ph;
     if (async && it.samples) r.ph += 1;
   }
+}
+
+// Phase 2 of schedule(): admit waiting requests in queue order until one does not fit.
+void Scheduler::admit_waiting(int64_t& budget, int64_t lpt, std::vector<Item>& batch) {
+  skipped_.clear();
+  while (budget > 0 && !waiting_.empty()) {
+    if (static_cast<int64_t>(running_.size()) >= cfg_.max_num_active_seqs) break;
+    const int32_t wi = waiting_.front();
+    Req& w = req(wi);
+    if (w.stale > 0) {  // async: not re-admitted before its stale output drains (skip, not block)
+      skipped_.push_back(wi);
+      waiting_.pop_front();
+      continue;
+    }
+    const Admission a = plan_admission(w, budget, lpt);
+    if (!a.ok) break;
+    waiting_.pop_front();
+    w.blocks = 0;
+    w.excl = 0;
+    take(w, a.fresh);
+    w.blocks = std::max(a.total, w.blocks);
+    w.cached_blocks = 0;
+    w.C = a.c0;
+    running_.push_back(wi);
+    push_item(batch, wi, a.n, a.c0, w.preemptions);
+    budget -= a.n;
+  }
+  for (auto it = skipped_.rbegin(); it != skipped_.rend(); ++it) waiting_.push_front(*it);
 }
 
 // ------------------------------------------------------------------ update_from_output()

@@ -31,6 +31,12 @@ struct BatchFeatures {
       prefill_work += dn * static_cast<double>(context) + dn * (dn + 1.0) * 0.5;
     }
   }
+  // `count` one-token decodes whose contexts sum to `ctx_sum` (a group advanced together).
+  void add_decodes(int64_t count, int64_t ctx_sum) {
+    items += count;
+    tokens += static_cast<double>(count);
+    decode_ctx += static_cast<double>(ctx_sum);
+  }
   double time(const Coeffs& c) const {
     return items == 0 ? 0.0 : c.b0 + c.b1 * tokens + c.b2 * decode_ctx + c.b3 * prefill_work;
   }

@@ -65,6 +65,7 @@ class Scheduler {
   void abort(int32_t k);
 
  private:
+  friend class LazySync;  // the estimate's fast path works on the same state (lazy_sync.h)
   bool waiting_before(int32_t a, int32_t b) const;
   void enqueue_preempted(int32_t r);
   int64_t effective_lpt() const;
@@ -74,6 +75,7 @@ class Scheduler {
   void prefix_hit(const Req& w, int64_t& k, int64_t& evictable) const;
   void preempt(int32_t v);
   bool admission_blocked(int64_t leftover) const;
+  void admit_waiting(int64_t& budget, int64_t lpt, std::vector<Item>& batch);
   struct Admission {
     bool ok = false;
     int64_t n = 0, c0 = 0, total = 0, fresh = 0;

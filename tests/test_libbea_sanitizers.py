@@ -1,0 +1,57 @@
+"""Fuzz the C++ core under AddressSanitizer + UndefinedBehaviorSanitizer.
+
+Builds the standalone driver (libbea/fuzz/check_main.cpp) with -fsanitize=address,undefined and
+feeds it valid, truncated, byte-flipped and random msgpack inputs; any memory error or UB aborts
+the driver with a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import msgpack
+import pytest
+from bea_helpers import decoding, req, snapshot
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_sanitized_fuzz(tmp_path: Path) -> None:
+    if shutil.which("cmake") is None or shutil.which("c++") is None:
+        pytest.fail("cmake and a C++ compiler are required (the project builds libbea with them)")
+    build = tmp_path / "build"
+    subprocess.run(["cmake", "-S", str(REPO), "-B", str(build), "-DBEA_SANITIZE=ON", "-DCMAKE_BUILD_TYPE=Debug"],
+                   check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(build), "-j2", "--target", "bea_check"], check=True, capture_output=True)
+    rng = random.Random(3)
+    seeds = [
+        snapshot([decoding("A", 100, 3), req("X", 500, c=100, blocks=7)], [req("W", 70)]),
+        snapshot([decoding("A", 16, 1, blocks=1), decoding("B", 16, 1, blocks=1)], free=1),
+        snapshot([decoding("A", 16, 1, blocks=1, placeholders=1)], free=2, async_scheduling=True,
+                 inflight={"started": 100.0, "items": [{"id": "A", "n": 1, "context": 15}]}),
+        snapshot([], [req("W", 5000)], free=4, num_gpu_blocks=5, policy="priority"),
+    ]
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    n = 0
+    for s in seeds:
+        base = msgpack.packb(s)
+        variants = [base] + [base[: rng.randrange(len(base))] for _ in range(50)]
+        for _ in range(300):
+            b = bytearray(base)
+            for _ in range(rng.randint(1, 8)):
+                b[rng.randrange(len(b))] = rng.getrandbits(8)
+            variants.append(bytes(b))
+        variants += [bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 128))) for _ in range(100)]
+        for v in variants:
+            (corpus / f"{n:05d}").write_bytes(v)
+            n += 1
+    files = sorted(str(p) for p in corpus.iterdir())
+    for k in range(0, len(files), 400):
+        out = subprocess.run([str(build / "bea_check"), *files[k : k + 400]], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-4000:]
+        assert "checked" in out.stdout
