@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from bear.estimator.calibration import Calibration, fit_beta, prefill_throughput
 
 

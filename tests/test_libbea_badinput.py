@@ -7,8 +7,10 @@ import random
 
 import msgpack
 import pytest
-from bea_helpers import decoding, req, snapshot
+
 from bear import libbea
+
+from bea_helpers import decoding, req, snapshot
 
 
 def valid() -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import numpy as np
+
 from bear import libbea
 from bear.estimator.calibration import fit_beta, read_records
 from bear.estimator.cases import replay_case

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from bear import libbea
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from bear import libbea
 
 BETA = [1e-3, 1e-5, 1e-7, 1e-9]
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from bea_helpers import decoding, req, snapshot
+
 from bear import libbea
+
+from bea_helpers import decoding, req, snapshot
 
 UNIT = [1.0, 0.0, 0.0, 0.0]  # every batch costs 1 s: TTFT counts batches
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+
 from bea_helpers import decoding, req, snapshot
 
 REPO = Path(__file__).resolve().parents[1]

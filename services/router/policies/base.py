@@ -1,0 +1,113 @@
+"""The routing plug-in interface shared by the live router and the offline evaluation.
+
+A policy sees one query and its candidate instances, each already annotated with everything the
+router knows about it (predicted accuracy/length/cost from the predictor, TTFT estimates from the
+estimator, load counters from snapshots, observed latencies), and picks one. Like llm-d's endpoint
+picker it is three stages: ``filter`` (which candidates may be chosen), ``score`` (a number per
+remaining candidate, higher is better) and ``pick`` (usually the best score). Policies never do
+I/O, so the same object runs in the router and in ``bear eval``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+
+@dataclass
+class Candidate:
+    """One instance as seen for one query."""
+
+    instance: str
+    model: str
+    healthy: bool = True
+    # predictor (per model)
+    acc: float = 0.0
+    cost: float = 0.0
+    out_len: float = 0.0  # predicted output tokens (mean)
+    out_p90: float = 0.0
+    # estimator (per instance)
+    ttft: float = math.inf  # BEA estimate, or the analytic fallback (see ttft_method)
+    ttft_method: str = "none"
+    ttft_prefill: float = math.inf  # prefill-throughput estimate, paper eq. 8
+    # load and history (per instance)
+    n_running: int = 0
+    n_waiting: int = 0
+    pending_prefill_tokens: int = 0
+    pending_decode_tokens: float = 0.0
+    prefill_tps: float = 0.0  # θ: prefill tokens per second
+    tpot: float = 0.0  # seconds per output token when decoding
+    throughput_rps: float = 0.0  # completed requests per second (recent)
+    observed_ttft_p50: float = 0.0
+    observed_ttft_p90: float = 0.0
+
+    @property
+    def queue_len(self) -> int:
+        return self.n_running + self.n_waiting
+
+    def utility(self, lam: float) -> float:
+        """Paper eq. 4: predicted accuracy minus λ times predicted cost."""
+        return self.acc - lam * self.cost
+
+
+@dataclass(frozen=True)
+class QueryContext:
+    query_id: str
+    ttft_target: float  # seconds
+    lam: float = 5e-4
+    prompt_tokens: int = 0
+
+
+@dataclass
+class Decision:
+    candidate: Candidate
+    policy: str
+    score: float
+    feasible: bool  # predicted to meet the target (for policies that predict TTFT)
+    scores: dict[str, float] = field(default_factory=dict)
+
+
+class Policy:
+    """Base policy: healthy candidates, score = utility, pick the max (ties: first)."""
+
+    name: ClassVar[str] = "base"
+    uses_ttft: ClassVar[bool] = False  # whether the policy needs the estimator
+
+    def filter(self, q: QueryContext, cands: Sequence[Candidate]) -> list[Candidate]:
+        return [c for c in cands if c.healthy]
+
+    def score(self, q: QueryContext, cands: Sequence[Candidate]) -> list[float]:
+        return [c.utility(q.lam) for c in cands]
+
+    def pick(self, q: QueryContext, cands: Sequence[Candidate], scores: Sequence[float]) -> int:
+        best = 0
+        for k in range(1, len(cands)):
+            if scores[k] > scores[best]:
+                best = k
+        return best
+
+    def decide(self, q: QueryContext, cands: Sequence[Candidate]) -> Decision:
+        """filter → score → pick. Raises ValueError when no candidate is healthy."""
+        kept = self.filter(q, cands)
+        if not kept:
+            raise ValueError("no healthy candidate instance")
+        scores = self.score(q, kept)
+        k = self.pick(q, kept, scores)
+        chosen = kept[k]
+        return Decision(
+            candidate=chosen,
+            policy=self.name,
+            score=scores[k],
+            feasible=chosen.ttft <= q.ttft_target,
+            scores={c.instance: s for c, s in zip(kept, scores, strict=True)},
+        )
+
+
+def normalized(values: Sequence[float]) -> list[float]:
+    """Divide by the largest magnitude (0 stays 0), as RouteBalance / vLLM-SR normalise."""
+    top = max((abs(v) for v in values if math.isfinite(v)), default=0.0)
+    if top == 0.0:
+        return [0.0 for _ in values]
+    return [v / top if math.isfinite(v) else math.inf for v in values]
