@@ -3,10 +3,15 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
+#include <memory>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 
 #include "bea/engine.h"
+#include "bea/replay.h"
+#include "bea/snapshot.h"
 #include "bea/scheduler.h"
 #include "bea/value.h"
 
@@ -16,12 +21,6 @@ using bea::Scheduler;
 
 namespace {
 
-bea::Value config_value(py::handle config) {
-  // Go through msgpack so that the config is validated exactly like a received snapshot's.
-  py::bytes packed = py::module_::import("msgpack").attr("packb")(config, py::arg("use_bin_type") = true);
-  std::string_view sv = packed;
-  return bea::parse_msgpack(reinterpret_cast<const uint8_t*>(sv.data()), sv.size());
-}
 
 py::dict config_dict(const bea::Config& c) {
   py::dict d;
@@ -42,10 +41,10 @@ py::dict config_dict(const bea::Config& c) {
   return d;
 }
 
-py::dict request_dict(const Engine& e, int32_t k) {
-  const Scheduler::Req& r = e.scheduler().reqs()[static_cast<size_t>(k)];
+py::dict request_dict(const Scheduler& sched, const std::string& id, int32_t k) {
+  const Scheduler::Req& r = sched.reqs()[static_cast<size_t>(k)];
   py::dict d;
-  d["id"] = e.name(k);
+  d["id"] = id;
   d["prompt_tokens"] = r.P;
   d["computed_tokens"] = r.C;
   d["output_tokens"] = r.O;
@@ -55,7 +54,53 @@ py::dict request_dict(const Engine& e, int32_t k) {
   d["preemptions"] = r.preemptions;
   d["arrival"] = r.arrival;
   d["priority"] = r.prio;
+  if (r.C == 0 && r.hit > 0) d["prefix_hit_tokens"] = r.hit;
   return d;
+}
+
+template <class NameOf>
+py::dict snapshot_dict(const Scheduler& sched, NameOf name_of, const std::string& instance, const std::string& model,
+                       int64_t seq, double time) {
+  py::dict d;
+  d["v"] = "bear.snapshot/1";
+  d["instance"] = instance;
+  d["model"] = model;
+  d["seq"] = seq;
+  d["time"] = time;
+  d["config"] = config_dict(sched.config());
+  d["free_blocks"] = sched.free_blocks();
+  py::list running;
+  for (int32_t k : sched.running()) running.append(request_dict(sched, name_of(k), k));
+  py::list waiting;
+  for (int32_t k : sched.waiting()) waiting.append(request_dict(sched, name_of(k), k));
+  d["running"] = running;
+  d["waiting"] = waiting;
+  d["inflight"] = py::none();
+  return d;
+}
+
+// Python objects reach the C++ validators through msgpack, so they are checked exactly like a
+// received snapshot (same bounds, same error messages).
+bea::Value packed_value(py::handle obj) {
+  py::bytes packed = py::module_::import("msgpack").attr("packb")(obj, py::arg("use_bin_type") = true);
+  std::string_view sv = packed;
+  return bea::parse_msgpack(reinterpret_cast<const uint8_t*>(sv.data()), sv.size());
+}
+
+bea::Coeffs beta_from(py::handle h) {
+  auto seq = py::reinterpret_borrow<py::sequence>(h);
+  if (seq.size() != 4) throw std::invalid_argument("beta must have 4 coefficients");
+  double b[4];
+  for (size_t k = 0; k < 4; ++k) {
+    b[k] = seq[k].cast<double>();
+    if (!std::isfinite(b[k])) throw std::invalid_argument("beta must be finite");
+  }
+  bea::Coeffs c;
+  c.b0 = b[0];
+  c.b1 = b[1];
+  c.b2 = b[2];
+  c.b3 = b[3];
+  return c;
 }
 
 }  // namespace
@@ -63,7 +108,7 @@ py::dict request_dict(const Engine& e, int32_t k) {
 void bind_engine(py::module_& m) {
   py::class_<Engine>(m, "Engine",
                      "A live vLLM V1 engine core (sync scheduling) over libbea's Scheduler, for the sim instance.")
-      .def(py::init([](py::handle config) { return new Engine(config_value(config)); }), py::arg("config"),
+      .def(py::init([](py::handle config) { return new Engine(packed_value(config)); }), py::arg("config"),
            "Build from a bear.snapshot/1 `config` map (ValueError names a bad field).")
       .def(
           "add",
@@ -107,22 +152,9 @@ void bind_engine(py::module_& m) {
       .def(
           "snapshot",
           [](const Engine& e, const std::string& instance, const std::string& model, double time) {
-            py::dict d;
-            d["v"] = "bear.snapshot/1";
-            d["instance"] = instance;
-            d["model"] = model;
-            d["seq"] = e.seq();
-            d["time"] = time;
-            d["config"] = config_dict(e.scheduler().config());
-            d["free_blocks"] = e.scheduler().free_blocks();
-            py::list running;
-            for (int32_t k : e.scheduler().running()) running.append(request_dict(e, k));
-            py::list waiting;
-            for (int32_t k : e.scheduler().waiting()) waiting.append(request_dict(e, k));
-            d["running"] = running;
-            d["waiting"] = waiting;
-            d["inflight"] = py::none();
-            return d;
+            return snapshot_dict(
+                e.scheduler(), [&e](int32_t k) -> const std::string& { return e.name(k); }, instance, model, e.seq(),
+                time);
           },
           py::arg("instance"), py::arg("model"), py::arg("time"),
           "The scheduler state as a bear.snapshot/1 map (call between steps).")
@@ -135,4 +167,45 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("n_waiting", [](const Engine& e) { return e.scheduler().waiting().size(); })
       .def_property_readonly("free_blocks", [](const Engine& e) { return e.scheduler().free_blocks(); })
       .def_property_readonly("config", [](const Engine& e) { return config_dict(e.scheduler().config()); });
+
+  m.def(
+      "advance_snapshot",
+      [](py::bytes data, py::handle lengths, double age_s, py::handle beta, int64_t default_output_tokens,
+         double overrun_fraction) {
+        bea::ReplayOptions opt;
+        opt.beta = beta_from(beta);
+        opt.default_output_tokens = default_output_tokens;
+        if (!std::isfinite(overrun_fraction) || overrun_fraction < 0.0)
+          throw std::invalid_argument("overrun_fraction must be >= 0");
+        opt.overrun_fraction = overrun_fraction;
+        std::unordered_map<std::string, int64_t> known;
+        if (!lengths.is_none()) known = bea::lengths_from_value(packed_value(lengths));
+        std::string_view sv = data;
+        std::unique_ptr<bea::Advanced> adv;
+        std::string instance, model;
+        int64_t seq = 0;
+        double time = 0.0;
+        {
+          py::gil_scoped_release nogil;
+          bea::Snapshot snap = bea::snapshot_from_value(
+              bea::parse_msgpack(reinterpret_cast<const uint8_t*>(sv.data()), sv.size()));
+          snap.set_output_lengths(known);
+          instance = snap.instance;
+          model = snap.model;
+          seq = snap.seq;
+          time = snap.time;
+          const bea::Prepared p = bea::prepare(snap, opt);
+          adv = std::make_unique<bea::Advanced>(bea::advance(p, opt.beta, age_s));
+        }
+        const bea::Advanced& a = *adv;
+        py::dict snap = snapshot_dict(
+            a.sched, [&a](int32_t k) -> const std::string& { return a.names[static_cast<size_t>(k)]; }, instance, model,
+            seq, time + a.join_s);
+        return py::make_tuple(snap, a.join_s, a.valid_from_s, a.valid_to_s, a.steps);
+      },
+      py::arg("snapshot"), py::arg("lengths"), py::arg("age_s"), py::arg("beta"), py::arg("default_output_tokens") = -1,
+      py::arg("overrun_fraction") = 0.5,
+      "Staleness compensation: run a sync-mode snapshot's residents alone (eq. 12 times, predicted lengths)\n"
+      "through the steps that start before age_s. Returns (snapshot dict at the join time, join_s,\n"
+      "valid_from_s, valid_to_s, steps); any age in (valid_from_s, valid_to_s] gives the same state.");
 }

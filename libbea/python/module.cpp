@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "bea/analytic.h"
+#include "bea/engine.h"
 #include "bea/replay.h"
 #include "bea/snapshot.h"
 #include "bea/value.h"
@@ -222,33 +223,52 @@ PYBIND11_MODULE(libbea, m) {
                                  for (const auto& r : *l) ids.push_back(r.id);
                                return ids;
                              })
-      .def("pending_prefill_tokens", [](const PySnapshot& s) { return pending_prefill_tokens(s.snap()); });
+      .def("pending_prefill_tokens", [](const PySnapshot& s) { return pending_prefill_tokens(s.snap()); })
+      .def(
+          "pending_decode_tokens",
+          [](PySnapshot& s, int64_t default_output_tokens) {
+            ReplayOptions o;
+            o.default_output_tokens = default_output_tokens;
+            const Prepared& p = s.prepared(o);
+            int64_t total = 0;
+            for (const auto& r : p.reqs) total += std::max<int64_t>(0, r.target_out - r.O);
+            return total;
+          },
+          py::arg("default_output_tokens") = -1,
+          "Output tokens residents still have to generate, by their predicted lengths.");
 
   m.def(
       "estimate",
       [](PySnapshot& s, py::handle request, py::handle beta, py::handle lengths, bool trace, bool collapse,
-         int64_t default_output_tokens, double overrun_fraction, int64_t max_steps) {
+         int64_t default_output_tokens, double overrun_fraction, int64_t max_steps, double age_s) {
         if (!lengths.is_none()) s.set_lengths(lengths_from_value(to_value(lengths, 0)));
         const Query q = query_from(request);
         const ReplayOptions opt = options(beta, trace, collapse, default_output_tokens, overrun_fraction, max_steps);
         const Prepared& p = s.prepared(opt);
+        if (!std::isfinite(age_s) || age_s < 0.0) throw std::invalid_argument("age_s must be finite and >= 0");
+        if (age_s > 0.0 && trace) throw std::invalid_argument("trace is not available with age_s > 0");
         Estimate e;
         {
           py::gil_scoped_release nogil;
-          e = estimate(p, q, opt);
+          e = age_s > 0.0 ? estimate_at_age(p, q, opt, age_s) : estimate(p, q, opt);
         }
         return result_dict(e, p, q, trace);
       },
       py::arg("snapshot"), py::arg("request"), py::arg("beta") = py::none(), py::arg("lengths") = py::none(),
       py::arg("trace") = false, py::arg("collapse") = true, py::arg("default_output_tokens") = -1,
-      py::arg("overrun_fraction") = 0.5, py::arg("max_steps") = 2'000'000,
-      "Replay the snapshot with the new request; returns {ttft_s, n_batches, status[, batches]}.");
+      py::arg("overrun_fraction") = 0.5, py::arg("max_steps") = 2'000'000, py::arg("age_s") = 0.0,
+      "Replay the snapshot with the new request; returns {ttft_s, n_batches, status[, batches]}.\n"
+      "With age_s > 0 (sync mode) the query arrives that long after the capture: residents first run\n"
+      "through the steps that start before it (staleness compensation) and ttft_s counts from arrival.");
 
   m.def(
       "estimate_many",
       [](std::vector<std::shared_ptr<PySnapshot>> snaps, py::handle request, std::vector<py::object> betas,
-         int64_t default_output_tokens, double overrun_fraction) {
+         int64_t default_output_tokens, double overrun_fraction, std::vector<double> ages) {
         if (betas.size() != snaps.size()) throw std::invalid_argument("one beta per snapshot");
+        if (!ages.empty() && ages.size() != snaps.size()) throw std::invalid_argument("one age per snapshot");
+        for (double a : ages)
+          if (!std::isfinite(a) || a < 0.0) throw std::invalid_argument("ages must be finite and >= 0");
         const Query q = query_from(request);
         std::vector<ReplayOptions> opts;
         std::vector<const Prepared*> preps;
@@ -264,7 +284,8 @@ PYBIND11_MODULE(libbea, m) {
           py::gil_scoped_release nogil;
           for (size_t k = 0; k < snaps.size(); ++k) {
             try {
-              out[k] = estimate(*preps[k], q, opts[k]);
+              const double age = ages.empty() ? 0.0 : ages[k];
+              out[k] = age > 0.0 ? estimate_at_age(*preps[k], q, opts[k], age) : estimate(*preps[k], q, opts[k]);
             } catch (const std::exception& ex) {
               errors[k] = ex.what();
             }
@@ -278,7 +299,7 @@ PYBIND11_MODULE(libbea, m) {
         return res;
       },
       py::arg("snapshots"), py::arg("request"), py::arg("betas"), py::arg("default_output_tokens") = -1,
-      py::arg("overrun_fraction") = 0.5,
+      py::arg("overrun_fraction") = 0.5, py::arg("ages") = std::vector<double>{},
       "Estimate one request against several instances in one call: [(ttft_s, n_batches, status), ...].");
 
   m.def(
@@ -306,6 +327,84 @@ PYBIND11_MODULE(libbea, m) {
   m.def("lps_wait_corrected", &lps_wait_corrected, py::arg("alpha"), py::arg("mean_service"), py::arg("k"),
         py::arg("ca2"), py::arg("cs2"), "Paper eq. 15.");
   bind_engine(m);
+
+  m.def(
+      "engine_snapshot",
+      [](const Engine& e, const std::string& instance, const std::string& model, double time) {
+        Snapshot snap;
+        snap.instance = instance;
+        snap.model = model;
+        snap.seq = e.seq();
+        snap.time = time;
+        const Scheduler& sc = e.scheduler();
+        snap.config = sc.config();
+        snap.free_blocks = sc.free_blocks();
+        auto copy = [&](int32_t k) {
+          const Scheduler::Req& r = sc.reqs()[static_cast<size_t>(k)];
+          Request q;
+          q.id = e.name(k);
+          q.prompt_tokens = r.P;
+          q.computed_tokens = r.C;
+          q.output_tokens = r.O;
+          q.max_tokens = r.max_tokens;
+          q.blocks = r.blocks;
+          q.exclusive_blocks = r.excl;
+          q.preemptions = r.preemptions;
+          q.placeholders = r.ph;
+          q.priority = r.prio;
+          q.arrival = r.arrival;
+          return q;  // the true output length stays inside the engine
+        };
+        snap.running.reserve(sc.running().size());
+        for (int32_t k : sc.running()) snap.running.push_back(copy(k));
+        for (int32_t k : sc.waiting()) snap.waiting.push_back(copy(k));
+        return std::make_shared<PySnapshot>(std::move(snap));
+      },
+      py::arg("engine"), py::arg("instance"), py::arg("model"), py::arg("time"),
+      "The engine's state (between steps) as a replay-ready Snapshot, without a dict round trip.");
+
+  m.def(
+      "engine_step_stats",
+      [](Engine& e) -> py::object {
+        int64_t items = 0, tokens = 0, ctx = 0;
+        double attn = 0.0;
+        BatchFeatures f;
+        {
+          py::gil_scoped_release nogil;
+          const auto& batch = e.step();
+          for (const auto& it : batch) {
+            ++items;
+            tokens += it.n;
+            ctx += it.context;
+            const auto n = static_cast<double>(it.n);
+            attn += n * static_cast<double>(it.context) + n * (n + 1.0) * 0.5;
+          }
+          e.scheduler().add_features(batch, f);
+        }
+        if (items == 0) return py::none();
+        return py::make_tuple(items, tokens, ctx, attn, f.decode_ctx, f.prefill_work);
+      },
+      py::arg("engine"),
+      "schedule() one step and return its aggregate (requests, tokens, Σ context, Σ attention work over\n"
+      "all items, eq. 12's Σ decode context and Σ prefill work), or None when idle: what batch-time\n"
+      "models need, without per-request Python objects.");
+
+  m.def(
+      "engine_finish_events",
+      [](Engine& e) {
+        std::vector<Engine::Output> res;
+        {
+          py::gil_scoped_release nogil;
+          res = e.finish_step();
+        }
+        py::list first, done;
+        for (const auto& o : res) {
+          if (o.output_tokens == 1) first.append(py::str(e.name(o.req)));
+          if (o.finished) done.append(py::str(e.name(o.req)));
+        }
+        return py::make_tuple(first, done);
+      },
+      py::arg("engine"), "update_from_output(): (ids that got their first token, ids that finished).");
 
   m.def(
       "time_estimates",

@@ -1,5 +1,6 @@
 #include "bea/replay.h"
 
+#include "bea/engine.h"
 #include "bea/lazy_sync.h"
 
 #include <algorithm>
@@ -21,6 +22,79 @@ int64_t target_output(const Request& r, const ReplayOptions& opt) {
   const int64_t add = std::max<int64_t>(1, static_cast<int64_t>(extra));
   const int64_t t = std::min(r.max_tokens, r.output_tokens + add);
   return t > r.output_tokens ? t : r.output_tokens + 1;
+}
+
+// With --trace: the step's composition and the state right after its schedule().
+void record_step(Estimate& est, const Scheduler& sched, const std::vector<Scheduler::Item>& batch) {
+  std::vector<TraceItem> step;
+  step.reserve(batch.size());
+  int64_t tokens = 0;
+  for (const auto& it : batch) {
+    step.push_back({it.req, it.n});
+    tokens += it.n;
+  }
+  est.trace.push_back(std::move(step));
+  est.steps.push_back({static_cast<int64_t>(sched.running().size()), sched.free_blocks(), tokens});
+}
+
+// The sync engine loop (§2) from `sched` as it stands, the query already queued; `now` is the
+// time since the snapshot's capture at which the first schedule() happens.
+Estimate run_sync(Scheduler& sched, int32_t query, const ReplayOptions& opt, double now) {
+  Estimate est;
+  std::vector<Scheduler::Item> batch;
+  batch.reserve(sched.reqs().size());
+  if (opt.collapse && !opt.trace && sched.config().block_size <= 4096) {
+    // Fast path: decoders advanced as a group, exact fallback when order matters (lazy_sync.h).
+    LazySync fast(sched);
+    while (est.n_batches < opt.max_steps) {
+      int64_t steps = 0;
+      const LazySync::Result r = fast.step(now, opt.beta, query, opt.max_steps - est.n_batches, steps);
+      est.n_batches += steps;
+      if (r == LazySync::Result::WatchSampled) {
+        est.ttft_s = now;
+        return est;
+      }
+      if (r == LazySync::Result::Unschedulable) {
+        est.status = Status::Unschedulable;
+        return est;
+      }
+    }
+  } else {
+    while (est.n_batches < opt.max_steps) {
+      if (opt.collapse && !opt.trace) {
+        const int64_t k = sched.collapse_decode(now, opt.beta, opt.max_steps - est.n_batches);
+        if (k > 0) {
+          est.n_batches += k;
+          continue;
+        }
+      }
+      sched.schedule(batch);
+      if (batch.empty()) {  // nothing runs and nothing will change: the query never starts
+        est.status = Status::Unschedulable;
+        return est;
+      }
+      ++est.n_batches;
+      if (opt.trace) record_step(est, sched, batch);
+      now += sched.last_features().time(opt.beta);
+      if (sched.apply(batch, query)) {
+        est.ttft_s = now;
+        return est;
+      }
+    }
+  }
+  est.status = Status::StepLimit;
+  return est;
+}
+
+Scheduler::Req query_req(const Query& q, double default_arrival) {
+  Scheduler::Req nq;
+  nq.P = q.prompt_tokens;
+  nq.max_tokens = q.max_tokens;
+  nq.target_out = q.max_tokens;
+  nq.hit = q.prefix_hit_tokens;
+  nq.prio = q.priority;
+  nq.arrival = q.arrival > 0.0 ? q.arrival : default_arrival;
+  return nq;
 }
 
 }  // namespace
@@ -73,28 +147,15 @@ Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt) {
   if (q.prompt_tokens > p.cfg.max_model_len) throw std::invalid_argument("request.prompt_tokens exceeds max_model_len");
   Scheduler sched(p.cfg);
   sched.load(p.reqs, p.n_running, p.free_blocks);
-  Scheduler::Req nq;
-  nq.P = q.prompt_tokens;
-  nq.max_tokens = q.max_tokens;
-  nq.target_out = q.max_tokens;
-  nq.hit = q.prefix_hit_tokens;
-  nq.prio = q.priority;
-  nq.arrival = q.arrival > 0.0 ? q.arrival : p.time;
-  const int32_t query = sched.add(nq);
-
+  const int32_t query = sched.add(query_req(q, p.time));
+  if (!p.cfg.async_scheduling) {
+    Estimate e = run_sync(sched, query, opt, 0.0);
+    if (e.status != Status::Ok) e.ttft_s = std::numeric_limits<double>::infinity();
+    return e;
+  }
+  // Async engine loop (§10): schedule k+1 against the state before update(k); k+1 starts when
+  // k finishes. The snapshot's in-flight batch is k at the start.
   Estimate est;
-  auto record = [&](const std::vector<Scheduler::Item>& batch) {
-    if (!opt.trace) return;
-    std::vector<TraceItem> step;
-    step.reserve(batch.size());
-    int64_t tokens = 0;
-    for (const auto& it : batch) {
-      step.push_back({it.req, it.n});
-      tokens += it.n;
-    }
-    est.trace.push_back(std::move(step));
-    est.steps.push_back({static_cast<int64_t>(sched.running().size()), sched.free_blocks(), tokens});
-  };
   auto time_of = [&](const std::vector<Scheduler::Item>& batch, const std::vector<std::pair<int64_t, int64_t>>* orphans) {
     BatchFeatures f;
     sched.add_features(batch, f);
@@ -102,53 +163,10 @@ Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt) {
       for (const auto& o : *orphans) f.add(o.first, o.second, o.first == 1);
     return f.time(opt.beta);
   };
-
   double now = 0.0;  // seconds since the snapshot's capture
   std::vector<Scheduler::Item> batch;
   batch.reserve(p.reqs.size() + 1);
-
-  if (!p.cfg.async_scheduling && opt.collapse && !opt.trace && p.cfg.block_size <= 4096) {
-    // Fast path: decoders advanced as a group, exact fallback when order matters (lazy_sync.h).
-    LazySync fast(sched);
-    while (est.n_batches < opt.max_steps) {
-      int64_t steps = 0;
-      const LazySync::Result r = fast.step(now, opt.beta, query, opt.max_steps - est.n_batches, steps);
-      est.n_batches += steps;
-      if (r == LazySync::Result::WatchSampled) {
-        est.ttft_s = now;
-        return est;
-      }
-      if (r == LazySync::Result::Unschedulable) {
-        est.status = Status::Unschedulable;
-        return est;
-      }
-    }
-  } else if (!p.cfg.async_scheduling) {
-    // Sync engine loop (§2): schedule, execute, update; the query entered before the first schedule.
-    while (est.n_batches < opt.max_steps) {
-      if (opt.collapse && !opt.trace) {
-        const int64_t k = sched.collapse_decode(now, opt.beta, opt.max_steps - est.n_batches);
-        if (k > 0) {
-          est.n_batches += k;
-          continue;
-        }
-      }
-      sched.schedule(batch);
-      if (batch.empty()) {  // nothing runs and nothing will change: the query never starts
-        est.status = Status::Unschedulable;
-        return est;
-      }
-      ++est.n_batches;
-      record(batch);
-      now += sched.last_features().time(opt.beta);
-      if (sched.apply(batch, query)) {
-        est.ttft_s = now;
-        return est;
-      }
-    }
-  } else {
-    // Async engine loop (§10): schedule k+1 against the state before update(k); k+1 starts when
-    // k finishes. The snapshot's in-flight batch is k at the start.
+  {
     std::vector<Scheduler::Item> inflight;
     std::vector<std::pair<int64_t, int64_t>> orphans = p.inflight_orphans;
     bool has_inflight = p.has_inflight;
@@ -176,7 +194,7 @@ Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt) {
         return est;
       }
       ++est.n_batches;
-      record(batch);
+      if (opt.trace) record_step(est, sched, batch);
       inflight.swap(batch);
       has_inflight = true;
       inflight_end = now + sched.last_features().time(opt.beta);
@@ -185,6 +203,24 @@ Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt) {
   est.status = Status::StepLimit;
   est.ttft_s = std::numeric_limits<double>::infinity();
   return est;
+}
+
+}  // namespace bea
+
+namespace bea {
+
+Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions& opt, double age_s) {
+  if (q.prompt_tokens > p.cfg.max_model_len) throw std::invalid_argument("request.prompt_tokens exceeds max_model_len");
+  if (p.cfg.async_scheduling || age_s <= 0.0) {
+    Estimate e = estimate(p, q, opt);
+    e.ttft_s -= std::max(0.0, age_s);
+    return e;
+  }
+  Advanced a = advance(p, opt.beta, age_s);
+  const int32_t query = a.sched.add(query_req(q, p.time + age_s));
+  Estimate e = run_sync(a.sched, query, opt, a.join_s);
+  e.ttft_s = e.status == Status::Ok ? e.ttft_s - age_s : std::numeric_limits<double>::infinity();
+  return e;
 }
 
 }  // namespace bea

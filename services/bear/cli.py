@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "bear.estimator.service_commands",
     "bear.predictor.commands",
     "bear.snapshotter.commands",
+    "bear.router.evaluation.commands",
 ]
 
 

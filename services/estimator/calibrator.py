@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import structlog
+
 from bear.estimator.calibration import (
     Calibration,
     design_matrix,

@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 import structlog
+
 from bear.protocol.subjects import Subjects
 
 log = structlog.get_logger("bear.estimator")

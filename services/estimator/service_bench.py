@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import numpy as np
+
 from bear.protocol.codec import pack
 from bear.protocol.subjects import Subjects
 
@@ -37,6 +38,7 @@ def make_snapshot(instance: str, residents: int, seed: int) -> dict[str, Any]:
 
 async def _client(url: str, seconds: float, concurrency: int, instances: list[str], seed: int) -> dict[str, Any]:
     import nats
+
     from bear.estimator.client import EstimatorClient
 
     nc = await nats.connect(url)
@@ -92,8 +94,17 @@ async def _publisher(url: str, snaps: list[dict[str, Any]], stop: asyncio.Event)
     await nc.close()
 
 
+def _cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of a process (Linux /proc)."""
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_bench(nats_url: str | None, *, seconds: float = 5.0, concurrency: int = 32, n_instances: int = 3,
-              residents: int = 64, clients: int = 2) -> dict[str, Any]:
+              residents: int = 64, clients: int = 2, latency_seconds: float = 2.0) -> dict[str, Any]:
     from bear.protocol.nats_server import LocalNatsServer
 
     server = None
@@ -103,7 +114,8 @@ def run_bench(nats_url: str | None, *, seconds: float = 5.0, concurrency: int = 
         nats_url = server.url
         worker = subprocess.Popen([sys.executable, "-m", "bear", "estimator", "--nats", nats_url, "--log-level", "warning"])
     try:
-        return asyncio.run(_run(nats_url, seconds, concurrency, n_instances, residents, clients))
+        pid = worker.pid if worker is not None else None
+        return asyncio.run(_run(nats_url, seconds, concurrency, n_instances, residents, clients, latency_seconds, pid))
     finally:
         if worker is not None:
             worker.terminate()
@@ -113,8 +125,9 @@ def run_bench(nats_url: str | None, *, seconds: float = 5.0, concurrency: int = 
 
 
 async def _run(url: str, seconds: float, concurrency: int, n_instances: int, residents: int,
-               clients: int) -> dict[str, Any]:
+               clients: int, latency_seconds: float, worker_pid: int | None) -> dict[str, Any]:
     import nats
+
     from bear.estimator.client import EstimatorClient
 
     snaps = [make_snapshot(f"bench-{i}", residents, i) for i in range(n_instances)]
@@ -136,6 +149,10 @@ async def _run(url: str, seconds: float, concurrency: int, n_instances: int, res
             raise RuntimeError("workers never answered with BEA estimates")
         await asyncio.sleep(0.1)
     await nc.close()
+    # Phase 1: unloaded latency (one request in flight).
+    lat = await _client(url, latency_seconds, 1, instances, 99) if latency_seconds > 0 else None
+    # Phase 2: throughput under load from separate client processes.
+    cpu0 = _cpu_seconds(worker_pid) if worker_pid else None
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_client_proc, args=(url, seconds, max(1, concurrency // clients), instances, k, out))
@@ -145,6 +162,7 @@ async def _run(url: str, seconds: float, concurrency: int, n_instances: int, res
     results = [await asyncio.to_thread(out.get) for _ in procs]
     for p in procs:
         p.join()
+    cpu = _cpu_seconds(worker_pid) - cpu0 if worker_pid and cpu0 is not None else None
     stop.set()
     await pub
     n = sum(r["n"] for r in results)
@@ -155,14 +173,23 @@ async def _run(url: str, seconds: float, concurrency: int, n_instances: int, res
     for r in results:
         for k, v in r["methods"].items():
             methods[k] = methods.get(k, 0) + v
+    def pct(xs: list[float] | np.ndarray, q: float) -> float | None:
+        return float(np.percentile(xs, q) * 1e6) if len(xs) else None
+
     return {
+        "unloaded_rtt_p50_us": pct(lat["rtts"], 50) if lat else None,
+        "unloaded_rtt_p99_us": pct(lat["rtts"], 99) if lat else None,
+        "unloaded_service_p50_us": pct(lat["service"], 50) if lat else None,
+        "unloaded_service_p99_us": pct(lat["service"], 99) if lat else None,
         "requests": n,
+        "worker_cpu_s": cpu,
+        "worker_capacity_req_per_cpu_s": n / cpu if cpu else None,
         "errors": sum(r["errors"] for r in results),
         "req_per_s": n / elapsed if elapsed > 0 else 0.0,
-        "rtt_p50_us": float(np.percentile(rtts, 50) * 1e6) if n else None,
-        "rtt_p99_us": float(np.percentile(rtts, 99) * 1e6) if n else None,
-        "service_p50_us": float(np.percentile(svc, 50) * 1e6) if n else None,
-        "service_p99_us": float(np.percentile(svc, 99) * 1e6) if n else None,
+        "loaded_rtt_p50_us": pct(rtts, 50),
+        "loaded_rtt_p99_us": pct(rtts, 99),
+        "loaded_service_p50_us": pct(svc, 50),
+        "loaded_service_p99_us": pct(svc, 99),
         "instances": n_instances,
         "residents_per_instance": residents,
         "methods": methods,

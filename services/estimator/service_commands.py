@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import typer
+
 from bear.protocol.logging import LogFormat, configure_logging
 
 NATS_HELP = "NATS server URL, e.g. nats://127.0.0.1:4222"
@@ -29,6 +30,9 @@ def register(app: typer.Typer) -> None:
         overrun_fraction: float = typer.Option(
             0.5, "--overrun-fraction", help="A resident past its prediction gets this fraction of it again"
         ),
+        compensate_staleness: bool = typer.Option(
+            False, "--compensate-staleness", help="Advance each snapshot by its age before inserting the query"
+        ),
         with_calibrator: bool = typer.Option(
             False, "--with-calibrator", help="Also run the online β calibrator in this process (single worker only)"
         ),
@@ -44,6 +48,8 @@ def register(app: typer.Typer) -> None:
             argv = ["--nats", nats_url, "--max-age", str(max_age_s), "--down-after", str(down_after_s),
                     "--default-output-tokens", str(default_output_tokens), "--overrun-fraction", str(overrun_fraction),
                     "--prefix", prefix, "--log-format", str(log_format), "--log-level", log_level]
+            if compensate_staleness:
+                argv.append("--compensate-staleness")
             raise typer.Exit(run_forked(argv, workers, metrics_port or None))
         configure_logging(log_format, log_level)
         from bear.estimator.metrics import start_metrics_server
@@ -52,7 +58,7 @@ def register(app: typer.Typer) -> None:
 
         start_metrics_server(metrics_port or None)
         cfg = EstimatorConfig(max_age_s=max_age_s, down_after_s=down_after_s, default_output_tokens=default_output_tokens,
-                              overrun_fraction=overrun_fraction)
+                              overrun_fraction=overrun_fraction, compensate_staleness=compensate_staleness)
         asyncio.run(run_worker(nats_url, cfg, prefix, with_calibrator))
 
     @app.command("calibrator")
@@ -107,6 +113,7 @@ def register(app: typer.Typer) -> None:
         instances: int = typer.Option(3, "--instances", min=1, help="Candidate instances per query"),
         residents: int = typer.Option(64, "--residents", min=0, help="Resident requests per instance snapshot"),
         clients: int = typer.Option(2, "--clients", min=1, help="Client processes generating load"),
+        latency_seconds: float = typer.Option(2.0, "--latency-seconds", help="Unloaded-latency phase (one in flight)"),
         log_format: LogFormat = typer.Option(LogFormat.console, "--log-format", help=LOG_FORMAT_HELP),
     ) -> None:
         """Measure estimate throughput and service time of one worker process over NATS."""
@@ -114,7 +121,28 @@ def register(app: typer.Typer) -> None:
         from bear.estimator.service_bench import run_bench
 
         res = run_bench(nats_url or None, seconds=seconds, concurrency=concurrency, n_instances=instances,
-                        residents=residents, clients=clients)
+                        residents=residents, clients=clients,
+                        latency_seconds=latency_seconds)
         from rich import print as rprint
 
         rprint(res)
+
+    @app.command("sim-accuracy")
+    def sim_accuracy(
+        profile: str = typer.Option("qwen3-8b-h100", "--profile", help="Sim profile name or file"),
+        qps: float = typer.Option(4.0, "--qps", help="Poisson arrival rate (queries/s)"),
+        seconds: float = typer.Option(15.0, "--seconds", help="Measured duration after the warm-up"),
+        warmup_s: float = typer.Option(4.0, "--warmup", help="Warm-up (first calibration) not measured"),
+        length_noise: float = typer.Option(0.3, "--length-noise", help="σ of the log-normal error of predicted lengths"),
+        compensate: bool = typer.Option(False, "--compensate", help="Use staleness compensation"),
+        seed: int = typer.Option(0, "--seed", help="Workload and noise seed"),
+        nats_url: str = typer.Option("", "--nats", help="NATS URL; default: start a local one"),
+    ) -> None:
+        """BEA's TTFT MAPE against the TTFTs a simulated instance actually produced under load."""
+        configure_logging(LogFormat.console, "warning")
+        from rich import print as rprint
+
+        from bear.estimator.sim.accuracy import run
+
+        rprint(run(nats_url or None, profile=profile, qps=qps, seconds=seconds, warmup_s=warmup_s, seed=seed,
+                   length_noise=length_noise, compensate=compensate))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+
 from bear import libbea
 from bear.estimator.analytic import analytic_ttft
 from bear.estimator.metrics import metrics
@@ -46,6 +47,7 @@ class EstimatorConfig:
     overrun_fraction: float = 0.5  # residents already past their prediction get this much more
     default_deadline_s: float = 1.0
     snapshot_pending_msgs: int = 256  # NATS client-side pending limit of the snapshot subscription
+    compensate_staleness: bool = False  # advance each snapshot by its age before inserting the query
     worker_name: str = ""
 
 
@@ -186,6 +188,7 @@ class EstimatorWorker:
                 self.m.deadline_dropped.inc()
                 return  # nobody waits for it any more
             reply = await self.estimate(body)
+            reply["service_s"] = time.perf_counter() - t0
         except BearError as exc:
             self.m.errors.labels(code=str(exc.code)).inc()
             reply = exc.reply()
@@ -208,7 +211,7 @@ class EstimatorWorker:
         candidates = parse_candidates(body.get("instances"))
         now = time.time()
         rows: list[dict[str, Any]] = []
-        bea_rows: list[tuple[int, InstanceState, int]] = []
+        bea_rows: list[tuple[int, InstanceState, int, float]] = []
         for name, hit in candidates:
             st = self.store.peek(name)
             row: dict[str, Any] = {"instance": name, "ttft_s": None, "method": "none", "age_s": None,
@@ -225,7 +228,7 @@ class EstimatorWorker:
             row["age_s"] = age
             if age is not None and age <= self.cfg.max_age_s:
                 st.apply_lengths()
-                bea_rows.append((len(rows) - 1, st, hit))
+                bea_rows.append((len(rows) - 1, st, hit, age))
                 continue
             alive = (age is not None and age <= self.cfg.down_after_s) or (
                 now - st.registry_heartbeat <= self.cfg.down_after_s
@@ -243,20 +246,31 @@ class EstimatorWorker:
             await self._run_bea(query, q, bea_rows, rows)
         for r in rows:
             self.m.methods.labels(method=r["method"]).inc()
-        return {"v": REPLY_SCHEMA, "query_id": query.get("id", q.id), "worker": self.name, "estimates": rows,
-                "service_s": time.time() - now}
+        return {"v": REPLY_SCHEMA, "query_id": query.get("id", q.id), "worker": self.name, "estimates": rows}
 
-    async def _run_bea(self, query: dict[str, Any], q: Any, bea_rows: list[tuple[int, InstanceState, int]],
+    def _snapshot_for(self, st: InstanceState, age: float) -> tuple[Any, float]:
+        """(snapshot to replay, seconds to add to its TTFT): with staleness compensation the
+        snapshot advanced to the query's join time (offset = join − age), else as is."""
+        if not self.cfg.compensate_staleness or st.snap.async_scheduling:
+            return st.snap, 0.0
+        try:
+            snap, join = st.advanced_snapshot(age, self.cfg.default_output_tokens, self.cfg.overrun_fraction)
+        except ValueError:
+            return st.snap, 0.0
+        return snap, join - age
+
+    async def _run_bea(self, query: dict[str, Any], q: Any, bea_rows: list[tuple[int, InstanceState, int, float]],
                        rows: list[dict[str, Any]]) -> None:
-        groups: dict[int, list[tuple[int, InstanceState, int]]] = {}
+        groups: dict[int, list[tuple[int, InstanceState, int, float]]] = {}
         for item in bea_rows:
             groups.setdefault(item[2], []).append(item)
-        residents = sum(st.snap.n_running + st.snap.n_waiting for _, st, _ in bea_rows)
+        residents = sum(st.snap.n_running + st.snap.n_waiting for _, st, _, _ in bea_rows)
         for hit, items in groups.items():
             qd = {"id": q.id, "prompt_tokens": q.prompt_tokens, "max_tokens": q.max_tokens,
                   "prefix_hit_tokens": hit, "priority": int(query.get("priority", 0) or 0)}
-            snaps = [st.snap for _, st, _ in items]
-            betas = [list(st.calibration.beta) for _, st, _ in items]
+            picked = [self._snapshot_for(st, age) for _, st, _, age in items]
+            snaps = [s for s, _ in picked]
+            betas = [list(st.calibration.beta) for _, st, _, _ in items]
             try:
                 if residents > EXECUTOR_RESIDENTS:
                     res = await asyncio.get_running_loop().run_in_executor(None, self._many, snaps, qd, betas)
@@ -264,12 +278,12 @@ class EstimatorWorker:
                     res = self._many(snaps, qd, betas)
             except ValueError:
                 res = [self._one(s, qd, b) for s, b in zip(snaps, betas, strict=True)]
-            for (k, _, _), (ttft, n_batches, status) in zip(items, res, strict=True):
+            for (k, _, _, _), (_, offset), (ttft, n_batches, status) in zip(items, picked, res, strict=True):
                 row = rows[k]
                 row["method"] = "bea" if status != "error" else "none"
                 row["status"] = status
                 row["n_batches"] = n_batches
-                row["ttft_s"] = ttft if isinstance(ttft, float) and math.isfinite(ttft) else None
+                row["ttft_s"] = ttft + offset if isinstance(ttft, float) and math.isfinite(ttft) else None
 
     def _many(self, snaps: list[Any], qd: dict[str, Any], betas: list[list[float]]) -> list[tuple[float, int, str]]:
         return libbea.estimate_many(snaps, qd, betas, default_output_tokens=self.cfg.default_output_tokens,

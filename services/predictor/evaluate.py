@@ -33,10 +33,9 @@ def _metrics(y_q: np.ndarray, p_q: np.ndarray, y_l: np.ndarray, p: dict[str, np.
 
 
 def predict_matrix(heads: dict[str, Any], m: Matrix) -> dict[str, np.ndarray]:
-    out = {name: np.asarray(h.predict(m.X)) for name, h in heads.items()}
-    out["acc"] = np.clip(out["acc"], 0.0, 1.0)
-    out["len_p90"] = np.maximum(out["len_p90"], out["len_p50"])
-    return out
+    from bear.predictor.runtime import finalize
+
+    return finalize({name: np.asarray(h.predict(m.X)) for name, h in heads.items()})
 
 
 def evaluate(heads: dict[str, Any], m: Matrix) -> dict[str, Any]:

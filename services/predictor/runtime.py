@@ -37,6 +37,16 @@ class Prediction:
         }
 
 
+def finalize(raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Raw head outputs → served values: quality in [0, 1], lengths ≥ 1 token, p90 ≥ p50."""
+    out = dict(raw)
+    out["acc"] = np.clip(raw["acc"], 0.0, 1.0)
+    out["len_mean"] = np.maximum(raw["len_mean"], 1.0)
+    out["len_p50"] = np.maximum(raw["len_p50"], 1.0)
+    out["len_p90"] = np.maximum(raw["len_p90"], out["len_p50"])  # quantiles must not cross
+    return out
+
+
 class Predictor:
     """Loaded model directory (see ``train.save_model_dir``)."""
 
@@ -51,6 +61,7 @@ class Predictor:
         if meta.get("format") != FORMAT or meta.get("feature_names") != FEATURE_NAMES:
             raise BearError(ErrorCode.UNAVAILABLE, f"{model_dir} was trained by an incompatible version")
         self.meta = meta
+        self.model_dir = model_dir
         self.specs = [ModelSpec.from_dict(d) for d in meta["models"]]
         self.by_name = {s.name: s for s in self.specs}
         self._parts = {s.name: model_part(i, s) for i, s in enumerate(self.specs)}
@@ -70,10 +81,8 @@ class Predictor:
             raise BearError(ErrorCode.NOT_FOUND, f"unknown models {unknown}; known: {self.models}")
         a = analyse(prompt)
         X = rows_for_models(prompt_row(a, self.pca), [self._parts[m] for m in models])
-        acc = np.clip(self.heads["acc"].predict(X), 0.0, 1.0)
-        mean = np.maximum(self.heads["len_mean"].predict(X), 1.0)
-        p50 = np.maximum(self.heads["len_p50"].predict(X), 1.0)
-        p90 = np.maximum(self.heads["len_p90"].predict(X), p50)  # quantiles must not cross
+        y = finalize({name: head.predict(X) for name, head in self.heads.items()})
+        acc, mean, p50, p90 = y["acc"], y["len_mean"], y["len_p50"], y["len_p90"]
         given = prompt_tokens or {}
         need = [m for m in models if m not in given]
         counts = {**self.tokens.counts(prompt, need, a.n_pieces), **given}

@@ -13,6 +13,8 @@ the number of hashed pieces, so for a long prompt it is an estimate of the full-
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,9 +114,39 @@ def _cut(data: bytes, lo: int, hi: int) -> tuple[int, int]:
     return lo, hi
 
 
+SHORT_BYTES = 512  # below this, the pure-Python path is faster than numpy's per-call overheads
+_PIECE_RE = re.compile(rb"[0-9A-Za-z\x80-\xff]+|[^0-9A-Za-z\x80-\xff\t\n\x0b\x0c\r ]")
+_SENT_RE = re.compile(rb"[.!?](?=[\t\n\x0b\x0c\r ]|$)")
+_M64 = (1 << 64) - 1
+_P_INT = 1_000_003
+_MIX_INT = 0x9E3779B97F4A7C15
+
+
+@functools.lru_cache(maxsize=65536)
+def _piece_hash(piece: bytes) -> int:
+    """The same 64-bit hash as ``_hash_window``, for one piece (cached: words repeat)."""
+    h = 0
+    for b in reversed(piece.lower()):
+        h = (h * _P_INT + b) & _M64
+    h = ((h ^ len(piece)) * _MIX_INT) & _M64
+    return h ^ (h >> 29)
+
+
+def _pieces_short(data: bytes) -> Pieces:
+    found = _PIECE_RE.findall(data)
+    h = np.fromiter((_piece_hash(p) for p in found), dtype=np.uint64, count=len(found))
+    n_sent = len(_SENT_RE.findall(data))
+    stripped = data.rstrip(b"\t\n\x0b\x0c\r ")
+    if stripped and stripped[-1:] not in (b".", b"!", b"?"):
+        n_sent += 1
+    return Pieces(h, len(found), len(data), n_sent)
+
+
 def pieces(text: str) -> Pieces:
     """Counts over ``text`` and hashes of the pieces of its head and tail (stable across hosts)."""
     data = text.encode("utf-8", errors="replace")
+    if len(data) <= SHORT_BYTES:
+        return _pieces_short(data)
     raw = np.frombuffer(data, dtype=np.uint8)
     n_pieces, n_sent = count_pieces(raw)
     if len(data) <= HASH_HEAD + HASH_TAIL:

@@ -40,13 +40,13 @@ Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 @dataclass
 class TrainConfig:
-    rounds: int = 250
-    learning_rate: float = 0.06
-    num_leaves: int = 31
+    rounds: int = 150
+    learning_rate: float = 0.1
+    num_leaves: int = 15
     min_data_in_leaf: int = 20
     test_fraction: float = 0.2
     seed: int = 0
-    threads: int = 2
+    threads: int = 1
 
 
 @dataclass

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections import deque
+from itertools import repeat
 from typing import Any
 
 import vllm
@@ -45,9 +46,9 @@ HEARTBEAT_S = 0.25
 # Positions in the per-step record (a tuple; the snapshotter decodes it in records.py).
 # (version, seq, t_sched0, t_sched1, t_upd0, t_upd1, wall, busy_after,
 #  sched_ids, sched_ns, new_reqs[(id, computed_before)], cached_ids, cached_computed_before,
-#  preempted_ids, free_blocks, running_rows, waiting_rows, overhead_ns_prev, inflight)
-# request row: (id, prompt, computed, output, max_tokens, blocks, exclusive_blocks, preemptions,
-#               arrival, priority)
+#  preempted_ids, free_blocks, running, waiting, overhead_ns_prev, inflight, overhead_cpu_ns_prev)
+# running/waiting: (rows[(id, prompt, computed, max_tokens, preemptions, arrival, priority)],
+#                   output counts, block counts, {row index: shared leading blocks} | None)
 
 
 def vllm_version() -> str:
@@ -66,16 +67,27 @@ def check_version(version: str | None = None) -> str:
     return v
 
 
+# Columns read per request with C-level map() calls (a Python loop over 256 requests costs
+# several times more); see docs/snapshotter.md for the measurements.
 _ROW = operator.attrgetter(
     "request_id",
     "num_prompt_tokens",
     "num_computed_tokens",
-    "num_output_tokens",
     "max_tokens",
     "num_preemptions",
     "arrival_time",
     "priority",
 )
+_ID = operator.attrgetter("request_id")
+_OUT_IDS = operator.attrgetter("_output_token_ids")
+_REF = operator.attrgetter("ref_cnt")
+
+
+class _NoBlock:
+    ref_cnt = 0
+
+
+_NO_BLOCK = _NoBlock()
 _EMPTY: tuple[()] = ()
 
 
@@ -100,7 +112,8 @@ class _SnapshotMixin:
         self._bear_prefix = bool(self.cache_config.enable_prefix_caching)  # type: ignore[attr-defined]
         self._bear_seq = 0
         self._bear_pending: deque[tuple[Any, ...]] = deque()
-        self._bear_overhead_ns = 0
+        self._bear_overhead_ns = 0  # wall time the hooks added since the last record
+        self._bear_overhead_cpu_ns = 0  # the same in this thread's CPU time (no GIL waits, no preemption)
         self._bear_dropped = 0
         self._bear_stop = threading.Event()
         self._bear_write_initial()
@@ -136,6 +149,7 @@ class _SnapshotMixin:
             "record_version": RECORD_VERSION,
             "vllm_version": vllm_version(),
             "pid": os.getpid(),
+            "pid_namespace": _shm.pid_namespace(),
             "dp_rank": int(getattr(self.parallel_config, "data_parallel_rank", 0) or 0),  # type: ignore[attr-defined]
             "config": config,
         }
@@ -145,7 +159,7 @@ class _SnapshotMixin:
         t0 = time.monotonic()
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         t1 = time.monotonic()
-        c0 = time.perf_counter_ns()
+        c0, u0 = time.perf_counter_ns(), time.thread_time_ns()
         nst = out.num_scheduled_tokens
         cr = out.scheduled_cached_reqs
         self._bear_pending.append(
@@ -162,44 +176,49 @@ class _SnapshotMixin:
             )
         )
         self._bear_overhead_ns += time.perf_counter_ns() - c0
+        self._bear_overhead_cpu_ns += time.thread_time_ns() - u0
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         t2 = time.monotonic()
         outs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         t3 = time.monotonic()
-        c0 = time.perf_counter_ns()
+        c0, u0 = time.perf_counter_ns(), time.thread_time_ns()
         try:
             self._bear_capture(scheduler_output, t2, t3)
         except Exception:  # never let the observer break the engine
             self._bear_dropped += 1
         self._bear_overhead_ns += time.perf_counter_ns() - c0
+        self._bear_overhead_cpu_ns += time.thread_time_ns() - u0
         return outs
 
     # ---- capture ---------------------------------------------------------------------------------
-    def _bear_rows(self, reqs: Any) -> list[tuple[Any, ...]]:
-        rtb_get = self._bear_req_blocks.get
-        prefix = self._bear_prefix
-        rows = []
-        for r in reqs:
-            rid, p, c, o, m, pre, arr, pri = _ROW(r)
-            blocks = rtb_get(rid, _EMPTY)
-            nb = len(blocks)
-            excl = nb
-            if prefix:
-                for b in blocks:  # shared blocks form a prefix of the list (prefix-cache hits)
-                    if b.ref_cnt > 1:
-                        excl -= 1
-                    else:
+    def _bear_rows(self, reqs: Any) -> tuple[Any, ...]:
+        """(rows, output counts, block counts, {index: shared leading blocks} or None) of a queue."""
+        reqs = list(reqs)
+        rows = list(map(_ROW, reqs))
+        outs = list(map(len, map(_OUT_IDS, reqs)))
+        blocks = list(map(self._bear_req_blocks.get, map(_ID, reqs), repeat(_EMPTY)))
+        nbs = list(map(len, blocks))
+        shared = None
+        if self._bear_prefix:
+            # shared blocks form a prefix of a request's list (prefix-cache hits): look closer only
+            # at requests whose first block is shared
+            firsts = list(map(_REF, map(next, map(iter, blocks), repeat(_NO_BLOCK))))
+            shared = {}
+            for i in [i for i, rc in enumerate(firsts) if rc > 1]:
+                k = 0
+                for b in blocks[i]:
+                    if b.ref_cnt <= 1:
                         break
-            rows.append((rid, p, c, o, m, nb, excl, pre, arr, pri))
-        return rows
+                    k += 1
+                shared[i] = k
+        return rows, outs, nbs, shared
 
-    def _bear_state(self) -> tuple[int, list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-        waiting = self._bear_rows(self.waiting)  # type: ignore[attr-defined]
+    def _bear_state(self) -> tuple[int, tuple[Any, ...], tuple[Any, ...]]:
         holding = getattr(self, "kv_holding_waiting", None)
-        if holding:
-            waiting = self._bear_rows(holding) + waiting
+        queue = self.waiting  # type: ignore[attr-defined]
+        waiting = self._bear_rows([*holding, *queue] if holding else queue)
         return self._bear_pool.get_num_free_blocks(), self._bear_rows(self.running), waiting  # type: ignore[attr-defined]
 
     def _bear_capture(self, scheduler_output: Any, t2: float, t3: float) -> None:
@@ -219,12 +238,13 @@ class _SnapshotMixin:
             nxt = pending[0]
             inflight = (nxt[2], nxt[3], nxt[4], nxt[5], nxt[6], nxt[7])
         free, running, waiting = self._bear_state()
-        busy = bool(running or waiting or pending)
+        busy = bool(running[0] or waiting[0] or pending)
         record = (
             RECORD_VERSION, self._bear_seq, t0, t1, t2, t3, time.time(), busy,
             ids, ns, new, cids, cctx, pre, free, running, waiting, self._bear_overhead_ns, inflight,
+            self._bear_overhead_cpu_ns,
         )  # fmt: skip
-        self._bear_overhead_ns = 0
+        self._bear_overhead_ns = self._bear_overhead_cpu_ns = 0
         try:
             self._bear_writer.write(record)
         except _shm.RecordTooLarge:
@@ -235,7 +255,7 @@ class _SnapshotMixin:
         now = time.monotonic()
         record = (
             RECORD_VERSION, 0, now, now, now, now, time.time(), False,
-            _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, free, running, waiting, 0, None,
+            _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, free, running, waiting, 0, None, 0,
         )  # fmt: skip
         self._bear_writer.write(record)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+_OVERHEAD_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3)
+
 
 class SnapshotterMetrics:
     """Counters for what the snapshotter reads, publishes and drops; a private registry so that
@@ -28,7 +30,7 @@ class SnapshotterMetrics:
         )
         self.snapshots_dropped = Counter(
             "bear_snapshotter_snapshots_dropped",
-            "Snapshots not published (coalesced, NATS disconnected, or publish failed)",
+            "Snapshots not published (coalesced, NATS disconnected, overflow, or publish failed)",
             ["reason"],
             registry=r,
         )
@@ -50,7 +52,13 @@ class SnapshotterMetrics:
         )
         self.plugin_overhead = Histogram(
             "bear_snapshotter_plugin_overhead_seconds",
-            "Time the plugin added to one engine step",
-            buckets=(5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3),
+            "Wall time the plugin added to one engine step",
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.plugin_overhead_cpu = Histogram(
+            "bear_snapshotter_plugin_overhead_cpu_seconds",
+            "CPU time of the engine thread the plugin added to one engine step",
+            buckets=_OVERHEAD_BUCKETS,
             registry=r,
         )

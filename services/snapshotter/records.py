@@ -16,7 +16,7 @@ RECORD_VERSION = 1
 STEP_FIELDS = (
     "version", "seq", "t_sched0", "t_sched1", "t_upd0", "t_upd1", "wall", "busy_after",
     "sched_ids", "sched_ns", "new_reqs", "cached_ids", "cached_computed", "preempted",
-    "free_blocks", "running", "waiting", "overhead_ns", "inflight",
+    "free_blocks", "running", "waiting", "overhead_ns", "inflight", "overhead_cpu_ns",
 )  # fmt: skip
 ROW_FIELDS = (
     "id", "prompt_tokens", "computed_tokens", "output_tokens", "max_tokens", "blocks",
@@ -33,13 +33,24 @@ def parse_step(raw: Any) -> dict[str, Any]:
     if not isinstance(raw, tuple | list) or len(raw) != len(STEP_FIELDS) or raw[0] != RECORD_VERSION:
         raise RecordError(f"unexpected raw record (version {raw[0] if raw else None!r})")
     step = dict(zip(STEP_FIELDS, raw, strict=True))
-    step["running"] = [list(r) for r in step["running"]]
-    step["waiting"] = [list(r) for r in step["waiting"]]
+    step["running"] = expand_rows(step["running"])
+    step["waiting"] = expand_rows(step["waiting"])
     step["sched"] = dict(zip(step.pop("sched_ids"), step.pop("sched_ns"), strict=True))
     step["new_reqs"] = {rid: c for rid, c in step["new_reqs"]}
     step["cached_computed"] = dict(zip(step.pop("cached_ids"), step["cached_computed"], strict=True))
     step["preempted"] = list(step["preempted"])
     return step
+
+
+def expand_rows(cols: Any) -> list[list[Any]]:
+    """The plugin's columns (rows, output counts, block counts, shared-prefix blocks) → one list
+    per request in ROW_FIELDS order."""
+    rows, outs, nbs, shared = cols
+    shared = shared or {}
+    return [
+        [rid, p, c, o, m, nb, nb - shared.get(i, 0), pre, arr, pri]
+        for i, ((rid, p, c, m, pre, arr, pri), o, nb) in enumerate(zip(rows, outs, nbs, strict=True))
+    ]
 
 
 def request_map(row: list[Any] | tuple[Any, ...]) -> dict[str, Any]:

@@ -18,13 +18,14 @@ from typing import IO, Any
 
 import nats
 import structlog
+from nats.aio.client import Client as NATS
+from nats.js.errors import BucketNotFoundError
+
 from bear.protocol.codec import pack
 from bear.protocol.subjects import Subjects
 from bear.snapshotter.metrics import SnapshotterMetrics
 from bear.snapshotter.records import BatchBuilder, RecordError, parse_step, to_snapshot
-from bear.snapshotter.shm import ShmReader
-from nats.aio.client import Client as NATS
-from nats.js.errors import BucketNotFoundError
+from bear.snapshotter.shm import ShmReader, pid_namespace
 
 INSTANCE_SCHEMA = "bear.instance/1"
 log = structlog.get_logger("bear.snapshotter")
@@ -44,6 +45,7 @@ class SnapshotterConfig:
     min_interval_s: float = 0.0
     batch_flush_s: float = 0.2
     batch_buffer: int = 4096
+    snapshot_buffer: int = 256
     poll_interval_s: float = 0.002
     heartbeat_s: float = 0.5
     stale_after_s: float = 1.0
@@ -66,14 +68,14 @@ class Snapshotter:
         self._meta: dict[str, Any] = {}
         self._builder = BatchBuilder(cfg.instance)
         self._batches: deque[dict[str, Any]] = deque(maxlen=cfg.batch_buffer)
-        self._pending_snapshot: dict[str, Any] | None = None
+        self._pending: deque[dict[str, Any]] = deque(maxlen=cfg.snapshot_buffer)
         self._last_publish = 0.0
         self._last_seq = -1
         self._status = "starting"
         self._status_dirty = True
         self._stop = asyncio.Event()
         self._record: IO[str] | None = None
-        self.published_seqs: list[int] = []  # tests and `bear record` read this; bounded below
+        self._bad_logged = False
         self.log = log.bind(instance=cfg.instance)
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -173,6 +175,7 @@ class Snapshotter:
             "status": self._status,
             "heartbeat": time.time(),
             "seq": self._last_seq,
+            "generation": self._reader.generation if self._reader is not None else None,
             "vllm_version": self._meta.get("vllm_version"),
             "config": self._meta.get("config"),
             **cfg.extra,
@@ -228,6 +231,7 @@ class Snapshotter:
         self._meta = reader.meta()
         self._builder.reset()
         self._last_seq = -1
+        self._bad_logged = False
         self.metrics.engine_restarts.inc()
         self.log.info("engine_attached", pid=reader.pid, generation=reader.generation,
                       vllm_version=self._meta.get("vllm_version"))  # fmt: skip
@@ -236,7 +240,8 @@ class Snapshotter:
     def _writer_dead(self, r: ShmReader) -> str | None:
         if r.closed:
             return "closed"
-        if r.writer_alive() is False:
+        same_ns = self._meta.get("pid_namespace", pid_namespace()) == pid_namespace()
+        if same_ns and r.writer_alive() is False:  # a pid from another namespace means nothing here
             return "pid_gone"
         if time.time() - r.heartbeat_s > self.cfg.stale_after_s:
             return "heartbeat_stale"
@@ -245,26 +250,18 @@ class Snapshotter:
     async def _read_loop(self) -> None:
         while True:
             r = self._reader
-            if (
-                r is None
-                or (r.replaced() and self._status != "up")
-                or (r.replaced() and self._writer_dead(r))
-            ):
-                if r is not None and self._status == "up":
-                    self._set_status("down", reason="region_replaced")
-                if not self._attach():
-                    await asyncio.sleep(0.05)
+            if r is None or r.replaced():
+                if r is not None:
+                    self._drain(r)  # what the old engine completed before the new region appeared
+                if not self._attach() and r is None:
+                    await asyncio.sleep(0.05)  # no engine yet
                     continue
-                r = self._reader
-                assert r is not None
-            elif r.replaced():
-                # a new engine replaced the region while the old writer still looks alive: switch
-                self._attach()
-                r = self._reader
+                r = self._reader  # the new region, or the old one (removed) to report it dead
                 assert r is not None
             dead = self._writer_dead(r)
             if dead is not None:
                 self._drain(r)
+                await self._publish_snapshot()
                 self._set_status("down", reason=dead)
                 await asyncio.sleep(0.05)
                 continue
@@ -284,11 +281,15 @@ class Snapshotter:
             try:
                 step = parse_step(raw)
             except RecordError as exc:
-                self.log.error("bad_record", error=str(exc))
+                if not self._bad_logged:  # once per engine generation: a version mismatch repeats
+                    self.log.error("bad_record", error=str(exc), plugin_meta=self._meta)
+                    self._bad_logged = True
+                m.steps_skipped.inc()
                 continue
             m.steps_read.inc()
             if step["overhead_ns"]:
                 m.plugin_overhead.observe(step["overhead_ns"] / 1e9)
+                m.plugin_overhead_cpu.observe(step["overhead_cpu_ns"] / 1e9)
             if self._record is not None:
                 self._record.write(
                     json.dumps({"meta": self._meta, "step": step} if step["seq"] == 0 else step) + "\n"
@@ -298,37 +299,44 @@ class Snapshotter:
                 step, self._meta.get("config", {}), instance=self.cfg.instance, model=self.cfg.model
             )
             snap["v"] = snap["schema"]
-            if self._pending_snapshot is not None:
-                m.snapshots_dropped.labels("coalesced").inc()
-            self._pending_snapshot = snap
+            if self.cfg.min_interval_s > 0:
+                if self._pending:
+                    m.snapshots_dropped.labels("coalesced").inc()
+                self._pending.clear()
+            elif len(self._pending) == self._pending.maxlen:
+                m.snapshots_dropped.labels("overflow").inc()
+            self._pending.append(snap)
             for b in self._builder.feed(step):
                 if len(self._batches) == self._batches.maxlen:
                     m.batches_dropped.inc()
                 self._batches.append(b)
 
     async def _publish_snapshot(self) -> None:
-        snap = self._pending_snapshot
-        if snap is None:
+        """Publish pending snapshots oldest first (every step), or only the newest one per
+        ``min_interval_s`` when coalescing."""
+        if not self._pending:
             return
         now = time.monotonic()
         if self.cfg.min_interval_s and now - self._last_publish < self.cfg.min_interval_s:
-            return  # keep it pending: the newest one goes out when the interval has passed
-        self._pending_snapshot = None
+            return  # keep the newest pending: it goes out when the interval has passed
+        if self.nc is None:
+            return  # not connected yet: hold (bounded) — they are fresh, not stale
         if not self._connected():
-            self.metrics.snapshots_dropped.labels("disconnected").inc()
+            self.metrics.snapshots_dropped.labels("disconnected").inc(len(self._pending))
+            self._pending.clear()
             return
         assert self.nc is not None
-        try:
-            await self.nc.publish(self.subjects.snapshot(self.cfg.instance), pack(snap))
-        except Exception as exc:
-            self.metrics.snapshots_dropped.labels("publish_error").inc()
-            self.log.warning("snapshot_publish_failed", error=repr(exc))
-            return
-        self._last_publish = now
-        self.metrics.snapshots_published.inc()
-        self.published_seqs.append(snap["seq"])
-        if len(self.published_seqs) > 100_000:
-            del self.published_seqs[:50_000]
+        subject = self.subjects.snapshot(self.cfg.instance)
+        while self._pending:
+            snap = self._pending.popleft()
+            try:
+                await self.nc.publish(subject, pack(snap))
+            except Exception as exc:
+                self.metrics.snapshots_dropped.labels("publish_error").inc()
+                self.log.warning("snapshot_publish_failed", error=repr(exc))
+                continue
+            self._last_publish = now
+            self.metrics.snapshots_published.inc()
 
     async def _batch_loop(self) -> None:
         while True:

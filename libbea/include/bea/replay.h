@@ -63,4 +63,9 @@ Prepared prepare(const Snapshot& s, const ReplayOptions& opt);
 // The BEA estimate for `q` joining the instance described by `p`.
 Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt);
 
+// The same estimate for a query arriving `age_s` after the snapshot was captured (staleness
+// compensation, sync mode): the residents first run alone through every step that starts before
+// the arrival, then the query joins. Returns TTFT measured from the query's arrival.
+Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions& opt, double age_s);
+
 }  // namespace bea

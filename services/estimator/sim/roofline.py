@@ -62,3 +62,24 @@ class RooflineModel:
         if self.p.outlier_prob > 0 and self.rng.random() < self.p.outlier_prob:
             t *= self.p.outlier_factor
         return t
+
+    def mean_time_aggregate(self, reqs: int, tokens: int, ctx_sum: float, attn_sum: float) -> float:
+        """``mean_time`` from a batch's sums (requests, Σn, Σ context, Σ n·ctx + n(n+1)/2): the same
+        roofline, for callers that aggregate in C++ (``libbea.engine_step_stats``)."""
+        if reqs == 0:
+            return 0.0
+        flops = self._flops_per_token * tokens + self._lm_head_flops * reqs + self._attn_flops_per_unit * attn_sum
+        nbytes = self._weights + self._kv_bytes * (ctx_sum + tokens)
+        t = max(flops / self._compute_rate, nbytes / self._memory_rate)
+        if self._tp > 1:
+            t += 2 * self.p.shape.layers * self.p.allreduce_latency_s
+            t += self._allreduce_bytes_per_token * tokens * (self._tp - 1) / self._tp / self.p.gpu.interconnect_bytes_s
+        return t + self.p.step_overhead_s + self.p.per_request_overhead_s * reqs
+
+    def noisy(self, t: float) -> float:
+        """Apply one draw of the multiplicative noise (and rare outliers) to a mean step time."""
+        if self.p.noise_sigma > 0:
+            t *= math.exp(self.rng.gauss(-0.5 * self.p.noise_sigma**2, self.p.noise_sigma))
+        if self.p.outlier_prob > 0 and self.rng.random() < self.p.outlier_prob:
+            t *= self.p.outlier_factor
+        return t

@@ -9,6 +9,7 @@ import signal
 from typing import Any
 
 import structlog
+
 from bear.estimator.sim.engine import SimEngine
 from bear.estimator.sim.profile import load_profile
 from bear.estimator.sim.server import SimApi

@@ -18,6 +18,7 @@ import uuid
 from typing import Any
 
 from aiohttp import web
+
 from bear.estimator.sim.engine import SimEngine, SimRequest
 
 FILLER = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit")

@@ -25,7 +25,7 @@ class Candidate:
     healthy: bool = True
     # predictor (per model)
     acc: float = 0.0
-    cost: float = 0.0
+    cost: float = 0.0  # micro-USD (USD per million tokens × tokens): the unit λ = 5e-4 is meant for
     out_len: float = 0.0  # predicted output tokens (mean)
     out_p90: float = 0.0
     # estimator (per instance)
@@ -74,6 +74,12 @@ class Policy:
 
     name: ClassVar[str] = "base"
     uses_ttft: ClassVar[bool] = False  # whether the policy needs the estimator
+    uses_history: ClassVar[bool] = False  # whether it needs observed TTFT percentiles
+
+    def latency_estimate(self, c: Candidate) -> float:
+        """The TTFT-like latency this policy believes for ``c`` (nan when it has none): what the
+        evaluation's estimator-accuracy experiment compares with the observed TTFT."""
+        return math.nan
 
     def filter(self, q: QueryContext, cands: Sequence[Candidate]) -> list[Candidate]:
         return [c for c in cands if c.healthy]

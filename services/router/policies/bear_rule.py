@@ -17,6 +17,9 @@ class BearPolicy(Policy):
         """Which TTFT estimate the rule trusts: BEA (or its fallback) here."""
         return c.ttft
 
+    def latency_estimate(self, c: Candidate) -> float:
+        return self.latency(c)
+
     def decide(self, q: QueryContext, cands: Sequence[Candidate]) -> Decision:
         healthy = self.filter(q, cands)
         if not healthy:
@@ -55,3 +58,6 @@ class BearLagrangePolicy(Policy):
 
     def score(self, q: QueryContext, cands: Sequence[Candidate]) -> list[float]:
         return [c.utility(q.lam) - self.delta * c.ttft for c in cands]
+
+    def latency_estimate(self, c: Candidate) -> float:
+        return c.ttft

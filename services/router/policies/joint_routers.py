@@ -24,6 +24,9 @@ class ScorePolicy(Policy):
     def latency(self, c: Candidate) -> float:
         return _queue_delay(c) + c.out_len * c.tpot
 
+    def latency_estimate(self, c: Candidate) -> float:
+        return self.latency(c)
+
     def score(self, q: QueryContext, cands: Sequence[Candidate]) -> list[float]:
         return [c.utility(q.lam) - self.gamma * self.latency(c) for c in cands]
 
@@ -42,6 +45,9 @@ class RouteBalancePolicy(Policy):
         backlog = c.pending_decode_tokens / max(1, c.n_running)
         return c.tpot * (backlog + c.out_len)
 
+    def latency_estimate(self, c: Candidate) -> float:
+        return self.latency(c)
+
     def score(self, q: QueryContext, cands: Sequence[Candidate]) -> list[float]:
         acc = normalized([c.acc for c in cands])
         cost = normalized([c.cost for c in cands])
@@ -54,6 +60,10 @@ class SemanticRouterLatencyPolicy(Policy):
     (p50, p90 over a rolling window), normalised across candidates, are lowest."""
 
     name: ClassVar[str] = "semantic-router"
+    uses_history: ClassVar[bool] = True
+
+    def latency_estimate(self, c: Candidate) -> float:
+        return c.observed_ttft_p50
 
     def score(self, q: QueryContext, cands: Sequence[Candidate]) -> list[float]:
         p50 = normalized([c.observed_ttft_p50 for c in cands])

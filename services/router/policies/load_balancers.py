@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -39,9 +41,11 @@ class LMDeployPolicy(Policy):
 
     name: ClassVar[str] = "lmdeploy"
 
+    def latency_estimate(self, c: Candidate) -> float:
+        return c.queue_len / c.throughput_rps if c.throughput_rps > 0 else math.inf
+
     def score(self, q: QueryContext, cands: Sequence[Candidate]) -> list[float]:
-        return [-(c.queue_len / c.throughput_rps if c.throughput_rps > 0 else float(c.queue_len) * 1e3)
-                for c in cands]
+        return [-self.latency_estimate(c) if c.throughput_rps > 0 else -float(c.queue_len) * 1e3 for c in cands]
 
 
 class LatencyAgnosticPolicy(Policy):

@@ -1,0 +1,89 @@
+"""The evaluation workload: synthetic queries of the four task families with their true outcome
+on every model (quality, output length) and the predictor's view of them, computed once per seed
+and shared by every policy and rate."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MUSD = 1e6  # utility counts cost in micro-USD (USD per million tokens × tokens): the scale of λ = 5e-4
+
+
+@dataclass
+class QuerySet:
+    ids: list[str]
+    tasks: list[str]
+    models: list[str]  # column order of every [n, m] array
+    prompt_tokens: np.ndarray  # [n, m] per model's tokenizer
+    true_quality: np.ndarray  # [n, m]
+    true_output: np.ndarray  # [n, m] tokens the model really generates
+    pred_acc: np.ndarray  # [n, m]
+    pred_len: np.ndarray  # [n, m] mean
+    pred_p90: np.ndarray  # [n, m]
+    price_in: np.ndarray  # [m] USD per million tokens
+    price_out: np.ndarray  # [m]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def pred_cost(self, i: int, j: int) -> float:
+        """Predicted cost in micro-USD (paper A.4 with the predicted output length)."""
+        return float(self.prompt_tokens[i, j] * self.price_in[j] + self.pred_len[i, j] * self.price_out[j])
+
+    def true_utility(self, i: int, j: int, lam: float) -> float:
+        cost = self.prompt_tokens[i, j] * self.price_in[j] + self.true_output[i, j] * self.price_out[j]
+        return float(self.true_quality[i, j] - lam * cost)
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "bear"
+
+
+def trained_predictor_dir(n_train: int, seed: int, cache: Path | None = None) -> Path:
+    """Train (once, cached) the predictor on synthetic data disjoint from the evaluation queries."""
+    from bear.predictor.synth import generate
+    from bear.predictor.train import train
+
+    key = hashlib.sha1(f"synth-v1-{n_train}-{seed}".encode()).hexdigest()[:10]
+    out = (cache or default_cache_dir()) / f"eval-predictor-{key}"
+    if not (out / "meta.json").exists():
+        records = list(generate(n_train, seed=seed))
+        train(records, out)
+    return out
+
+
+def build_queries(n: int, seed: int, predictor_dir: Path) -> QuerySet:
+    from bear.predictor.runtime import Predictor
+    from bear.predictor.synth import generate
+
+    pred = Predictor(predictor_dir)
+    models = pred.models
+    recs = list(generate(n, seed=seed, models=tuple(models)))
+    m = len(models)
+    ids, tasks = [], []
+    shape = (n, m)
+    pt, tq, to = np.zeros(shape, int), np.zeros(shape), np.zeros(shape, int)
+    pa, pl, p9 = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+    for i in range(n):
+        group = recs[i * m : (i + 1) * m]
+        ids.append(f"q{seed}-{i}")
+        tasks.append(group[0].task)
+        for j, r in enumerate(group):
+            tq[i, j] = r.quality
+            to[i, j] = r.output_tokens
+        given = {r.model: int(r.prompt_tokens) for r in group if r.prompt_tokens is not None}
+        for j, p in enumerate(pred.predict(group[0].prompt, models, prompt_tokens=given or None)):
+            pt[i, j] = p.prompt_tokens
+            pa[i, j] = p.acc
+            pl[i, j] = p.len_mean
+            p9[i, j] = p.len_p90
+    return QuerySet(
+        ids=ids, tasks=tasks, models=models, prompt_tokens=pt, true_quality=tq, true_output=to,
+        pred_acc=pa, pred_len=pl, pred_p90=p9,
+        price_in=np.array([pred.by_name[x].price_in for x in models]),
+        price_out=np.array([pred.by_name[x].price_out for x in models]),
+    )

@@ -1,0 +1,107 @@
+"""Raw plugin records → bear.snapshot/1, bear.batch/1, and `bear record` replay cases."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+from bear import libbea
+from bear.snapshotter.cases import build_cases, record_run
+from bear.snapshotter.records import BatchBuilder, batches_of, parse_step, to_snapshot
+
+from snapshotter_fakes import CONFIG, meta, raw_step
+
+
+def _scenario() -> list[dict]:
+    """Two requests on a budget of 384 tokens: A (500-token prompt, 3 outputs) arrives first,
+    B (100 tokens, 2 outputs) arrives while A's first chunk runs."""
+    t = 100.0
+    A = {"id": "A", "prompt": 500, "max_tokens": 3, "arrival": 1.0}
+    B = {"id": "B", "prompt": 100, "max_tokens": 2, "arrival": 2.0}
+    raws = [
+        raw_step(0, busy=False, t0=t),
+        raw_step(1, sched={"A": 384}, new={"A": 0}, running=[{**A, "computed": 384, "blocks": 3}],
+                 waiting=[{**B, "computed": 0, "blocks": 0}], t0=t + 1),
+        raw_step(2, sched={"A": 116, "B": 100}, new={"B": 0}, cached={"A": 384},
+                 running=[{**A, "computed": 500, "output": 1, "blocks": 4}, {**B, "computed": 100, "output": 1}],
+                 t0=t + 1.01),
+        raw_step(3, sched={"A": 1, "B": 1}, cached={"A": 500, "B": 100},
+                 running=[{**A, "computed": 501, "output": 2, "blocks": 4}], t0=t + 1.02),
+        raw_step(4, sched={"A": 1}, cached={"A": 501}, busy=False, t0=t + 1.03),
+    ]  # fmt: skip
+    return [parse_step(r) for r in raws]
+
+
+def test_snapshot_has_the_schema_fields_of_the_public_traces(cases: list[dict]) -> None:
+    steps = _scenario()
+    snap = to_snapshot(steps[1], CONFIG, instance="i1", model="m")
+    public = cases[1]["snapshot"]
+    assert set(public) - {"model"} <= set(snap)
+    assert set(public["config"]) <= set(snap["config"])
+    assert set(snap["running"][0]) == set(public["running"][0])
+    assert snap["running"][0]["exclusive_blocks"] == 3 and snap["waiting"][0]["id"] == "B"
+    libbea.Snapshot.from_dict(snap)  # the replay core accepts it
+
+
+def test_batch_records_durations_and_decode_flags() -> None:
+    steps = _scenario()
+    recs = batches_of(steps, "i1")
+    assert [r["seq"] for r in recs] == [1, 2, 3, 4]
+    assert recs[0]["items"] == [{"n": 384, "context": 0, "decode": False}]
+    assert recs[1]["items"] == [
+        {"n": 116, "context": 384, "decode": False},
+        {"n": 100, "context": 0, "decode": False},
+    ]
+    assert recs[2]["items"] == [
+        {"n": 1, "context": 500, "decode": True},
+        {"n": 1, "context": 100, "decode": True},
+    ]
+    assert abs(recs[0]["duration_s"] - 0.01) < 1e-9
+    assert recs[3]["duration_s"] is None  # engine went idle after step 4
+    prompts = [[500], [500, 100], [500, 100], [500]]
+    for r, ps in zip(recs, prompts, strict=True):
+        for it, p in zip(r["items"], ps, strict=True):
+            assert it["decode"] == libbea.is_decode(it["n"], it["context"], p)
+
+
+def test_batch_record_is_held_until_the_next_step_starts() -> None:
+    steps = _scenario()
+    b = BatchBuilder("i1")
+    assert b.feed(steps[0]) == []
+    assert b.feed(steps[1]) == []  # busy: waits for step 2's start
+    out = b.feed(steps[2])
+    assert [r["seq"] for r in out] == [1]
+
+
+def test_cases_replay_exactly_with_libbea() -> None:
+    steps = _scenario()
+    cs = build_cases(meta(), steps, trace="t")
+    by_id = {c["request"]["id"]: c for c in cs}
+    assert set(by_id) == {"A", "B"}
+    a, b = by_id["A"], by_id["B"]
+    assert a["snapshot"]["seq"] == 0 and a["expected_batches"] == [{"A": 384}, {"A": 116}]
+    # B reached the scheduler in the same gap as A, behind it: same snapshot, A queued ahead of B
+    assert b["snapshot"]["seq"] == 0 and [r["id"] for r in b["snapshot"]["waiting"]] == ["A"]
+    assert b["expected_batches"] == [{"A": 384}, {"A": 116, "B": 100}]
+    assert b["output_lengths"] == {"A": 3, "B": 2}
+    assert abs(b["engine_ttft_s"] - (0.01 + 0.01 * 0.95)) < 1e-9
+    for c in cs:
+        s = libbea.Snapshot.from_dict(c["snapshot"])
+        res = libbea.estimate(s, c["request"], beta=[0.01, 0, 0, 0], lengths=c["output_lengths"], trace=True)
+        assert res["batches"] == c["expected_batches"], c["request"]["id"]
+
+
+def test_record_run_writes_the_public_file_layout(tmp_path: Path, cases: list[dict]) -> None:
+    steps = _scenario()
+    log = tmp_path / "run.jsonl.gz"
+    with gzip.open(log, "wt") as f:
+        f.write(json.dumps({"meta": meta(), "step": steps[0]}) + "\n")
+        for s in steps[1:]:
+            f.write(json.dumps(s) + "\n")
+    cpath, bpath, nc, nb = record_run([log], trace="mine", out_dir=tmp_path / "out")
+    assert (nc, nb) == (2, 4) and bpath.name == "batches_mine.jsonl.gz"
+    with gzip.open(cpath, "rt") as f:
+        first = json.loads(f.readline())
+    assert set(first) == set(cases[0])
+    assert set(first["request"]) == set(cases[0]["request"])

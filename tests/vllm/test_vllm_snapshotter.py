@@ -1,0 +1,248 @@
+"""Real vLLM (CPU build) + BEAR plugin + snapshotter + nats-server: every step arrives on NATS in
+order; libbea replays vLLM's batches from the snapshot seen at each arrival; faults."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from harness import Load, VllmServer, run_load
+
+from bear import libbea
+from bear.estimator.calibration import fit_beta
+from bear.protocol.codec import unpack_map
+from bear.protocol.nats_server import LocalNatsServer
+from bear.snapshotter.cases import generations, record_run
+from bear.snapshotter.records import batches_of, parse_step
+from bear.snapshotter.service import Snapshotter, SnapshotterConfig
+from bear.snapshotter.shm import ShmReader
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "light": {
+        "args": ["--max-model-len", "4096", "--max-num-batched-tokens", "512", "--max-num-seqs", "16"],
+        "load": Load(n=300, rate=10.0, prompt=(20, 600), output=(2, 24), seed=1),
+    },
+    "lpt-queueing": {
+        "args": ["--max-model-len", "4096", "--max-num-batched-tokens", "384", "--max-num-seqs", "12",
+                 "--long-prefill-token-threshold", "200"],
+        "load": Load(n=200, rate=25.0, prompt=(50, 1200), output=(2, 32), seed=2),
+    },
+    "kv-pressure": {
+        "args": ["--max-model-len", "2048", "--max-num-batched-tokens", "512", "--max-num-seqs", "16",
+                 "--num-gpu-blocks-override", "40", "--no-enable-prefix-caching"],
+        "load": Load(n=150, rate=12.0, prompt=(100, 900), output=(32, 160), seed=3),
+    },
+}  # fmt: skip
+
+RESULTS = Path(os.environ.get("BEAR_VLLM_RESULTS", "/tmp/bear-vllm-results"))
+
+
+def replay_fidelity(cases: list[dict[str, Any]], batches: list[dict[str, Any]]) -> dict[str, Any]:
+    """Exact-batch-sequence rate, and the TTFT MAPE with β fitted online: each case uses β fitted
+    on the batch records that finished before its snapshot (refitted every 100 records)."""
+    cases = sorted(cases, key=lambda c: c["snapshot"]["seq"])
+    usable = [b for b in batches if b["duration_s"] is not None]
+    exact, errors, beta, fitted_upto = 0, [], None, -1
+    for c in cases:
+        s = libbea.Snapshot.from_dict(c["snapshot"])
+        res = libbea.estimate(s, c["request"], beta=[1e-3, 0, 0, 0], lengths=c["output_lengths"], trace=True)
+        exact += res["batches"] == c["expected_batches"]
+        seq = c["snapshot"]["seq"]
+        past = [b for b in usable if b["seq"] <= seq]
+        if len(past) >= 50 and (beta is None or len(past) - fitted_upto >= 100):
+            beta, fitted_upto = list(fit_beta(past).beta), len(past)
+        if beta is not None:
+            ttft = libbea.estimate(s, c["request"], beta=beta, lengths=c["output_lengths"])["ttft_s"]
+            errors.append(abs(ttft - c["engine_ttft_s"]) / c["engine_ttft_s"])
+    return {
+        "arrivals": len(cases),
+        "exact": exact,
+        "exact_frac": exact / max(len(cases), 1),
+        "ttft_mape": sum(errors) / len(errors) if errors else None,
+        "ttft_mape_n": len(errors),
+        "batch_records": len(batches),
+        "preemption_cases": sum(c["preemption_in_horizon"] for c in cases),
+        "beta_final": list(fit_beta(usable).beta) if len(usable) >= 10 else None,
+    }
+
+
+def save_result(name: str, result: dict[str, Any]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+async def _collect(nc: Any, subject: str, sink: list[dict[str, Any]]) -> Any:
+    async def on_msg(msg: Any) -> None:
+        sink.append(unpack_map(msg.data))
+
+    return await nc.subscribe(subject, cb=on_msg)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+async def test_every_step_published_and_replayed(
+    config: str, vllm_py: str, tiny_model: Path, tmp_path: Path
+) -> None:
+    spec = CONFIGS[config]
+    srv = VllmServer(vllm_py, tiny_model, spec["args"], log_path=tmp_path / "vllm.log")
+    step_log = tmp_path / "steps.jsonl.gz"
+    with LocalNatsServer() as nats_srv:
+        await asyncio.to_thread(srv.start)
+        try:
+            svc = Snapshotter(SnapshotterConfig(instance=f"vllm-{config}", shm=srv.shm, nats_url=nats_srv.url,
+                                                model="tiny", base_url=srv.base_url, record_to=str(step_log)))  # fmt: skip
+            nc = await nats.connect(nats_srv.url)
+            snaps: list[dict[str, Any]] = []
+            await _collect(nc, f"bear.snapshot.vllm-{config}", snaps)
+            await nc.flush()
+            task = asyncio.create_task(svc.run())
+            await asyncio.sleep(1.0)
+            results = await run_load(srv.base_url, spec["load"])
+            await asyncio.sleep(1.5)
+            svc.stop()
+            await asyncio.wait_for(task, 15)
+            await nc.close()
+        finally:
+            srv.stop()
+    assert all(r["status"] == 200 for r in results), [r for r in results if r["status"] != 200][:3]
+    ((meta, steps),) = generations(step_log)
+    last = steps[-1]["seq"]
+    seqs = [s["seq"] for s in snaps]
+    assert seqs == list(range(last + 1)), "snapshots missing or out of order on NATS"
+    for s in snaps[:: max(1, len(snaps) // 50)]:
+        libbea.Snapshot.from_dict(s)
+    overhead = [st["overhead_ns"] / 1e3 for st in steps[1:] if st["overhead_ns"]]
+    max_res = max(len(st["running"]) + len(st["waiting"]) for st in steps)
+    out = tmp_path / "record"
+    record_run([step_log], trace=config, out_dir=out)
+    with gzip.open(out / "cases.jsonl.gz", "rt") as f:
+        cases = [json.loads(line) for line in f]
+    fid = replay_fidelity(cases, batches_of(steps, config))
+    fid.update(config=config, steps=last, requests=len(results), max_resident=max_res,
+               overhead_us_median=sorted(overhead)[len(overhead) // 2], vllm=meta["vllm_version"])  # fmt: skip
+    save_result(config, fid)
+    assert fid["arrivals"] >= 0.9 * len(results)
+    assert fid["exact_frac"] >= 0.99, fid
+    if config == "kv-pressure":
+        assert fid["preemption_cases"] > 0, "the KV-pressure configuration never preempted"
+
+
+def _drain_steps(reader: ShmReader, sink: list[dict[str, Any]]) -> None:
+    for raw in reader.poll().records:
+        sink.append(parse_step(raw))
+
+
+async def test_plugin_overhead_at_256_residents(vllm_py: str, tiny_model: Path, tmp_path: Path) -> None:
+    """The time the plugin adds to an engine step with 256 requests resident (all decoding)."""
+    args = ["--max-model-len", "1024", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192"]
+    srv = VllmServer(vllm_py, tiny_model, args, log_path=tmp_path / "vllm.log")
+    await asyncio.to_thread(srv.start)
+    steps: list[dict[str, Any]] = []
+    try:
+        reader = ShmReader(srv.shm)
+        load = asyncio.create_task(
+            run_load(srv.base_url, Load(n=256, rate=1e6, prompt=(16, 16), output=(300, 300)))
+        )
+        while not load.done():
+            _drain_steps(reader, steps)
+            await asyncio.sleep(0.005)
+        _drain_steps(reader, steps)
+        reader.close()
+    finally:
+        srv.stop()
+    full = [s for s in steps if len(s["running"]) == 256 and len(s["sched"]) == 256]
+    assert len(full) > 50, f"only {len(full)} steps had 256 residents"
+    over = sorted(s["overhead_ns"] / 1e3 for s in full)
+    period = sorted(
+        b["duration_s"] for b in batches_of(steps, "x") if b["duration_s"] and len(b["items"]) == 256
+    )
+    res = {
+        "steps_at_256": len(full),
+        "overhead_us_median": over[len(over) // 2],
+        "overhead_us_p90": over[int(len(over) * 0.9)],
+        "step_ms_median": 1e3 * period[len(period) // 2],
+    }
+    res["overhead_frac_of_step"] = res["overhead_us_median"] / 1e3 / res["step_ms_median"]
+    save_result("overhead-256", res)
+    assert res["overhead_frac_of_step"] < 0.01, res
+
+
+async def test_faults_nats_restart_and_vllm_kill(vllm_py: str, tiny_model: Path, tmp_path: Path) -> None:
+    """Mid-load: restart NATS → snapshots flow again within 2 s and the engine never stalled;
+    SIGKILL vLLM → the instance is marked down within 2 s."""
+    srv = VllmServer(vllm_py, tiny_model, CONFIGS["light"]["args"], log_path=tmp_path / "vllm.log")
+    step_log = tmp_path / "steps.jsonl"
+    with LocalNatsServer() as nats_srv:
+        await asyncio.to_thread(srv.start)
+        try:
+            svc = Snapshotter(SnapshotterConfig(instance="vf", shm=srv.shm, nats_url=nats_srv.url, model="tiny",
+                                                base_url=srv.base_url, record_to=str(step_log)))  # fmt: skip
+            task = asyncio.create_task(svc.run())
+            load = asyncio.create_task(
+                run_load(srv.base_url, Load(n=400, rate=20.0, prompt=(20, 400), output=(8, 64), seed=7))
+            )
+            await asyncio.sleep(4.0)
+            nc = await nats.connect(nats_srv.url)
+            kv = await nc.jetstream().key_value("bear_instances")
+            assert unpack_map((await kv.get("vf")).value)["status"] == "up"
+            await nc.close()
+
+            t_stop = time.monotonic()
+            await asyncio.to_thread(nats_srv.stop)
+            await asyncio.sleep(1.5)
+            t_start = time.monotonic()
+            await asyncio.to_thread(nats_srv.start)
+            got = asyncio.Event()
+            seen: list[int] = []
+            nc = await nats.connect(nats_srv.url)
+
+            async def on_snap(msg: Any) -> None:
+                seen.append(unpack_map(msg.data)["seq"])
+                got.set()
+
+            await nc.subscribe("bear.snapshot.vf", cb=on_snap)
+            await asyncio.wait_for(got.wait(), 5)
+            resumed_s = time.monotonic() - t_start
+            await asyncio.sleep(2.0)
+
+            kv = await nc.jetstream().key_value("bear_instances")
+            t_kill = time.monotonic()
+            await asyncio.to_thread(srv.kill)
+            down_s = None
+            while time.monotonic() - t_kill < 5:
+                if unpack_map((await kv.get("vf")).value)["status"] == "down":
+                    down_s = time.monotonic() - t_kill
+                    break
+                await asyncio.sleep(0.02)
+            await nc.close()
+            load.cancel()
+            svc.stop()
+            await asyncio.wait_for(task, 15)
+        finally:
+            srv.stop()
+    steps = [s for _, s in _read_plain(step_log)]
+    # time.monotonic() is one system-wide clock: engine step times compare with ours directly
+    outage = [s for s in steps if t_stop <= s["t_sched0"] <= t_start + resumed_s]
+    gaps = [b["t_sched0"] - a["t_upd1"] for a, b in itertools.pairwise(outage) if a["busy_after"]]
+    res = {"nats_resume_s": resumed_s, "down_after_kill_s": down_s, "steps_during_outage": len(outage),
+           "max_busy_gap_during_outage_ms": 1e3 * max(gaps, default=0.0), "steps": len(steps)}  # fmt: skip
+    save_result("faults", res)
+    assert resumed_s < 2.0, res
+    assert down_s is not None and down_s < 2.0, res
+    assert len(outage) > 50 and res["max_busy_gap_during_outage_ms"] < 100, res
+
+
+def _read_plain(path: Path) -> list[tuple[Any, dict[str, Any]]]:
+    from bear.snapshotter.cases import read_steps
+
+    return list(read_steps(path))
