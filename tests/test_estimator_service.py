@@ -50,7 +50,8 @@ async def until(pred, limit_s: float = 5.0) -> None:
 @pytest.fixture
 async def env(nats_server):
     nc = await nats.connect(nats_server.url)
-    worker = EstimatorWorker(nc, EstimatorConfig(max_age_s=1.0, down_after_s=10.0, default_output_tokens=256))
+    worker = EstimatorWorker(nc, EstimatorConfig(max_age_s=1.0, down_after_s=10.0, default_output_tokens=256,
+                                                 compensate_staleness=False))  # exact match with plain replays
     await worker.start()
     yield nc, worker, EstimatorClient(nc, try_timeout_s=1.0)
     await worker.stop()
@@ -88,6 +89,11 @@ async def test_estimates_match_offline_libbea(env) -> None:
                                   default_output_tokens=256)
         assert row["instance"] == s["instance"] and row["method"] == "bea" and not row["stale"]
         assert row["ttft_s"] == pytest.approx(offline["ttft_s"], rel=1e-12)
+        held = libbea.Snapshot.from_dict(s)
+        held.set_output_lengths({k: v for k, v in lengths.items() if k in set(held.request_ids)})
+        assert (row["n_running"], row["n_waiting"]) == (len(s["running"]), len(s["waiting"]))
+        assert row["pending_prefill_tokens"] == held.pending_prefill_tokens() > 0
+        assert row["pending_decode_tokens"] == held.pending_decode_tokens(256) > 0
         assert row["n_batches"] == offline["n_batches"] and row["status"] == "ok"
         assert 0 <= row["age_s"] < 1.0
     # The unannounced residents really used the default: a different default changes the answer.

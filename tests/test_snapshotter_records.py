@@ -105,3 +105,17 @@ def test_record_run_writes_the_public_file_layout(tmp_path: Path, cases: list[di
         first = json.loads(f.readline())
     assert set(first) == set(cases[0])
     assert set(first["request"]) == set(cases[0]["request"])
+
+
+def test_bear_record_cli(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from bear.cli import app
+
+    log = tmp_path / "run.jsonl"
+    steps = _scenario()
+    log.write_text("\n".join([json.dumps({"meta": meta(), "step": steps[0]}), *(json.dumps(s) for s in steps[1:])]))
+    res = CliRunner().invoke(app, ["record", str(log), "--trace", "cli", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    assert "2 cases" in res.output and (tmp_path / "o" / "batches_cli.jsonl.gz").exists()
+    assert CliRunner().invoke(app, ["snapshotter", "--help"]).exit_code == 0

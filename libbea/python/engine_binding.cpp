@@ -14,6 +14,7 @@
 #include "bea/snapshot.h"
 #include "bea/scheduler.h"
 #include "bea/value.h"
+#include "convert.h"
 
 namespace py = pybind11;
 using bea::Engine;
@@ -79,36 +80,12 @@ py::dict snapshot_dict(const Scheduler& sched, NameOf name_of, const std::string
   return d;
 }
 
-// Python objects reach the C++ validators through msgpack, so they are checked exactly like a
-// received snapshot (same bounds, same error messages).
-bea::Value packed_value(py::handle obj) {
-  py::bytes packed = py::module_::import("msgpack").attr("packb")(obj, py::arg("use_bin_type") = true);
-  std::string_view sv = packed;
-  return bea::parse_msgpack(reinterpret_cast<const uint8_t*>(sv.data()), sv.size());
-}
-
-bea::Coeffs beta_from(py::handle h) {
-  auto seq = py::reinterpret_borrow<py::sequence>(h);
-  if (seq.size() != 4) throw std::invalid_argument("beta must have 4 coefficients");
-  double b[4];
-  for (size_t k = 0; k < 4; ++k) {
-    b[k] = seq[k].cast<double>();
-    if (!std::isfinite(b[k])) throw std::invalid_argument("beta must be finite");
-  }
-  bea::Coeffs c;
-  c.b0 = b[0];
-  c.b1 = b[1];
-  c.b2 = b[2];
-  c.b3 = b[3];
-  return c;
-}
-
 }  // namespace
 
 void bind_engine(py::module_& m) {
   py::class_<Engine>(m, "Engine",
                      "A live vLLM V1 engine core (sync scheduling) over libbea's Scheduler, for the sim instance.")
-      .def(py::init([](py::handle config) { return new Engine(packed_value(config)); }), py::arg("config"),
+      .def(py::init([](py::handle config) { return new Engine(bea_py::to_value(config, 0)); }), py::arg("config"),
            "Build from a bear.snapshot/1 `config` map (ValueError names a bad field).")
       .def(
           "add",
@@ -173,13 +150,13 @@ void bind_engine(py::module_& m) {
       [](py::bytes data, py::handle lengths, double age_s, py::handle beta, int64_t default_output_tokens,
          double overrun_fraction) {
         bea::ReplayOptions opt;
-        opt.beta = beta_from(beta);
+        opt.beta = bea_py::coeffs_from(beta);
         opt.default_output_tokens = default_output_tokens;
         if (!std::isfinite(overrun_fraction) || overrun_fraction < 0.0)
           throw std::invalid_argument("overrun_fraction must be >= 0");
         opt.overrun_fraction = overrun_fraction;
         std::unordered_map<std::string, int64_t> known;
-        if (!lengths.is_none()) known = bea::lengths_from_value(packed_value(lengths));
+        if (!lengths.is_none()) known = bea::lengths_from_value(bea_py::to_value(lengths, 0));
         std::string_view sv = data;
         std::unique_ptr<bea::Advanced> adv;
         std::string instance, model;

@@ -15,69 +15,17 @@
 #include "bea/replay.h"
 #include "bea/snapshot.h"
 #include "bea/value.h"
+#include "convert.h"
 
 namespace py = pybind11;
 using namespace bea;
 
 void bind_engine(py::module_& m);  // engine_binding.cpp
 
+using bea_py::coeffs_from;
+using bea_py::to_value;
+
 namespace {
-
-Value to_value(py::handle h, int depth) {
-  if (depth > kMaxDepth) throw std::invalid_argument("input nested too deeply");
-  Value v;
-  if (h.is_none()) return v;
-  if (py::isinstance<py::bool_>(h)) {
-    v.type = Value::Type::Bool;
-    v.b = h.cast<bool>();
-  } else if (py::isinstance<py::int_>(h)) {
-    v.type = Value::Type::Int;
-    int overflow = 0;
-    const long long x = PyLong_AsLongLongAndOverflow(h.ptr(), &overflow);
-    if (overflow != 0) throw std::invalid_argument("integer out of range");
-    if (x == -1 && PyErr_Occurred()) throw py::error_already_set();
-    v.i = x;
-  } else if (py::isinstance<py::float_>(h)) {
-    v.type = Value::Type::Float;
-    v.d = h.cast<double>();
-  } else if (py::isinstance<py::str>(h)) {
-    v.type = Value::Type::Str;
-    v.s = h.cast<std::string>();
-  } else if (py::isinstance<py::dict>(h)) {
-    v.type = Value::Type::Map;
-    auto d = py::reinterpret_borrow<py::dict>(h);
-    v.map.reserve(d.size());
-    for (auto kv : d) {
-      if (!py::isinstance<py::str>(kv.first)) throw std::invalid_argument("map key is not a string");
-      v.map.emplace_back(kv.first.cast<std::string>(), to_value(kv.second, depth + 1));
-    }
-  } else if (py::isinstance<py::list>(h) || py::isinstance<py::tuple>(h)) {
-    v.type = Value::Type::Arr;
-    auto seq = py::reinterpret_borrow<py::sequence>(h);
-    v.arr.reserve(seq.size());
-    for (auto item : seq) v.arr.push_back(to_value(item, depth + 1));
-  } else {
-    throw std::invalid_argument(std::string("unsupported value type: ") + std::string(py::str(h.get_type())));
-  }
-  return v;
-}
-
-Coeffs coeffs_from(py::handle h) {
-  Coeffs c;
-  if (h.is_none()) return c;
-  auto seq = py::reinterpret_borrow<py::sequence>(h);
-  if (seq.size() != 4) throw std::invalid_argument("beta must have 4 coefficients");
-  double b[4];
-  for (size_t k = 0; k < 4; ++k) {
-    b[k] = seq[k].cast<double>();
-    if (!std::isfinite(b[k])) throw std::invalid_argument("beta must be finite");
-  }
-  c.b0 = b[0];
-  c.b1 = b[1];
-  c.b2 = b[2];
-  c.b3 = b[3];
-  return c;
-}
 
 const char* status_name(Status s) {
   switch (s) {
@@ -115,8 +63,11 @@ class PySnapshot {
 };
 
 ReplayOptions options(py::handle beta, bool trace, bool collapse, int64_t default_out, double overrun,
-                      int64_t max_steps) {
+                      int64_t max_steps, double arrival_tokens_per_s = 0.0) {
   ReplayOptions o;
+  if (!std::isfinite(arrival_tokens_per_s) || arrival_tokens_per_s < 0.0)
+    throw std::invalid_argument("arrival_tokens_per_s must be finite and >= 0");
+  o.arrival_tokens_per_s = arrival_tokens_per_s;
   o.beta = coeffs_from(beta);
   o.trace = trace;
   o.collapse = collapse;
@@ -131,6 +82,13 @@ ReplayOptions options(py::handle beta, bool trace, bool collapse, int64_t defaul
 Query query_from(py::handle h) {
   if (py::isinstance<Query>(h)) return h.cast<Query>();
   return query_from_value(to_value(h, 0));
+}
+
+std::vector<Query> queries_from(py::handle h) {
+  std::vector<Query> out;
+  if (h.is_none()) return out;
+  for (auto item : py::reinterpret_borrow<py::sequence>(h)) out.push_back(query_from(item));
+  return out;
 }
 
 py::dict result_dict(const Estimate& e, const Prepared& p, const Query& q, bool trace) {
@@ -240,31 +198,41 @@ PYBIND11_MODULE(libbea, m) {
   m.def(
       "estimate",
       [](PySnapshot& s, py::handle request, py::handle beta, py::handle lengths, bool trace, bool collapse,
-         int64_t default_output_tokens, double overrun_fraction, int64_t max_steps, double age_s) {
+         int64_t default_output_tokens, double overrun_fraction, int64_t max_steps, double age_s, py::handle ahead,
+         double arrival_tokens_per_s) {
         if (!lengths.is_none()) s.set_lengths(lengths_from_value(to_value(lengths, 0)));
         const Query q = query_from(request);
-        const ReplayOptions opt = options(beta, trace, collapse, default_output_tokens, overrun_fraction, max_steps);
+        const ReplayOptions opt =
+            options(beta, trace, collapse, default_output_tokens, overrun_fraction, max_steps, arrival_tokens_per_s);
         const Prepared& p = s.prepared(opt);
         if (!std::isfinite(age_s) || age_s < 0.0) throw std::invalid_argument("age_s must be finite and >= 0");
         if (age_s > 0.0 && trace) throw std::invalid_argument("trace is not available with age_s > 0");
+        const std::vector<Query> before = queries_from(ahead);
         Estimate e;
         {
           py::gil_scoped_release nogil;
-          e = age_s > 0.0 ? estimate_at_age(p, q, opt, age_s) : estimate(p, q, opt);
+          e = age_s > 0.0 ? estimate_at_age(p, q, opt, age_s, before) : estimate(p, q, opt, before);
         }
         return result_dict(e, p, q, trace);
       },
       py::arg("snapshot"), py::arg("request"), py::arg("beta") = py::none(), py::arg("lengths") = py::none(),
       py::arg("trace") = false, py::arg("collapse") = true, py::arg("default_output_tokens") = -1,
       py::arg("overrun_fraction") = 0.5, py::arg("max_steps") = 2'000'000, py::arg("age_s") = 0.0,
+      py::arg("ahead") = py::none(), py::arg("arrival_tokens_per_s") = 0.0,
       "Replay the snapshot with the new request; returns {ttft_s, n_batches, status[, batches]}.\n"
+      "`ahead`: requests dispatched to the instance after the capture (dicts like the request, with\n"
+      "`predicted_output`); they queue in front of the new request. `arrival_tokens_per_s`: expected\n"
+      "prompt tokens/s that others will send after it (they fill the leftover budget of its steps).\n"
       "With age_s > 0 (sync mode) the query arrives that long after the capture: residents first run\n"
       "through the steps that start before it (staleness compensation) and ttft_s counts from arrival.");
 
   m.def(
       "estimate_many",
       [](std::vector<std::shared_ptr<PySnapshot>> snaps, py::handle request, std::vector<py::object> betas,
-         int64_t default_output_tokens, double overrun_fraction, std::vector<double> ages) {
+         int64_t default_output_tokens, double overrun_fraction, std::vector<double> ages, py::handle aheads,
+         std::vector<double> arrival_rates) {
+        if (!arrival_rates.empty() && arrival_rates.size() != snaps.size())
+          throw std::invalid_argument("one arrival rate per snapshot");
         if (betas.size() != snaps.size()) throw std::invalid_argument("one beta per snapshot");
         if (!ages.empty() && ages.size() != snaps.size()) throw std::invalid_argument("one age per snapshot");
         for (double a : ages)
@@ -275,9 +243,16 @@ PYBIND11_MODULE(libbea, m) {
         opts.reserve(snaps.size());
         for (size_t k = 0; k < snaps.size(); ++k) {
           if (!snaps[k]) throw std::invalid_argument("snapshot is None");
-          opts.push_back(options(betas[k], false, true, default_output_tokens, overrun_fraction, 2'000'000));
+          opts.push_back(options(betas[k], false, true, default_output_tokens, overrun_fraction, 2'000'000,
+                                 arrival_rates.empty() ? 0.0 : arrival_rates[k]));
         }
         for (size_t k = 0; k < snaps.size(); ++k) preps.push_back(&snaps[k]->prepared(opts[k]));
+        std::vector<std::vector<Query>> before(snaps.size());
+        if (!aheads.is_none()) {
+          auto seq = py::reinterpret_borrow<py::sequence>(aheads);
+          if (seq.size() != snaps.size()) throw std::invalid_argument("one ahead list per snapshot");
+          for (size_t k = 0; k < snaps.size(); ++k) before[k] = queries_from(seq[k]);
+        }
         std::vector<Estimate> out(snaps.size());
         std::vector<std::string> errors(snaps.size());
         {
@@ -285,7 +260,8 @@ PYBIND11_MODULE(libbea, m) {
           for (size_t k = 0; k < snaps.size(); ++k) {
             try {
               const double age = ages.empty() ? 0.0 : ages[k];
-              out[k] = age > 0.0 ? estimate_at_age(*preps[k], q, opts[k], age) : estimate(*preps[k], q, opts[k]);
+              out[k] = age > 0.0 ? estimate_at_age(*preps[k], q, opts[k], age, before[k])
+                                 : estimate(*preps[k], q, opts[k], before[k]);
             } catch (const std::exception& ex) {
               errors[k] = ex.what();
             }
@@ -299,7 +275,8 @@ PYBIND11_MODULE(libbea, m) {
         return res;
       },
       py::arg("snapshots"), py::arg("request"), py::arg("betas"), py::arg("default_output_tokens") = -1,
-      py::arg("overrun_fraction") = 0.5, py::arg("ages") = std::vector<double>{},
+      py::arg("overrun_fraction") = 0.5, py::arg("ages") = std::vector<double>{}, py::arg("aheads") = py::none(),
+      py::arg("arrival_rates") = std::vector<double>{},
       "Estimate one request against several instances in one call: [(ttft_s, n_batches, status), ...].");
 
   m.def(

@@ -109,6 +109,7 @@ LazySync::Result LazySync::exact_step(double& now, const Coeffs& beta, int32_t w
   s_.schedule(batch_);
   if (batch_.empty()) return Result::Unschedulable;
   steps = 1;
+  last_tokens_ = static_cast<int64_t>(s_.last_features().tokens);
   now += s_.last_features().time(beta);
   return s_.apply(batch_, watch) ? Result::WatchSampled : Result::Continue;
 }
@@ -202,6 +203,7 @@ LazySync::Result LazySync::step(double& now, const Coeffs& beta, int32_t watch, 
   }
   now += f.time(beta);
   steps = 1;
+  last_tokens_ = static_cast<int64_t>(f.tokens);
 
   // update_from_output: lazy finishes of this step, then the one-by-one requests.
   bool any_finished = false;

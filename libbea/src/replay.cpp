@@ -37,10 +37,36 @@ void record_step(Estimate& est, const Scheduler& sched, const std::vector<Schedu
   est.steps.push_back({static_cast<int64_t>(sched.running().size()), sched.free_blocks(), tokens});
 }
 
+// Later arrivals from other clients, in expectation: prompt tokens accumulate from the query's
+// arrival at `rate`; a step whose waiting queue drained admits them into its leftover budget, which
+// lengthens the step by their eq. 12 prefill cost (a fresh chunk: context 0).
+class ArrivalFill {
+ public:
+  ArrivalFill(double rate, double arrival) : rate_(rate), last_(arrival) {}
+  double extra_time(const Scheduler& sched, double step_start, int64_t step_tokens, const Coeffs& beta) {
+    if (rate_ <= 0.0) return 0.0;
+    backlog_ += rate_ * std::max(0.0, step_start - last_);
+    last_ = std::max(last_, step_start);
+    if (!sched.waiting().empty()) return 0.0;  // FCFS: they wait behind whoever still waits
+    const double leftover = static_cast<double>(sched.config().max_num_scheduled_tokens - step_tokens);
+    const double n = std::floor(std::min(leftover, backlog_));
+    if (n <= 0.0) return 0.0;
+    backlog_ -= n;
+    return beta.b1 * n + beta.b3 * n * (n + 1.0) * 0.5;
+  }
+
+ private:
+  double rate_;
+  double last_;
+  double backlog_ = 0.0;
+};
+
 // The sync engine loop (§2) from `sched` as it stands, the query already queued; `now` is the
-// time since the snapshot's capture at which the first schedule() happens.
-Estimate run_sync(Scheduler& sched, int32_t query, const ReplayOptions& opt, double now) {
+// time since the snapshot's capture at which the first schedule() happens; the query arrived at
+// `arrival` (<= now).
+Estimate run_sync(Scheduler& sched, int32_t query, const ReplayOptions& opt, double now, double arrival) {
   Estimate est;
+  ArrivalFill fill(opt.arrival_tokens_per_s, arrival);
   std::vector<Scheduler::Item> batch;
   batch.reserve(sched.reqs().size());
   if (opt.collapse && !opt.trace && sched.config().block_size <= 4096) {
@@ -48,8 +74,10 @@ Estimate run_sync(Scheduler& sched, int32_t query, const ReplayOptions& opt, dou
     LazySync fast(sched);
     while (est.n_batches < opt.max_steps) {
       int64_t steps = 0;
+      const double start = now;
       const LazySync::Result r = fast.step(now, opt.beta, query, opt.max_steps - est.n_batches, steps);
       est.n_batches += steps;
+      if (steps == 1) now += fill.extra_time(sched, start, fast.last_tokens(), opt.beta);
       if (r == LazySync::Result::WatchSampled) {
         est.ttft_s = now;
         return est;
@@ -75,7 +103,9 @@ Estimate run_sync(Scheduler& sched, int32_t query, const ReplayOptions& opt, dou
       }
       ++est.n_batches;
       if (opt.trace) record_step(est, sched, batch);
+      const double start = now;
       now += sched.last_features().time(opt.beta);
+      now += fill.extra_time(sched, start, static_cast<int64_t>(sched.last_features().tokens), opt.beta);
       if (sched.apply(batch, query)) {
         est.ttft_s = now;
         return est;
@@ -86,15 +116,28 @@ Estimate run_sync(Scheduler& sched, int32_t query, const ReplayOptions& opt, dou
   return est;
 }
 
-Scheduler::Req query_req(const Query& q, double default_arrival) {
+Scheduler::Req query_req(const Query& q, double default_arrival, const ReplayOptions& opt) {
   Scheduler::Req nq;
   nq.P = q.prompt_tokens;
   nq.max_tokens = q.max_tokens;
-  nq.target_out = q.max_tokens;
+  const int64_t pred = q.predicted_output >= 0 ? q.predicted_output
+                       : opt.default_output_tokens >= 0 ? opt.default_output_tokens
+                                                        : q.max_tokens;
+  nq.target_out = std::clamp<int64_t>(pred, 1, q.max_tokens);
   nq.hit = q.prefix_hit_tokens;
   nq.prio = q.priority;
   nq.arrival = q.arrival > 0.0 ? q.arrival : default_arrival;
   return nq;
+}
+
+// Queue the router's recent dispatches, then the query itself.
+int32_t enqueue(Scheduler& sched, const Query& q, const std::vector<Query>& ahead, double t, const ReplayOptions& opt,
+                int64_t max_model_len) {
+  for (const Query& a : ahead) {
+    if (a.prompt_tokens > max_model_len) throw std::invalid_argument("ahead.prompt_tokens exceeds max_model_len");
+    sched.add(query_req(a, t, opt));
+  }
+  return sched.add(query_req(q, t, opt));
 }
 
 }  // namespace
@@ -143,13 +186,13 @@ Prepared prepare(const Snapshot& s, const ReplayOptions& opt) {
   return p;
 }
 
-Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt) {
+Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt, const std::vector<Query>& ahead) {
   if (q.prompt_tokens > p.cfg.max_model_len) throw std::invalid_argument("request.prompt_tokens exceeds max_model_len");
   Scheduler sched(p.cfg);
   sched.load(p.reqs, p.n_running, p.free_blocks);
-  const int32_t query = sched.add(query_req(q, p.time));
+  const int32_t query = enqueue(sched, q, ahead, p.time, opt, p.cfg.max_model_len);
   if (!p.cfg.async_scheduling) {
-    Estimate e = run_sync(sched, query, opt, 0.0);
+    Estimate e = run_sync(sched, query, opt, 0.0, 0.0);
     if (e.status != Status::Ok) e.ttft_s = std::numeric_limits<double>::infinity();
     return e;
   }
@@ -205,20 +248,18 @@ Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt) {
   return est;
 }
 
-}  // namespace bea
 
-namespace bea {
-
-Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions& opt, double age_s) {
+Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions& opt, double age_s,
+                         const std::vector<Query>& ahead) {
   if (q.prompt_tokens > p.cfg.max_model_len) throw std::invalid_argument("request.prompt_tokens exceeds max_model_len");
   if (p.cfg.async_scheduling || age_s <= 0.0) {
-    Estimate e = estimate(p, q, opt);
+    Estimate e = estimate(p, q, opt, ahead);
     e.ttft_s -= std::max(0.0, age_s);
     return e;
   }
   Advanced a = advance(p, opt.beta, age_s);
-  const int32_t query = a.sched.add(query_req(q, p.time + age_s));
-  Estimate e = run_sync(a.sched, query, opt, a.join_s);
+  const int32_t query = enqueue(a.sched, q, ahead, p.time + age_s, opt, p.cfg.max_model_len);
+  Estimate e = run_sync(a.sched, query, opt, a.join_s, age_s);
   e.ttft_s = e.status == Status::Ok ? e.ttft_s - age_s : std::numeric_limits<double>::infinity();
   return e;
 }

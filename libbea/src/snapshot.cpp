@@ -195,6 +195,7 @@ Query query_from_value(const Value& v) {
   q.prefix_hit_tokens = opt_int(v, "prefix_hit_tokens", "request.", 0, kMaxTokens, 0);
   q.priority = opt_int(v, "priority", "request.", -kMaxTokens, kMaxTokens, 0);
   q.arrival = opt_double(v, "arrival", "request.", 0.0);
+  q.predicted_output = opt_int(v, "predicted_output", "request.", -1, kMaxTokens, -1);
   return q;
 }
 

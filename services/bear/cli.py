@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "bear.predictor.commands",
     "bear.snapshotter.commands",
     "bear.router.evaluation.commands",
+    "bear.router.commands",
 ]
 
 

@@ -31,7 +31,9 @@ def register(app: typer.Typer) -> None:
             0.5, "--overrun-fraction", help="A resident past its prediction gets this fraction of it again"
         ),
         compensate_staleness: bool = typer.Option(
-            False, "--compensate-staleness", help="Advance each snapshot by its age before inserting the query"
+            True, "--compensate-staleness/--no-compensate-staleness",
+            help="Run residents through each snapshot's age before inserting the query (assumes NTP-synchronised "
+                 "clocks between instances and workers)"
         ),
         with_calibrator: bool = typer.Option(
             False, "--with-calibrator", help="Also run the online β calibrator in this process (single worker only)"
@@ -48,8 +50,7 @@ def register(app: typer.Typer) -> None:
             argv = ["--nats", nats_url, "--max-age", str(max_age_s), "--down-after", str(down_after_s),
                     "--default-output-tokens", str(default_output_tokens), "--overrun-fraction", str(overrun_fraction),
                     "--prefix", prefix, "--log-format", str(log_format), "--log-level", log_level]
-            if compensate_staleness:
-                argv.append("--compensate-staleness")
+            argv.append("--compensate-staleness" if compensate_staleness else "--no-compensate-staleness")
             raise typer.Exit(run_forked(argv, workers, metrics_port or None))
         configure_logging(log_format, log_level)
         from bear.estimator.metrics import start_metrics_server

@@ -47,7 +47,7 @@ class EstimatorConfig:
     overrun_fraction: float = 0.5  # residents already past their prediction get this much more
     default_deadline_s: float = 1.0
     snapshot_pending_msgs: int = 256  # NATS client-side pending limit of the snapshot subscription
-    compensate_staleness: bool = False  # advance each snapshot by its age before inserting the query
+    compensate_staleness: bool = True  # run residents through the snapshot's age before inserting the query
     worker_name: str = ""
 
 
@@ -242,22 +242,22 @@ class EstimatorWorker:
             row["ttft_s"] = ttft if math.isfinite(ttft) else None
             if not math.isfinite(ttft):
                 row["status"] = "overloaded"
+            if st.snap is not None:
+                st.apply_lengths()
+                self._load_counters(row, st)  # the last known load, aged (``age_s`` says how much)
         if bea_rows:
             await self._run_bea(query, q, bea_rows, rows)
         for r in rows:
             self.m.methods.labels(method=r["method"]).inc()
         return {"v": REPLY_SCHEMA, "query_id": query.get("id", q.id), "worker": self.name, "estimates": rows}
 
-    def _snapshot_for(self, st: InstanceState, age: float) -> tuple[Any, float]:
-        """(snapshot to replay, seconds to add to its TTFT): with staleness compensation the
-        snapshot advanced to the query's join time (offset = join − age), else as is."""
+    def _age_for(self, st: InstanceState, age: float) -> float:
+        """The age the replay compensates for: the snapshot's age (libbea runs the residents
+        through every step that starts before it, then inserts the query), or 0 when compensation
+        is off or the snapshot is async-mode (it already carries its in-flight batch)."""
         if not self.cfg.compensate_staleness or st.snap.async_scheduling:
-            return st.snap, 0.0
-        try:
-            snap, join = st.advanced_snapshot(age, self.cfg.default_output_tokens, self.cfg.overrun_fraction)
-        except ValueError:
-            return st.snap, 0.0
-        return snap, join - age
+            return 0.0
+        return max(0.0, age)
 
     async def _run_bea(self, query: dict[str, Any], q: Any, bea_rows: list[tuple[int, InstanceState, int, float]],
                        rows: list[dict[str, Any]]) -> None:
@@ -268,31 +268,43 @@ class EstimatorWorker:
         for hit, items in groups.items():
             qd = {"id": q.id, "prompt_tokens": q.prompt_tokens, "max_tokens": q.max_tokens,
                   "prefix_hit_tokens": hit, "priority": int(query.get("priority", 0) or 0)}
-            picked = [self._snapshot_for(st, age) for _, st, _, age in items]
-            snaps = [s for s, _ in picked]
+            snaps = [st.snap for _, st, _, _ in items]
             betas = [list(st.calibration.beta) for _, st, _, _ in items]
+            ages = [self._age_for(st, age) for _, st, _, age in items]
             try:
                 if residents > EXECUTOR_RESIDENTS:
-                    res = await asyncio.get_running_loop().run_in_executor(None, self._many, snaps, qd, betas)
+                    res = await asyncio.get_running_loop().run_in_executor(None, self._many, snaps, qd, betas, ages)
                 else:
-                    res = self._many(snaps, qd, betas)
+                    res = self._many(snaps, qd, betas, ages)
             except ValueError:
-                res = [self._one(s, qd, b) for s, b in zip(snaps, betas, strict=True)]
-            for (k, _, _, _), (_, offset), (ttft, n_batches, status) in zip(items, picked, res, strict=True):
+                res = [self._one(s, qd, b, a) for s, b, a in zip(snaps, betas, ages, strict=True)]
+            for (k, st, _, _), (ttft, n_batches, status) in zip(items, res, strict=True):
                 row = rows[k]
                 row["method"] = "bea" if status != "error" else "none"
                 row["status"] = status
                 row["n_batches"] = n_batches
-                row["ttft_s"] = ttft + offset if isinstance(ttft, float) and math.isfinite(ttft) else None
+                row["ttft_s"] = ttft if isinstance(ttft, float) and math.isfinite(ttft) else None
+                self._load_counters(row, st)
 
-    def _many(self, snaps: list[Any], qd: dict[str, Any], betas: list[list[float]]) -> list[tuple[float, int, str]]:
+    def _load_counters(self, row: dict[str, Any], st: InstanceState) -> None:
+        """Per-instance load counters from the snapshot held (for load-based baselines)."""
+        snap = st.snap
+        row["n_running"] = int(snap.n_running)
+        row["n_waiting"] = int(snap.n_waiting)
+        row["pending_prefill_tokens"] = int(snap.pending_prefill_tokens())
+        row["pending_decode_tokens"] = int(snap.pending_decode_tokens(self.cfg.default_output_tokens))
+        theta = st.calibration.theta
+        row["theta"] = theta if theta is not None else None
+
+    def _many(self, snaps: list[Any], qd: dict[str, Any], betas: list[list[float]],
+              ages: list[float]) -> list[tuple[float, int, str]]:
         return libbea.estimate_many(snaps, qd, betas, default_output_tokens=self.cfg.default_output_tokens,
-                                    overrun_fraction=self.cfg.overrun_fraction)
+                                    overrun_fraction=self.cfg.overrun_fraction, ages=ages)
 
-    def _one(self, snap: Any, qd: dict[str, Any], beta: list[float]) -> tuple[float, int, str]:
+    def _one(self, snap: Any, qd: dict[str, Any], beta: list[float], age: float) -> tuple[float, int, str]:
         try:
             r = libbea.estimate(snap, qd, beta=beta, default_output_tokens=self.cfg.default_output_tokens,
-                                overrun_fraction=self.cfg.overrun_fraction)
+                                overrun_fraction=self.cfg.overrun_fraction, age_s=age)
             return float(r["ttft_s"]), int(r["n_batches"]), str(r["status"])
         except ValueError:
             return math.inf, 0, "error"

@@ -14,6 +14,7 @@ class ErrorCode(StrEnum):
     OVERLOADED = "overloaded"  # bounded queue full; retry elsewhere
     NOT_FOUND = "not_found"  # unknown instance / model
     INTERNAL = "internal"  # a bug: logged with a traceback
+    DUPLICATE = "duplicate"  # a resubmitted query_id that is (or was) already executed
 
 
 class BearError(Exception):

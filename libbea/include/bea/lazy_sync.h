@@ -25,6 +25,7 @@ class LazySync {
   // One engine step (or a folded stretch of decode-only steps); `steps` gets how many.
   Result step(double& now, const Coeffs& beta, int32_t watch, int64_t max_steps, int64_t& steps);
   void materialize_all();
+  int64_t last_tokens() const { return last_tokens_; }  // tokens of the last single step
 
  private:
   struct Lazy {
@@ -54,6 +55,7 @@ class LazySync {
   int64_t sum_cbase_ = 0;
   int64_t cooldown_ = 0;            // exact steps to take before trying to lazify again
   std::vector<Scheduler::Item> batch_;
+  int64_t last_tokens_ = 0;
 };
 
 }  // namespace bea

@@ -24,6 +24,10 @@ struct ReplayOptions {
   // (at least one token) as remaining length, capped by max_tokens (design.md §3).
   double overrun_fraction = 0.5;
   int64_t max_steps = 2'000'000;  // a guard: no valid state needs this many steps
+  // Expected prompt tokens per second that other clients will send to this instance after the
+  // query (0: ignore). They queue behind the query, so they never change its schedule, but they
+  // fill the budget the query's steps leave over and so lengthen those steps (sync mode).
+  double arrival_tokens_per_s = 0.0;
 };
 
 enum class Status : uint8_t { Ok = 0, Unschedulable = 1, StepLimit = 2 };
@@ -60,12 +64,15 @@ struct Prepared {
 
 Prepared prepare(const Snapshot& s, const ReplayOptions& opt);
 
-// The BEA estimate for `q` joining the instance described by `p`.
-Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt);
+// The BEA estimate for `q` joining the instance described by `p`. `ahead`: requests already sent
+// to the instance after the snapshot was captured (the router's own dispatches): they queue in
+// front of the query, with their predicted output lengths.
+Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt, const std::vector<Query>& ahead = {});
 
 // The same estimate for a query arriving `age_s` after the snapshot was captured (staleness
 // compensation, sync mode): the residents first run alone through every step that starts before
 // the arrival, then the query joins. Returns TTFT measured from the query's arrival.
-Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions& opt, double age_s);
+Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions& opt, double age_s,
+                         const std::vector<Query>& ahead = {});
 
 }  // namespace bea

@@ -86,6 +86,7 @@ struct Query {
   int64_t prefix_hit_tokens = 0;
   int64_t priority = 0;
   double arrival = 0.0;  // only used under PRIORITY ordering; 0 = "now" (after everyone resident)
+  int64_t predicted_output = -1;  // for requests queued ahead of the query (see estimate's `ahead`)
 };
 
 constexpr int64_t kMaxTokens = int64_t{1} << 31;   // bound on any token count

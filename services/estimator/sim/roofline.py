@@ -35,33 +35,18 @@ class RooflineModel:
 
     def mean_time(self, items: Iterable[tuple[int, int]]) -> float:
         """Noise-free step time of a batch given ``(n, context)`` per scheduled request."""
-        tokens = 0
-        reqs = 0
-        attn = 0.0
-        kv_read = 0.0
+        reqs = tokens = 0
+        ctx_sum = attn = 0.0
         for n, ctx in items:
             reqs += 1
             tokens += n
+            ctx_sum += ctx
             attn += n * ctx + n * (n + 1) / 2.0
-            kv_read += ctx
-        if reqs == 0:
-            return 0.0
-        flops = self._flops_per_token * tokens + self._lm_head_flops * reqs + self._attn_flops_per_unit * attn
-        nbytes = self._weights + self._kv_bytes * (kv_read + tokens)
-        t = max(flops / self._compute_rate, nbytes / self._memory_rate)
-        if self._tp > 1:
-            t += 2 * self.p.shape.layers * self.p.allreduce_latency_s
-            t += self._allreduce_bytes_per_token * tokens * (self._tp - 1) / self._tp / self.p.gpu.interconnect_bytes_s
-        return t + self.p.step_overhead_s + self.p.per_request_overhead_s * reqs
+        return self.mean_time_aggregate(reqs, tokens, ctx_sum, attn)
 
     def sample(self, items: Iterable[tuple[int, int]]) -> float:
         """One noisy draw of the step time."""
-        t = self.mean_time(items)
-        if self.p.noise_sigma > 0:
-            t *= math.exp(self.rng.gauss(-0.5 * self.p.noise_sigma**2, self.p.noise_sigma))
-        if self.p.outlier_prob > 0 and self.rng.random() < self.p.outlier_prob:
-            t *= self.p.outlier_factor
-        return t
+        return self.noisy(self.mean_time(items))
 
     def mean_time_aggregate(self, reqs: int, tokens: int, ctx_sum: float, attn_sum: float) -> float:
         """``mean_time`` from a batch's sums (requests, Σn, Σ context, Σ n·ctx + n(n+1)/2): the same

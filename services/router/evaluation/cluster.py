@@ -64,6 +64,7 @@ class SimInstance:
         self.observed: deque[float] = deque(maxlen=HISTORY)
         self.records: list[tuple[float, float, float, float]] | None = None  # calibration
         self.busy_s = 0.0
+        self.dispatched: deque[tuple[float, dict[str, int]]] = deque()  # the router's own sends
         self.snaps.append((0.0, libbea.engine_snapshot(self.engine, spec.name, spec.model, 0.0)))
 
     def boundary(self, t: float) -> float | None:
@@ -98,11 +99,15 @@ class Cluster:
     """One run: a fresh pool, one policy, one arrival sequence."""
 
     def __init__(self, specs: list[InstanceSpec], calib: dict[str, Calibration], seed: int, delay_s: float = 0.0,
-                 compensate: bool = True) -> None:
+                 compensate: bool = True, use_dispatches: bool = True, arrival_fill: bool = True,
+                 rate_window_s: float = 10.0) -> None:
         self.insts = [SimInstance(s, seed=seed * 1000 + k, keep_snapshots_s=delay_s + 1.0) for k, s in enumerate(specs)]
         self.calib = calib
         self.delay_s = delay_s
         self.compensate = compensate
+        self.use_dispatches = use_dispatches
+        self.arrival_fill = arrival_fill
+        self.rate_window_s = rate_window_s
         self.events: list[tuple[float, int]] = []
         self.first_token: dict[str, float] = {}
         self.finished_at: dict[str, float] = {}
@@ -131,10 +136,14 @@ class Cluster:
             self._complete(te, k)
         self.now = max(self.now, t)
 
-    def submit(self, k: int, rid: str, prompt_tokens: int, true_out: int, pred_out: int, t: float) -> None:
+    def submit(self, k: int, rid: str, prompt_tokens: int, true_out: int, pred_out: float, t: float) -> None:
         inst = self.insts[k]
         inst.engine.add(rid, int(prompt_tokens), MAX_TOKENS, int(max(1, true_out)), t)
         inst.pred_len[rid] = int(max(1, round(pred_out)))
+        inst.dispatched.append((t, {"prompt_tokens": int(prompt_tokens), "max_tokens": MAX_TOKENS,
+                                    "predicted_output": inst.pred_len[rid]}))
+        while inst.dispatched and inst.dispatched[0][0] < t - max(self.delay_s + 2.0, self.rate_window_s):
+            inst.dispatched.popleft()
         if not inst.busy:
             end = inst.boundary(t)
             if end is not None:
@@ -164,8 +173,15 @@ class Cluster:
                 obs = np.fromiter(inst.observed, float)
                 c.observed_ttft_p50, c.observed_ttft_p90 = (float(v) for v in np.percentile(obs, [50, 90]))
             if policy.uses_ttft:
+                # Requests this router sent after the snapshot was taken queue ahead of the query.
+                ahead = [d for (td, d) in inst.dispatched if td > snap_t] if self.use_dispatches else None
+                # Prompt tokens/s this router has been sending there: the expected later arrivals.
+                span = min(self.rate_window_s, max(t, 1e-9))
+                rate = (sum(d["prompt_tokens"] for (td, d) in inst.dispatched if td > t - span) / span
+                        if self.arrival_fill else 0.0)
                 res = libbea.estimate(snap, {"prompt_tokens": p_tokens, "max_tokens": MAX_TOKENS},
-                                      beta=list(cal.beta), age_s=age if self.compensate else 0.0)
+                                      beta=list(cal.beta), age_s=age if self.compensate else 0.0, ahead=ahead,
+                                      arrival_tokens_per_s=rate)
                 c.ttft = res["ttft_s"]
                 c.ttft_method = "bea"
                 c.ttft_prefill = libbea.prefill_throughput_ttft(c.pending_prefill_tokens, p_tokens, cal.theta)

@@ -75,6 +75,8 @@ class Cell:
     ratio: float = 1.0
     delay_s: float = 0.0
     compensate: bool = True
+    use_dispatches: bool = True
+    arrival_fill: bool = True
     lam: float = DEFAULT_LAMBDA
 
 
@@ -88,7 +90,8 @@ def arrival_times(s: Setup, cell: Cell) -> np.ndarray:
 
 def run_cell(s: Setup, cell: Cell) -> dict[str, Any]:
     policy = make_policy(cell.policy, **dict(cell.params))
-    cluster = Cluster(s.specs(), s.calibration, seed=s.seed + 4, delay_s=cell.delay_s, compensate=cell.compensate)
+    cluster = Cluster(s.specs(), s.calibration, seed=s.seed + 4, delay_s=cell.delay_s, compensate=cell.compensate,
+                      use_dispatches=cell.use_dispatches, arrival_fill=cell.arrival_fill)
     outcomes = cluster.run(s.queries, arrival_times(s, cell), s.targets(), policy, cell.lam)
     return summary(outcomes)
 
@@ -128,6 +131,8 @@ def run_cells(s: Setup, cells: list[Cell], workers: int | None = None,
 def gain_over_best_baseline(table: dict[str, list[float]], ours: str = "bear") -> list[float]:
     """Per rate: (ours − best other) / best other."""
     others = [k for k in table if k != ours]
+    if ours not in table or not others:
+        return []
     out = []
     for k, v in enumerate(table[ours]):
         best = max(table[o][k] for o in others)

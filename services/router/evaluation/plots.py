@@ -9,7 +9,7 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 STYLE = {"bear": dict(color="black", linewidth=2.5, marker="o")}
 

@@ -1,0 +1,75 @@
+// Python objects → libbea inputs, shared by the bindings: one conversion, one set of checks.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cmath>
+#include <string>
+
+#include "bea/batch_time.h"
+#include "bea/value.h"
+
+namespace bea_py {
+
+namespace py = pybind11;
+using bea::Coeffs;
+using bea::kMaxDepth;
+using bea::Value;
+
+inline Value to_value(py::handle h, int depth) {
+  if (depth > kMaxDepth) throw std::invalid_argument("input nested too deeply");
+  Value v;
+  if (h.is_none()) return v;
+  if (py::isinstance<py::bool_>(h)) {
+    v.type = Value::Type::Bool;
+    v.b = h.cast<bool>();
+  } else if (py::isinstance<py::int_>(h)) {
+    v.type = Value::Type::Int;
+    int overflow = 0;
+    const long long x = PyLong_AsLongLongAndOverflow(h.ptr(), &overflow);
+    if (overflow != 0) throw std::invalid_argument("integer out of range");
+    if (x == -1 && PyErr_Occurred()) throw py::error_already_set();
+    v.i = x;
+  } else if (py::isinstance<py::float_>(h)) {
+    v.type = Value::Type::Float;
+    v.d = h.cast<double>();
+  } else if (py::isinstance<py::str>(h)) {
+    v.type = Value::Type::Str;
+    v.s = h.cast<std::string>();
+  } else if (py::isinstance<py::dict>(h)) {
+    v.type = Value::Type::Map;
+    auto d = py::reinterpret_borrow<py::dict>(h);
+    v.map.reserve(d.size());
+    for (auto kv : d) {
+      if (!py::isinstance<py::str>(kv.first)) throw std::invalid_argument("map key is not a string");
+      v.map.emplace_back(kv.first.cast<std::string>(), to_value(kv.second, depth + 1));
+    }
+  } else if (py::isinstance<py::list>(h) || py::isinstance<py::tuple>(h)) {
+    v.type = Value::Type::Arr;
+    auto seq = py::reinterpret_borrow<py::sequence>(h);
+    v.arr.reserve(seq.size());
+    for (auto item : seq) v.arr.push_back(to_value(item, depth + 1));
+  } else {
+    throw std::invalid_argument(std::string("unsupported value type: ") + std::string(py::str(h.get_type())));
+  }
+  return v;
+}
+
+inline Coeffs coeffs_from(py::handle h) {
+  Coeffs c;
+  if (h.is_none()) return c;
+  auto seq = py::reinterpret_borrow<py::sequence>(h);
+  if (seq.size() != 4) throw std::invalid_argument("beta must have 4 coefficients");
+  double b[4];
+  for (size_t k = 0; k < 4; ++k) {
+    b[k] = seq[k].cast<double>();
+    if (!std::isfinite(b[k])) throw std::invalid_argument("beta must be finite");
+  }
+  c.b0 = b[0];
+  c.b1 = b[1];
+  c.b2 = b[2];
+  c.b3 = b[3];
+  return c;
+}
+
+}  // namespace bea_py

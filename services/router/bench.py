@@ -1,0 +1,62 @@
+"""``bear router-bench``: decision overhead of the router — submit received → dispatch sent — at a
+fixed Poisson rate, on a local stack (nats-server, three sim engines, predictor, one estimator
+worker, one router, each its own process). Queries are short synthetic prompts answered with one
+token so the instances stay light; the numbers come from the router's own outcome log:
+``decision_s`` (everything: parsing, the concurrent predictor + estimator round trips and the
+dedup claim, candidate building, policy, dispatch publish) and ``overhead`` = decision − the wait
+for the predictor and estimator replies (the router's own work)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _pct(xs: list[float]) -> dict[str, float]:
+    a = np.asarray(xs) * 1e3
+    return {"p50_ms": float(np.percentile(a, 50)), "p90_ms": float(np.percentile(a, 90)),
+            "p99_ms": float(np.percentile(a, 99)), "mean_ms": float(a.mean()), "n": len(a)}
+
+
+def run_bench(rate: float, duration: float, seed: int = 0) -> dict[str, Any]:
+    import nats
+
+    from bear.router.arrivals import arrivals
+    from bear.router.load import make_queries, run_load
+    from bear.router.stack import Stack, StackConfig
+
+    work = Path(tempfile.mkdtemp(prefix="bear-router-bench-"))
+    n = max(1, round(rate * duration))
+    queries = make_queries(n, seed, ("alpaca",), ("Qwen3-0.6B", "Qwen3-8B", "Qwen3-32B"))
+    times = arrivals("poisson", rate, n, seed=seed)
+    stack = Stack(StackConfig(workdir=work, calibrator=False, log_level="warning"))
+    with stack:
+        async def go() -> Any:
+            nc = await nats.connect(stack.url)
+            try:
+                return await run_load(nc, queries, times, max_tokens=1, output_override=1)
+            finally:
+                await nc.close()
+
+        t0 = time.time()
+        res = asyncio.run(go())
+        elapsed = time.time() - t0
+    recs = [json.loads(line) for line in stack.outcome_log(0).read_text().splitlines()]
+    recs = [r for r in recs if r.get("status") == "done" and not str(r["query_id"]).startswith("probe-")]
+    dec = [r["decision_s"] for r in recs]
+    own = [max(0.0, r["decision_s"] - r["wait_s"]) for r in recs]
+    wait = [r["wait_s"] for r in recs]
+    return {
+        "rate_qps": rate, "duration_s": duration, "sent": res.sent, "done": len(res.outcomes),
+        "errors": dict(res.errors), "achieved_qps": res.sent / max(float(times[-1]), 1e-9), "wall_s": elapsed,
+        "decision": _pct(dec), "router_own_overhead": _pct(own), "predictor_estimator_wait": _pct(wait),
+        "fallbacks": sum(bool(r["fallbacks"]) for r in recs), "host_load": os.getloadavg(),
+        "cpus": os.cpu_count(),
+    }

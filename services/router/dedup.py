@@ -1,0 +1,68 @@
+"""At-most-once execution of a ``query_id`` across stateless routers: the first router to
+``create`` the key in the JetStream KV bucket ``<prefix>_queries`` (create-only: fails when the
+key exists) owns the query; any resubmission finds the key and is not executed again. Keys expire
+after ``ttl_s``. When JetStream does not answer within ``timeout_s`` (NATS restarting), the router
+falls back to its own memory of recent ids — it still never runs an id twice itself — and counts
+the fallback (``bear_router_dedup_fallback_total``)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections import OrderedDict
+from typing import Any
+
+LOCAL_IDS = 100_000
+
+
+class Deduplicator:
+    def __init__(self, nc: Any, bucket: str, *, ttl_s: float = 600.0, timeout_s: float = 0.1) -> None:
+        self.nc = nc
+        self.bucket = bucket
+        self.ttl_s = ttl_s
+        self.timeout_s = timeout_s
+        self._kv: Any = None
+        self._local: OrderedDict[str, float] = OrderedDict()
+        self.fallbacks = 0
+
+    @staticmethod
+    def key(query_id: str) -> str:
+        """KV keys allow only [-/_=.a-zA-Z0-9]: hash the client's id."""
+        return hashlib.sha1(query_id.encode()).hexdigest()
+
+    async def _bucket(self) -> Any:
+        if self._kv is None:
+            from nats.js.api import KeyValueConfig
+            from nats.js.errors import BucketNotFoundError
+
+            js = self.nc.jetstream(timeout=self.timeout_s)
+            try:
+                self._kv = await js.key_value(self.bucket)
+            except BucketNotFoundError:
+                self._kv = await js.create_key_value(KeyValueConfig(bucket=self.bucket, history=1, ttl=self.ttl_s))
+        return self._kv
+
+    async def claim(self, query_id: str, owner: str) -> bool:
+        """True when this router may execute ``query_id`` (first claim), False for a duplicate."""
+        now = time.monotonic()
+        k = self.key(query_id)
+        if k in self._local:
+            return False
+        self._local[k] = now
+        while len(self._local) > LOCAL_IDS:
+            self._local.popitem(last=False)
+        from nats.js.errors import KeyWrongLastSequenceError
+
+        try:
+            kv = await asyncio.wait_for(self._bucket(), self.timeout_s)
+            await asyncio.wait_for(kv.create(k, owner.encode()), self.timeout_s)
+            return True
+        except KeyWrongLastSequenceError:
+            return False
+        except Exception as exc:  # JetStream unavailable: this router's memory is the fallback
+            if "wrong last sequence" in str(exc).lower():
+                return False
+            self._kv = None
+            self.fallbacks += 1
+            return True

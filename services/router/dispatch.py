@@ -1,0 +1,99 @@
+"""Streaming calls to an instance's OpenAI-compatible API (vLLM or the sim engine).
+
+``stream_completion`` posts one request with ``stream: true`` and the ``X-Request-Id`` header (the
+id the router announced in ``bear.dispatch``, so estimators can match the instance's residents to
+their predicted lengths) and yields text pieces as the SSE chunks arrive, then the usage. A
+failure before the first byte of the answer raises ``InstanceUnavailable`` (the router tries
+another instance); a failure after it raises ``StreamBroken`` (the answer cannot be retried without
+repeating text to the client)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+
+class InstanceUnavailable(Exception):
+    """Nothing was generated: connection refused, timeout before the response, 5xx/4xx status."""
+
+
+class StreamBroken(Exception):
+    """The stream failed after the answer started."""
+
+
+@dataclass
+class Piece:
+    text: str = ""
+    usage: dict[str, int] | None = None
+    finish_reason: str | None = None
+
+
+def request_body(model: str, prompt: str | None, messages: list[dict[str, Any]] | None, max_tokens: int,
+                 extra: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) of a streaming completion or chat completion."""
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if messages is not None:
+        body["messages"] = messages
+        path = "/chat/completions"
+    else:
+        body["prompt"] = prompt or ""
+        path = "/completions"
+    if extra:
+        body.update(extra)
+    return path, body
+
+
+async def stream_completion(session: Any, base_url: str, request_id: str, path: str, body: dict[str, Any], *,
+                            connect_timeout_s: float = 2.0, idle_timeout_s: float = 60.0) -> AsyncIterator[Piece]:
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=idle_timeout_s)
+    started = False
+    try:
+        async with session.post(base_url + path, json=body, headers={"X-Request-Id": request_id},
+                                timeout=timeout) as resp:
+            if resp.status != 200:
+                text = (await resp.text())[:300]
+                raise InstanceUnavailable(f"HTTP {resp.status}: {text}")
+            buf = b""
+            async for data in resp.content.iter_any():
+                buf += data
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    for line in event.split(b"\n"):
+                        if not line.startswith(b"data:"):
+                            continue
+                        payload = line[5:].strip()
+                        if payload == b"[DONE]":
+                            return
+                        piece = parse_chunk(json.loads(payload))
+                        if piece is not None:
+                            started = started or bool(piece.text)
+                            yield piece
+    except (InstanceUnavailable, StreamBroken):
+        raise
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+        if started:
+            raise StreamBroken(f"{type(exc).__name__}: {exc}") from exc
+        raise InstanceUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+
+def parse_chunk(d: dict[str, Any]) -> Piece | None:
+    """One SSE chunk of vLLM's completions or chat completions stream."""
+    if d.get("object") == "error" or "error" in d:
+        raise StreamBroken(str(d.get("message") or d.get("error")))
+    piece = Piece()
+    choices = d.get("choices") or []
+    if choices:
+        c = choices[0]
+        piece.text = c.get("text") or (c.get("delta") or {}).get("content") or ""
+        piece.finish_reason = c.get("finish_reason")
+    usage = d.get("usage")
+    if isinstance(usage, dict):
+        piece.usage = {k: int(v) for k, v in usage.items() if isinstance(v, int)}
+    if not piece.text and piece.usage is None and piece.finish_reason is None:
+        return None
+    return piece

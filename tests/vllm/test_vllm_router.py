@@ -1,0 +1,79 @@
+"""Two real vLLM (CPU) instances behind the router: vLLM + BEAR plugin + snapshotter per
+instance, an estimator worker and the router (in this process), queries through the client. No
+predictor runs (the tiny model is unknown to it), so this also exercises the router's documented
+predictor fallback: utility = −λ·cost from the registry prices."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from pathlib import Path
+
+import nats
+import pytest
+from harness import VllmServer
+
+from bear.estimator.worker import EstimatorConfig, EstimatorWorker
+from bear.protocol.nats_server import LocalNatsServer
+from bear.router.client import submit
+from bear.router.service import RouterConfig, RouterService
+from bear.snapshotter.service import Snapshotter, SnapshotterConfig
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+ARGS = ["--max-model-len", "2048", "--max-num-batched-tokens", "256", "--max-num-seqs", "8"]
+
+
+async def test_router_over_two_real_vllm_instances(vllm_py: str, tiny_model: Path, tmp_path: Path) -> None:
+    servers = [VllmServer(vllm_py, tiny_model, ARGS, log_path=tmp_path / f"vllm-{k}.log") for k in range(2)]
+    with LocalNatsServer() as nats_srv:
+        await asyncio.gather(*(asyncio.to_thread(s.start) for s in servers))
+        snaps, tasks = [], []
+        nc = await nats.connect(nats_srv.url)
+        worker = EstimatorWorker(nc, EstimatorConfig())
+        router = RouterService(nc, RouterConfig(policy="bear", outcome_log=tmp_path / "outcomes.jsonl",
+                                                predict_budget_s=0.05, predict_try_s=0.025))
+        try:
+            for k, s in enumerate(servers):
+                # instance 0 is cheaper: with equal (fallback) accuracy the BEAR rule prefers it
+                svc = Snapshotter(SnapshotterConfig(instance=f"vllm-{k}", shm=s.shm, nats_url=nats_srv.url,
+                                                    model="tiny", base_url=s.base_url,
+                                                    price_input_per_mtok=0.1 * (k + 1),
+                                                    price_output_per_mtok=0.2 * (k + 1)))
+                snaps.append(svc)
+                tasks.append(asyncio.create_task(svc.run()))
+            await worker.start()
+            await router.start()
+            for _ in range(200):
+                if len(router.registry.healthy()) == 2:
+                    break
+                await asyncio.sleep(0.1)
+            assert {i.id for i in router.registry.healthy()} == {"vllm-0", "vllm-1"}
+
+            async def one(i: int) -> list[dict]:
+                return [m async for m in submit(nc, f"query {i}: " + "word " * (20 + 10 * i), ttft_target_s=5.0,
+                                                max_tokens=8, query_id=f"vq-{i}", idle_timeout_s=60.0)]
+
+            results = await asyncio.gather(*(one(i) for i in range(12)))
+            for msgs in results:
+                kinds = [m["v"] for m in msgs]
+                assert kinds.count("bear.done/1") == 1 and kinds[-1] == "bear.done/1", msgs[-1]
+                done = msgs[-1]
+                assert done["usage"]["completion_tokens"] >= 1 and math.isfinite(done["ttft_s"])
+                routed = [m for m in msgs if m["v"] == "bear.routed/1"]
+                assert routed[-1]["ttft_method"] == "bea"  # snapshots of the real engines reached the estimator
+            # an unreachable instance: kill vLLM 0, its registry entry still fresh → rerouted to vLLM 1
+            servers[0].kill()
+            msgs = await one(99)
+            assert msgs[-1]["v"] == "bear.done/1" and msgs[-1]["instance"] == "vllm-1", msgs[-1]
+        finally:
+            await router.stop()
+            await worker.stop()
+            for svc in snaps:
+                svc.stop()
+            for t in tasks:
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(t, 15)
+            await nc.close()
+            for s in servers:
+                s.stop()
