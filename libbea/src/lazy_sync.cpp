@@ -25,19 +25,21 @@ bool LazySync::eligible(int32_t k, int32_t watch) const {
 }
 
 // Min-heap on finish step; entries of requests that left the lazy group are skipped lazily.
+bool LazySync::finishes_later(int32_t a, int32_t b) const {
+  return lz_[static_cast<size_t>(a)].finish_d > lz_[static_cast<size_t>(b)].finish_d;
+}
+
 void LazySync::heap_push(int32_t k) {
   heap_.push_back(k);
-  std::push_heap(heap_.begin(), heap_.end(),
-                 [this](int32_t a, int32_t b) { return lz_[static_cast<size_t>(a)].finish_d > lz_[static_cast<size_t>(b)].finish_d; });
+  std::push_heap(heap_.begin(), heap_.end(), [this](int32_t a, int32_t b) { return finishes_later(a, b); });
 }
 
 void LazySync::heap_pop() {
-  std::pop_heap(heap_.begin(), heap_.end(),
-                [this](int32_t a, int32_t b) { return lz_[static_cast<size_t>(a)].finish_d > lz_[static_cast<size_t>(b)].finish_d; });
+  std::pop_heap(heap_.begin(), heap_.end(), [this](int32_t a, int32_t b) { return finishes_later(a, b); });
   heap_.pop_back();
 }
 
-void LazySync::lazify(int32_t k) {
+void LazySync::lazify(int32_t k, bool push) {
   const auto u = static_cast<size_t>(k);
   const Scheduler::Req& r = s_.reqs_[u];
   Lazy& l = lz_[u];
@@ -52,7 +54,7 @@ void LazySync::lazify(int32_t k) {
   bucket_[static_cast<size_t>(l.bucket)] += 1;
   n_lazy_ += 1;
   sum_cbase_ += l.cbase;
-  heap_push(k);
+  if (push) heap_push(k);
 }
 
 void LazySync::materialize(int32_t k) {
@@ -90,7 +92,15 @@ void LazySync::materialize_all() {
 void LazySync::rebuild(int32_t watch) {
   materialize_all();
   eager_.clear();
-  for (int32_t k : s_.running_) (eligible(k, watch) ? lazify(k) : eager_.push_back(k));
+  for (int32_t k : s_.running_) {
+    if (eligible(k, watch)) {
+      lazify(k, false);
+      heap_.push_back(k);
+    } else {
+      eager_.push_back(k);
+    }
+  }
+  std::make_heap(heap_.begin(), heap_.end(), [this](int32_t a, int32_t b) { return finishes_later(a, b); });
 }
 
 int64_t LazySync::demand_over(int64_t k) const {

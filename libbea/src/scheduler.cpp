@@ -6,7 +6,8 @@
 namespace bea {
 
 void Scheduler::load(const std::vector<Req>& reqs, size_t n_running, int64_t free_blocks) {
-  reqs_ = reqs;
+  reqs_.reserve(reqs.size() + 16);  // room for the query (and dispatches ahead) without a reallocation
+  reqs_.assign(reqs.begin(), reqs.end());
   running_.clear();
   waiting_.clear();
   running_.reserve(reqs.size() + 1);

@@ -191,8 +191,14 @@ def register(app: typer.Typer) -> None:
         metrics_port: int = typer.Option(9464, "--metrics-port", help="Router /metrics port (router i: +i); 0: off"),
         workdir: Path = typer.Option(Path(".bear-up"), "--workdir", help="Logs and outcome logs go here"),
         n_train: int = typer.Option(3000, "--train-queries", help="Synthetic queries to train the predictor on"),
+        load_rate: float = typer.Option(0.0, "--load-rate",
+                                        help="Once up, drive a synthetic Poisson load at this rate (q/s), print its "
+                                             "summary and stop the stack (0: no load, run until Ctrl-C)"),
+        load_duration: float = typer.Option(30.0, "--load-duration", help="Seconds of arrivals of that load"),
+        load_out: Path | None = typer.Option(None, "--load-out", help="Write the load summary as JSON here"),
     ) -> None:
-        """Start the whole stack (NATS, 3 instances, predictor, estimator, calibrator, router) until Ctrl-C."""
+        """Start the whole stack (NATS, 3 instances, predictor, estimator, calibrator, router) until Ctrl-C,
+        or, with --load-rate, run one load through it and stop."""
         from rich.console import Console
 
         from bear.router.stack import Stack, StackConfig
@@ -220,6 +226,15 @@ def register(app: typer.Typer) -> None:
         console.print(f"  outcome log             {stack.outcome_log(0)}")
         console.print(f"\nTry:  bear submit \"Explain KV caching briefly\" --ttft-ms 500 --nats {stack.url}")
         console.print(f"      bear load --rate 8 --duration 30 --nats {stack.url}")
+        if load_rate > 0:
+            try:
+                rep = run_load_cli(stack.url, "bear", load_rate, "poisson", load_duration, "", 5e-4, 4096, 0, 3.0)
+                if load_out is not None:
+                    load_out.write_text(json.dumps(_clean(rep), indent=2))
+            finally:
+                stack.stop()
+            console.print("stopped.")
+            return
         console.print("Ctrl-C stops everything.")
         try:
             while True:

@@ -95,7 +95,8 @@ class ShmWriter:
         try:
             os.ftruncate(fd, size)
             os.pwrite(fd, bytes(size), 0)  # allocate every page now, not on the engine thread later
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # page tables filled now too
+            self._mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         mm = self._mm

@@ -33,13 +33,14 @@ class LazySync {
     int32_t bucket;
   };
   bool eligible(int32_t k, int32_t watch) const;
-  void lazify(int32_t k);
+  void lazify(int32_t k, bool push = true);
   void materialize(int32_t k);
   void finish_lazy(int32_t k);
   int64_t demand_over(int64_t k) const;  // lazy block allocations in steps [D, D+k)
   void rebuild(int32_t watch);
   Result exact_step(double& now, const Coeffs& beta, int32_t watch, int64_t& steps);
   bool try_fold(double& now, const Coeffs& beta, int64_t max_steps, int64_t& steps);
+  bool finishes_later(int32_t a, int32_t b) const;  // heap order: earliest finish on top
   void heap_push(int32_t k);
   void heap_pop();
 
