@@ -85,3 +85,21 @@ def test_bear_predictions_track_observed_ttft() -> None:
 def test_stale_snapshots_still_route_every_query() -> None:
     outs = run("bear", seed=4, n=200, delay=0.4)
     assert len(outs) == 200 and all(math.isfinite(o.ttft_s) for o in outs)
+
+
+def test_staleness_router_sees_snapshots_at_least_delay_old() -> None:
+    specs = [InstanceSpec.from_profile(PAPER_POOL[0])]
+    cl = Cluster(specs, calib(), seed=1, delay_s=0.1)
+    cl.arrival = {}
+    inst = cl.insts[0]
+    for k in range(40):  # keep the engine busy so that it publishes a snapshot per step
+        cl.submit(0, f"r{k}", 500, 50, 50.0, 0.001 * k)
+        cl.advance_to(0.001 * k)
+    cl.advance_to(0.5)
+    published = [t for t, _ in inst.snaps]
+    assert len(published) > 5
+    for t in np.linspace(0.15, 0.5, 30):
+        seen, _ = inst.snapshot_at(t - cl.delay_s)
+        assert seen <= t - cl.delay_s
+        newer = [p for p in published if p <= t - cl.delay_s]
+        assert seen == max(newer)  # the newest one that is old enough
