@@ -37,10 +37,6 @@ class InstanceState:
     snap_time: float = 0.0  # capture time (the snapshot's own clock)
     snap_received: float = 0.0  # local receipt time of the parsed snapshot
     snap_ids: list[str] = field(default_factory=list)
-    snap_raw: bytes | None = None  # bytes of the parsed snapshot (staleness compensation re-reads them)
-    known_lengths: dict[str, int] = field(default_factory=dict)  # predictions of the snapshot's residents
-    # staleness compensation cache for the current snapshot: (valid_from, valid_to, join_s, Snapshot, β)
-    advanced: list[tuple[float, float, float, Any, tuple[float, ...]]] = field(default_factory=list)
     lengths: OrderedDict[str, int] = field(default_factory=OrderedDict)
     lengths_dirty: bool = False
     arrivals: deque[float] = field(default_factory=lambda: deque(maxlen=256))
@@ -73,8 +69,6 @@ class InstanceState:
         if self.snap is not None and snap.seq < self.snap.seq and snap.time < self.snap_time:
             return None  # reordered older snapshot: ignore
         self.snap = snap
-        self.snap_raw = data
-        self.advanced = []
         self.snap_time = float(snap.time)
         self.snap_received = self.raw_received
         self.snap_ids = list(snap.request_ids)
@@ -91,29 +85,7 @@ class InstanceState:
         known = {rid: self.lengths[rid] for rid in self.snap_ids if rid in self.lengths}
         if known:
             self.snap.set_output_lengths(known)
-        if known != self.known_lengths:
-            self.advanced = []
-            self.known_lengths = known
         self.lengths_dirty = False
-
-    def advanced_snapshot(self, age: float, default_output_tokens: int, overrun_fraction: float) -> tuple[Any, float]:
-        """(snapshot advanced to when a query arriving ``age`` s after capture can join, join time
-        in s after capture); cached per step boundary. ValueError for async-mode snapshots."""
-        beta = self.calibration.beta
-        for lo, hi, join, snap, b in self.advanced:
-            if lo < age <= hi and b == beta:
-                return snap, join
-        if age <= 0.0 or self.snap_raw is None:
-            return self.snap, max(age, 0.0)
-        d, join, lo, hi, _ = libbea.advance_snapshot(self.snap_raw, self.known_lengths, age, list(beta),
-                                                     default_output_tokens, overrun_fraction)
-        snap = libbea.Snapshot.from_dict(d)
-        if self.known_lengths:
-            snap.set_output_lengths(self.known_lengths)
-        if len(self.advanced) >= 8:
-            self.advanced.pop(0)
-        self.advanced.append((lo, hi, join, snap, beta))
-        return snap, join
 
     def on_dispatch(self, request_id: str, prompt_tokens: int, predicted_output: int, t: float) -> None:
         self.lengths[request_id] = predicted_output
