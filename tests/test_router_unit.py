@@ -20,6 +20,7 @@ from bear.protocol.subjects import Subjects
 from bear.router.client import submit
 from bear.router.dedup import Deduplicator
 from bear.router.dispatch import parse_chunk
+from bear.router.registry import RATE_WINDOW_S, InstanceInfo
 from bear.router.service import RouterConfig, RouterService, parse_submit
 
 S = Subjects()
@@ -37,6 +38,55 @@ def test_parse_submit_validates() -> None:
             parse_submit(pack(bad), cfg)
     with pytest.raises(BearError):
         parse_submit(b"\xc1", cfg)
+
+
+def test_instance_rate_window_and_ttft_percentiles() -> None:
+    """The incremental completion rate and cached percentiles equal the direct computation."""
+    import numpy as np
+
+    info = InstanceInfo("i")
+    ts = [100.0 + 0.5 * k for k in range(300)]  # 150 s of completions, 2 per second
+    for t in ts:
+        info.add_completion(t)
+    for now in (120.0, 180.0, 249.5, 260.0, 400.0):
+        recent = [t for t in ts if now - t <= RATE_WINDOW_S]  # the former full scan
+        want = 0.0 if len(recent) < 2 else len(recent) / max(now - recent[0], 1e-3)
+        assert info.throughput_rps(now) == pytest.approx(want), now
+    assert info.throughput_rps(400.0) == 0.0 and not info.completions
+    info.add_completion(500.0)
+    info.add_completion(499.0)  # another router's slightly earlier clock: kept in order
+    assert list(info.completions) == [500.0, 500.0]
+    assert info.observed_percentiles() == (0.0, 0.0)
+    rng = np.random.default_rng(0)
+    for k in range(250):
+        info.add_observed(float(rng.exponential()))
+        if k % 37 == 0:
+            p50, p90 = info.observed_percentiles()
+            xs = np.asarray(info.observed)
+            assert (p50, p90) == pytest.approx((np.percentile(xs, 50), np.percentile(xs, 90)))
+    assert info.observed_percentiles() == pytest.approx(tuple(np.percentile(np.asarray(info.observed), [50, 90])))
+
+
+def test_bear_up_rejects_bad_backend_options_before_starting_anything(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from bear.cli import app
+
+    def up(*args: str) -> tuple[int, str]:
+        res = CliRunner().invoke(app, ["up", "--workdir", str(tmp_path / "w"), *args])
+        return res.exit_code, " ".join(res.output.replace("│", " ").split())  # rich wraps the message
+
+    code, out = up("--backend", "tpu")
+    assert code == 2 and "sim or vllm" in out
+    code, out = up("--vllm-model", str(tmp_path))
+    assert code == 2 and "need --backend vllm" in out
+    code, out = up("--backend", "vllm", "--vllm-python", str(tmp_path / "no-python"))
+    assert code == 2 and "not an executable" in out
+    code, out = up("--backend", "vllm", "--vllm-model", str(tmp_path / "absent"), "--vllm-python", "/bin/true")
+    assert code == 2 and "is not a folder" in out
+    code, out = up("--backend", "vllm", "--vllm-python", "/bin/false")
+    assert code == 2 and "cannot import vllm" in out
+    assert not (tmp_path / "w").exists()  # nothing was started
 
 
 def test_parse_chunk_completion_and_chat() -> None:

@@ -4,6 +4,7 @@ order, registry up/down, engine restarts, NATS restarts."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ from bear import libbea
 from bear.protocol.codec import unpack, unpack_map
 from bear.protocol.nats_server import LocalNatsServer
 from bear.snapshotter.service import Snapshotter, SnapshotterConfig
-from bear.snapshotter.shm import ShmReader, shm_path
+from bear.snapshotter.shm import ShmReader, ShmWriter, shm_path
 
 FAKES = Path(__file__).with_name("snapshotter_fakes.py")
 
@@ -108,7 +109,7 @@ async def test_every_step_in_order_then_down_on_kill_and_up_on_restart(
         entry = await _status(kv)
         assert entry["model"] == "tiny" and entry["base_url"] and entry["config"]["block_size"] == 128
         await asyncio.sleep(1.0)
-        seqs = [s["seq"] for s in snaps]
+        seqs = [s["seq"] for s in snaps if not s.get("idle")]  # idle re-sends repeat a step
         assert len(seqs) > 50
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "a step is missing or out of order"
         assert all(s["v"] == "bear.snapshot/1" and s["instance"] == "i1" for s in snaps)
@@ -125,7 +126,7 @@ async def test_every_step_in_order_then_down_on_kill_and_up_on_restart(
         engine = start_engine(shm_name)  # a new engine: new region, seq restarts at 0
         await _wait_status(kv, "up", 3.0)
         await asyncio.sleep(0.5)
-        new = [s["seq"] for s in snaps[n_before:]]
+        new = [s["seq"] for s in snaps[n_before:] if not s.get("idle")]
         assert new and new[0] == 0 and new == list(range(len(new)))
     finally:
         engine.kill()
@@ -167,3 +168,45 @@ async def test_nats_restart_resumes_publishing_and_never_stalls_the_engine(
         reader.close()
         engine.kill()
         engine.wait()
+
+
+async def test_idle_engine_snapshot_is_resent_busy_one_ages(
+    service: Snapshotter, nats_server: LocalNatsServer, shm_name: str
+) -> None:
+    """Nothing stepped yet → an empty snapshot (all blocks free but the null block); an idle last
+    step → re-sent with a fresh time every ~0.5 s; a busy last step that is not followed → no re-send."""
+    from snapshotter_fakes import meta, raw_step
+
+    nc = await nats.connect(nats_server.url)
+    snaps: list[dict] = []
+
+    async def on_snap(msg: nats.aio.msg.Msg) -> None:
+        snaps.append(unpack_map(msg.data))
+
+    await nc.subscribe("bear.snapshot.i1", cb=on_snap)
+    w = ShmWriter(shm_name, meta=meta())
+
+    async def beat_for(s: float) -> None:  # the plugin's heartbeat thread: the engine is alive
+        end = time.monotonic() + s
+        while time.monotonic() < end:
+            w.heartbeat()
+            await asyncio.sleep(0.05)
+
+    try:
+        await beat_for(1.3)
+        assert len(snaps) >= 2 and all(s["idle"] and s["seq"] == 0 for s in snaps), snaps
+        assert snaps[0]["free_blocks"] == 999 and snaps[0]["running"] == [] and snaps[0]["waiting"] == []
+        libbea.Snapshot.from_dict(snaps[0])
+        w.write(raw_step(0, busy=False, free=990))  # one idle step
+        await beat_for(1.3)
+        after = [s for s in snaps if s["free_blocks"] == 990]
+        assert not after[0].get("idle") and len(after) >= 3 and all(s.get("idle") for s in after[1:])
+        assert all(b["time"] > a["time"] for a, b in itertools.pairwise(after))
+        req = {"id": "R", "prompt": 10, "computed": 11, "output": 1, "max_tokens": 100}
+        w.write(raw_step(1, sched={"R": 1}, cached={"R": 10}, running=[req]))  # busy, then silence
+        await beat_for(1.3)
+        busy = [s for s in snaps if s["seq"] == 1]
+        assert len(busy) == 1 and not busy[0].get("idle")
+    finally:
+        w.close()
+        await nc.close()

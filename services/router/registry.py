@@ -44,21 +44,41 @@ class InstanceInfo:
     tpot: float = 0.0
     completions: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     failed_until: float = 0.0  # this router saw a connection failure: avoid until then (monotonic)
+    _pcts: tuple[float, float] | None = field(default=None, repr=False)  # cache of observed_percentiles()
 
     def healthy(self, now: float, down_after_s: float) -> bool:
         return bool(self.base_url) and now - self.heartbeat <= down_after_s and time.monotonic() >= self.failed_until
 
+    def add_completion(self, t: float) -> None:
+        """Completion times arrive in time order (up to clock skew between routers): keep them so."""
+        c = self.completions
+        if c and t < c[-1]:
+            t = c[-1]
+        c.append(t)
+
     def throughput_rps(self, now: float) -> float:
-        recent = [t for t in self.completions if now - t <= RATE_WINDOW_S]
-        if len(recent) < 2:
+        """Completions per second over the last RATE_WINDOW_S. Called per query per instance, so
+        it drops what left the window from the left (amortised O(1)) instead of scanning all of
+        them (up to 4 096: ~0.3 ms per instance at 200 q/s). ``now`` is expected not to go back."""
+        c = self.completions
+        while c and now - c[0] > RATE_WINDOW_S:
+            c.popleft()
+        if len(c) < 2:
             return 0.0
-        return len(recent) / max(now - recent[0], 1e-3)
+        return len(c) / max(now - c[0], 1e-3)
+
+    def add_observed(self, ttft_s: float) -> None:
+        self.observed.append(ttft_s)
+        self._pcts = None
 
     def observed_percentiles(self) -> tuple[float, float]:
-        if not self.observed:
-            return 0.0, 0.0
-        xs = sorted(self.observed)
-        return _pct(xs, 0.5), _pct(xs, 0.9)
+        """(p50, p90) of the observed TTFTs; sorted once per new observation, not per query."""
+        if self._pcts is None:
+            if not self.observed:
+                return 0.0, 0.0
+            xs = sorted(self.observed)
+            self._pcts = (_pct(xs, 0.5), _pct(xs, 0.9))
+        return self._pcts
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -157,12 +177,12 @@ class Registry:
                 return
             ttft = d.get("ttft_s")
             if isinstance(ttft, int | float) and math.isfinite(ttft):
-                info.observed.append(float(ttft))
+                info.add_observed(float(ttft))
             tpot = d.get("tpot_s")
             if isinstance(tpot, int | float) and tpot > 0:
                 info.tpot = float(tpot) if info.tpot == 0 else (1 - EWMA) * info.tpot + EWMA * float(tpot)
             if d.get("completed"):
-                info.completions.append(float(d.get("t", time.time())))
+                info.add_completion(float(d.get("t", time.time())))
         except (BearError, KeyError, TypeError, ValueError):
             pass
 

@@ -1,6 +1,7 @@
 """The whole BEAR stack as child processes (``bear up``, ``bear router-bench`` and the end-to-end
-tests): a local nats-server (unless a URL is given), sim engines with the paper's profiles, a
-trained predictor, estimator workers, the calibrator and routers. Each child logs to
+tests): a local nats-server (unless a URL is given), the instances — sim engines with the paper's
+profiles, or real vLLM processes with the BEAR scheduler plugin and one ``bear snapshotter`` each
+(``backend="vllm"``) — a trained predictor, estimator workers, the calibrator and routers. Each child logs to
 ``<workdir>/logs/<name>.log``; ``stop()`` sends SIGTERM in reverse start order (routers first, so
 queries in flight are drained while their dependencies still run) and SIGKILLs what does not exit
 within the grace period."""
@@ -13,12 +14,14 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bear.protocol.nats_server import LocalNatsServer, free_port
 
+VLLM_TINY_ARGS = ("--max-model-len", "2048", "--max-num-batched-tokens", "256", "--max-num-seqs", "8")
 PAPER_POOL = ("qwen3-0.6b-h100", "qwen3-8b-h100", "qwen3-32b-2xh100-tp2")
 INSTANCE_NAMES = {"qwen3-0.6b-h100": "qwen0.6b-0", "qwen3-8b-h100": "qwen8b-0", "qwen3-32b-2xh100-tp2": "qwen32b-0"}
 
@@ -29,11 +32,13 @@ class Child:
     argv: list[str]
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] = field(default_factory=dict)  # on top of the stack's environment
+    group: bool = False  # signal the whole process group (vLLM: API server, engine core, workers)
 
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as logf:
-            self.proc = subprocess.Popen(self.argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
+            self.proc = subprocess.Popen(self.argv, stdout=logf, stderr=subprocess.STDOUT, env={**env, **self.env},
                                          start_new_session=True)
 
     def alive(self) -> bool:
@@ -42,7 +47,10 @@ class Child:
     def signal(self, sig: int) -> None:
         if self.alive():
             assert self.proc is not None
-            self.proc.send_signal(sig)
+            if self.group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
 
 
 @dataclass
@@ -62,6 +70,15 @@ class StackConfig:
     log_level: str = "info"
     prefix: str = "bear"
     seed: int = 0
+    backend: str = "sim"  # sim | vllm
+    vllm_python: str | None = None  # None: BEAR_VLLM_PYTHON, else ~/.cache/bear/vllm-venv/bin/python
+    vllm_model: Path | None = None  # None: the tiny random Qwen3 (CPU), written to <workdir>/tiny-qwen3
+    vllm_instances: int = 2
+    vllm_args: list[str] | None = None  # extra vLLM arguments; None: VLLM_TINY_ARGS for the tiny model, else none
+    vllm_kv_gib: str = "1"  # VLLM_CPU_KVCACHE_SPACE (CPU build only)
+    vllm_price_in: float = 0.1  # USD / million tokens of instance 0; instance k: × (k + 1)
+    vllm_price_out: float = 0.2
+    vllm_start_timeout_s: float = 900.0  # first start compiles (~2 min on 2 CPU cores)
 
 
 class Stack:
@@ -70,6 +87,9 @@ class Stack:
         self.nats: LocalNatsServer | None = None
         self.children: dict[str, Child] = {}
         self.instances: dict[str, int] = {}  # instance id → HTTP port
+        self.shms: list[str] = []  # vLLM plugin rings in /dev/shm, removed by stop()
+        self.served_model = ""
+        self.tiny = False  # vLLM backend serving the tiny random model
         self.url = cfg.nats_url or ""
 
     def _bear(self, *args: str) -> list[str]:
@@ -86,7 +106,9 @@ class Stack:
     def plan(self) -> None:
         cfg = self.cfg
         common = ["--nats", self.url, "--log-format", "json", "--log-level", cfg.log_level]
-        for k, prof in enumerate(cfg.profiles):
+        if cfg.backend == "vllm":
+            self._plan_vllm(common)
+        for k, prof in enumerate(cfg.profiles if cfg.backend == "sim" else ()):
             inst = INSTANCE_NAMES.get(prof, f"inst-{k}")
             if inst in self.instances:
                 inst = f"{inst}-{k}"
@@ -109,9 +131,58 @@ class Stack:
                 argv += ["--metrics-port", str(cfg.metrics_port + i)]
             self._child(f"router-{i}", argv)
 
+    def _plan_vllm(self, common: list[str]) -> None:
+        """Per instance: vLLM (plugin ring ``shm``) and the snapshotter that registers it."""
+        from bear.snapshotter.vllm_instance import vllm_command, vllm_env_overrides
+
+        cfg = self.cfg
+        assert cfg.vllm_python is not None and cfg.vllm_model is not None
+        if cfg.vllm_args is not None:
+            args = list(cfg.vllm_args)
+        else:
+            args = list(VLLM_TINY_ARGS) if self.tiny else []
+        self.served_model = "tiny" if self.tiny else cfg.vllm_model.name
+        for k in range(cfg.vllm_instances):
+            inst, port, shm = f"vllm-{k}", free_port(), f"bear-vllm-{k}-{uuid.uuid4().hex[:8]}"
+            self.instances[inst] = port
+            self.shms.append(shm)
+            c = self._child(inst, vllm_command(cfg.vllm_python, cfg.vllm_model, port, self.served_model, args))
+            c.env, c.group = vllm_env_overrides(shm, cfg.vllm_kv_gib), True
+            self._child(f"snapshotter-{inst}", self._bear(
+                "snapshotter", "--instance", inst, "--shm", shm, *common, "--model", self.served_model,
+                "--base-url", f"http://127.0.0.1:{port}/v1", "--price-input", str(cfg.vllm_price_in * (k + 1)),
+                "--price-output", str(cfg.vllm_price_out * (k + 1))))  # fmt: skip
+
+    def _prepare_vllm(self) -> None:
+        from bear.snapshotter.vllm_instance import default_vllm_python, make_tiny_model
+
+        cfg = self.cfg
+        cfg.vllm_python = cfg.vllm_python or default_vllm_python()
+        self.tiny = cfg.vllm_model is None
+        if cfg.vllm_model is None:
+            cfg.vllm_model = make_tiny_model(cfg.vllm_python, cfg.workdir / "tiny-qwen3")
+
+    def _wait_vllm_healthy(self) -> None:
+        from bear.snapshotter.vllm_instance import healthy
+
+        end = time.monotonic() + self.cfg.vllm_start_timeout_s
+        todo = dict(self.instances)
+        while todo:
+            dead = self.check_alive()
+            if dead:
+                raise RuntimeError(f"child exited during start-up: {dead} (see {self.cfg.workdir / 'logs'})")
+            if time.monotonic() > end:
+                raise TimeoutError(f"vLLM not healthy after {self.cfg.vllm_start_timeout_s:.0f} s: {sorted(todo)}")
+            todo = {i: p for i, p in todo.items() if not healthy(p)}
+            time.sleep(0.5)
+
     def start(self, timeout_s: float = 120.0) -> None:
         cfg = self.cfg
+        if cfg.backend not in ("sim", "vllm"):
+            raise ValueError(f"unknown backend {cfg.backend!r} (sim or vllm)")
         cfg.workdir.mkdir(parents=True, exist_ok=True)
+        if cfg.backend == "vllm":
+            self._prepare_vllm()
         if not self.url:
             self.nats = LocalNatsServer().start()
             self.url = self.nats.url
@@ -123,6 +194,8 @@ class Stack:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for c in self.children.values():
             c.start(env)
+        if cfg.backend == "vllm":
+            self._wait_vllm_healthy()
         asyncio.run(wait_ready(self.url, list(self.instances), cfg.prefix, timeout_s, self))
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
@@ -148,6 +221,11 @@ class Stack:
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
+        if self.shms:
+            from bear.snapshotter.vllm_instance import remove_shm
+
+            for shm in self.shms:
+                remove_shm(shm)
 
     def __enter__(self) -> Stack:
         try:
@@ -167,7 +245,7 @@ def _wait(c: Child, grace_s: float) -> None:
     try:
         c.proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
-        c.proc.kill()
+        c.signal(signal.SIGKILL)
         c.proc.wait()
 
 

@@ -22,7 +22,7 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import BucketNotFoundError
 
 from bear.protocol.codec import pack
-from bear.protocol.subjects import Subjects
+from bear.protocol.subjects import SNAPSHOT_SCHEMA, Subjects
 from bear.snapshotter.metrics import SnapshotterMetrics
 from bear.snapshotter.records import BatchBuilder, RecordError, parse_step, to_snapshot
 from bear.snapshotter.shm import ShmReader, pid_namespace
@@ -48,6 +48,7 @@ class SnapshotterConfig:
     snapshot_buffer: int = 256
     poll_interval_s: float = 0.002
     heartbeat_s: float = 0.5
+    idle_snapshot_s: float = 0.5  # an idle engine's last snapshot is re-sent this often (0 = never)
     stale_after_s: float = 1.0
     on_down: str = "mark"  # "mark" | "delete"
     record_to: str | None = None
@@ -70,6 +71,7 @@ class Snapshotter:
         self._batches: deque[dict[str, Any]] = deque(maxlen=cfg.batch_buffer)
         self._pending: deque[dict[str, Any]] = deque(maxlen=cfg.snapshot_buffer)
         self._last_publish = 0.0
+        self._last_snap: dict[str, Any] | None = None  # the newest snapshot sent (idle re-sends)
         self._last_seq = -1
         self._status = "starting"
         self._status_dirty = True
@@ -231,6 +233,7 @@ class Snapshotter:
         self._meta = reader.meta()
         self._builder.reset()
         self._last_seq = -1
+        self._last_snap = None
         self._bad_logged = False
         self.metrics.engine_restarts.inc()
         self.log.info("engine_attached", pid=reader.pid, generation=reader.generation,
@@ -268,6 +271,7 @@ class Snapshotter:
             self._set_status("up")
             self._drain(r)
             await self._publish_snapshot()
+            await self._idle_snapshot(r)
             await asyncio.sleep(self.cfg.poll_interval_s)
 
     def _drain(self, r: ShmReader) -> None:
@@ -336,7 +340,42 @@ class Snapshotter:
                 self.log.warning("snapshot_publish_failed", error=repr(exc))
                 continue
             self._last_publish = now
+            self._last_snap = snap
             self.metrics.snapshots_published.inc()
+
+    async def _idle_snapshot(self, r: ShmReader) -> None:
+        """An idle engine (nothing running or waiting) does not step, so the plugin writes nothing
+        and its state cannot change: re-send the last snapshot every ``idle_snapshot_s`` with
+        ``time`` refreshed and ``idle: true`` (same ``seq``: not a new step), so that estimators tell idle from stale (the rule of
+        ``bear.protocol.publish.InstancePublisher``). Called only while the plugin's own heartbeat
+        is fresh (the engine is alive). An engine that has not stepped at all since it started gets
+        an empty snapshot (every block free but vLLM's null block). A busy engine that stops
+        stepping gets nothing: its snapshot ages and the estimator falls back."""
+        if self.cfg.idle_snapshot_s <= 0 or self._pending or not self._connected():
+            return
+        now = time.monotonic()
+        if now - self._last_publish < self.cfg.idle_snapshot_s:
+            return
+        last = self._last_snap
+        if last is None:
+            n_blocks = int(self._meta.get("config", {}).get("num_gpu_blocks") or 0)
+            if r.count > 0 or n_blocks <= 0:
+                return  # steps exist but none was published yet, or no engine config to build from
+            last = {"schema": SNAPSHOT_SCHEMA, "v": SNAPSHOT_SCHEMA, "instance": self.cfg.instance,
+                    "model": self.cfg.model, "seq": 0, "config": self._meta.get("config", {}),
+                    "free_blocks": n_blocks - 1, "running": [], "waiting": [], "inflight": None}  # fmt: skip
+        elif last.get("running") or last.get("waiting"):
+            return
+        beat = {**last, "time": time.time(), "idle": True}
+        assert self.nc is not None
+        try:
+            await self.nc.publish(self.subjects.snapshot(self.cfg.instance), pack(beat))
+        except Exception as exc:
+            self.log.warning("snapshot_publish_failed", error=repr(exc))
+            return
+        self._last_publish = now
+        self._last_snap = beat
+        self.metrics.snapshots_published.inc()
 
     async def _batch_loop(self) -> None:
         while True:

@@ -14,8 +14,10 @@ import nats
 import pytest
 from harness import VllmServer
 
+from bear.estimator.client import EstimatorClient
 from bear.estimator.worker import EstimatorConfig, EstimatorWorker
 from bear.protocol.nats_server import LocalNatsServer
+from bear.protocol.subjects import Subjects
 from bear.router.client import submit
 from bear.router.service import RouterConfig, RouterService
 from bear.snapshotter.service import Snapshotter, SnapshotterConfig
@@ -49,9 +51,19 @@ async def test_router_over_two_real_vllm_instances(vllm_py: str, tiny_model: Pat
                     break
                 await asyncio.sleep(0.1)
             assert {i.id for i in router.registry.healthy()} == {"vllm-0", "vllm-1"}
+            # a just-registered instance may have no snapshot at the estimator yet (→ `analytic`, by
+            # design): wait for the first ones — the idle engines' snapshots, re-sent every 0.5 s
+            est = EstimatorClient(nc, Subjects(), try_timeout_s=0.5)
+            for _ in range(100):
+                reply = await est.estimate({"id": "warm", "prompt_tokens": 10, "max_tokens": 4}, ["vllm-0", "vllm-1"],
+                                           budget_s=1.0)
+                if all(r["method"] == "bea" for r in reply["estimates"]):
+                    break
+                await asyncio.sleep(0.1)
+            assert [r["method"] for r in reply["estimates"]] == ["bea", "bea"], reply
 
             async def one(i: int) -> list[dict]:
-                return [m async for m in submit(nc, f"query {i}: " + "word " * (20 + 10 * i), ttft_target_s=5.0,
+                return [m async for m in submit(nc, f"query {i}: " + "word " * (20 + 10 * (i % 12)), ttft_target_s=5.0,
                                                 max_tokens=8, query_id=f"vq-{i}", idle_timeout_s=60.0)]
 
             results = await asyncio.gather(*(one(i) for i in range(12)))
@@ -62,6 +74,12 @@ async def test_router_over_two_real_vllm_instances(vllm_py: str, tiny_model: Pat
                 assert done["usage"]["completion_tokens"] >= 1 and math.isfinite(done["ttft_s"])
                 routed = [m for m in msgs if m["v"] == "bear.routed/1"]
                 assert routed[-1]["ttft_method"] == "bea"  # snapshots of the real engines reached the estimator
+            # idle for longer than the estimator's max snapshot age (1 s): still `bea`, since the
+            # snapshotter re-sends an idle engine's last snapshot
+            await asyncio.sleep(2.0)
+            msgs = await one(50)
+            assert msgs[-1]["v"] == "bear.done/1" and msgs[-1]["instance"] == "vllm-0", msgs[-1]
+            assert [m for m in msgs if m["v"] == "bear.routed/1"][-1]["ttft_method"] == "bea"
             # an unreachable instance: kill vLLM 0, its registry entry still fresh → rerouted to vLLM 1
             servers[0].kill()
             msgs = await one(99)

@@ -1,7 +1,8 @@
 """Write a tiny random Qwen3 model (config, safetensors, byte-level tokenizer) that vLLM can load
 without any download; one engine step takes a few milliseconds on two CPU cores.
 
-Run with the vLLM venv's Python (needs torch, safetensors, tokenizers): ``python tiny_model.py DIR``.
+Run with the vLLM venv's Python (needs torch, safetensors, tokenizers): ``python tiny_model.py DIR``;
+``bear.snapshotter.vllm_instance.make_tiny_model`` does that.
 """
 
 from __future__ import annotations
