@@ -103,3 +103,23 @@ def test_staleness_router_sees_snapshots_at_least_delay_old() -> None:
         assert seen <= t - cl.delay_s
         newer = [p for p in published if p <= t - cl.delay_s]
         assert seen == max(newer)  # the newest one that is old enough
+
+
+@pytest.mark.slow
+def test_eval_cli_json_contract(tmp_path) -> None:
+    """`bear eval --experiment rates --seed S --json` prints {"rates": [...], "policies": {...}} on a
+    clean stdout (other tools parse it), and writes the JSON and the PNG."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "bear", "eval", "--experiment", "rates", "--seed", "3", "--rates", "6,12",
+         "--policies", "bear,round-robin", "--n-queries", "200", "--workers", "1", "--json", "--out", str(tmp_path)],
+        capture_output=True, text=True, check=True, timeout=600,
+    )
+    doc = json.loads(out.stdout)
+    assert doc["rates"] == [6.0, 12.0]
+    assert set(doc["policies"]) == {"bear", "round-robin"}
+    assert all(0.0 <= v <= 1.0 for vals in doc["policies"].values() for v in vals)
+    assert (tmp_path / "rates.json").exists() and (tmp_path / "rates.png").stat().st_size > 10_000

@@ -38,6 +38,11 @@ _register_all()
 
 
 def main() -> None:
+    # Logs go to stderr from the start (services reconfigure with --log-format): stdout stays
+    # clean for the JSON that `--json` commands print.
+    from bear.protocol.logging import configure_logging
+
+    configure_logging("console", "info")
     app()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgpack
@@ -32,3 +33,15 @@ def unpack_map(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, 
     if not isinstance(obj, dict):
         raise BearError(ErrorCode.BAD_REQUEST, "message is not a map")
     return obj
+
+
+def json_safe(o: Any) -> Any:
+    """A copy of ``o`` that ``json.dumps`` writes as strict JSON: non-finite floats become null,
+    tuples lists, keys strings (outcome logs, load summaries and evaluation results share it)."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {str(k): json_safe(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [json_safe(v) for v in o]
+    return o

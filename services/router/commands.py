@@ -13,6 +13,7 @@ from typing import Any
 
 import typer
 
+from bear.protocol.codec import json_safe
 from bear.protocol.logging import LogFormat, configure_logging
 
 NATS_HELP = "NATS server URL, e.g. nats://127.0.0.1:4222"
@@ -39,16 +40,6 @@ def _aliases(raw: list[str]) -> dict[str, str]:
             raise typer.BadParameter(f"--model-alias expects SERVED=PREDICTOR, got {item!r}")
         out[k.strip()] = v.strip()
     return out
-
-
-def _clean(o: Any) -> Any:
-    if isinstance(o, float):
-        return o if math.isfinite(o) else None
-    if isinstance(o, dict):
-        return {str(k): _clean(v) for k, v in o.items()}
-    if isinstance(o, list | tuple):
-        return [_clean(v) for v in o]
-    return o
 
 
 def print_report(console: Any, rep: dict[str, Any], title: str = "BEAR load") -> None:
@@ -140,7 +131,7 @@ def register(app: typer.Typer) -> None:
                                       query_id=query_id, subjects=Subjects(prefix)):
                     v = m.get("v")
                     if as_json:
-                        print(json.dumps(_clean(m)), flush=True)
+                        print(json.dumps(json_safe(m)), flush=True)
                     elif v == "bear.routed/1":
                         pt = m.get("predicted_ttft_s")
                         err.print(f"[dim]→ {m['instance']} ({m['model']}), predicted TTFT "
@@ -179,7 +170,7 @@ def register(app: typer.Typer) -> None:
         """Drive a synthetic workload through the router and report OnTimeUtility and SLO attainment."""
         rep = run_load_cli(nats_url, prefix, rate, arrivals_kind, duration, tasks, lam, max_tokens, seed, burst_ratio)
         if out is not None:
-            out.write_text(json.dumps(_clean(rep), indent=2))
+            out.write_text(json.dumps(json_safe(rep), indent=2))
 
     @app.command("up")
     def up_cmd(
@@ -257,7 +248,7 @@ def register(app: typer.Typer) -> None:
             try:
                 rep = run_load_cli(stack.url, "bear", load_rate, "poisson", load_duration, "", 5e-4, 4096, 0, 3.0)
                 if load_out is not None:
-                    load_out.write_text(json.dumps(_clean(rep), indent=2))
+                    load_out.write_text(json.dumps(json_safe(rep), indent=2))
             finally:
                 stack.stop()
             console.print("stopped.")
@@ -288,9 +279,9 @@ def register(app: typer.Typer) -> None:
         from bear.router.bench import run_bench
 
         res = run_bench(rate, duration)
-        Console().print_json(json.dumps(_clean(res)))
+        Console().print_json(json.dumps(json_safe(res)))
         if out is not None:
-            out.write_text(json.dumps(_clean(res), indent=2))
+            out.write_text(json.dumps(json_safe(res), indent=2))
 
 
 def run_load_cli(nats_url: str, prefix: str, rate: float, arrivals_kind: str, duration: float, tasks: str, lam: float,

@@ -12,6 +12,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any, TextIO
 
+from bear.protocol.codec import json_safe
+
 DECISION_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -46,16 +48,6 @@ def start_metrics_server(port: int | None) -> None:
         start_http_server(port)
 
 
-def _clean(o: Any) -> Any:
-    if isinstance(o, float):
-        return o if math.isfinite(o) else None
-    if isinstance(o, dict):
-        return {str(k): _clean(v) for k, v in o.items()}
-    if isinstance(o, list | tuple):
-        return [_clean(v) for v in o]
-    return o
-
-
 class OutcomeLog:
     """Appends records to a JSONL file, line-buffered (one write syscall per record, ~10 µs:
     done inline on the loop; tail -f shows every query at once), and updates the metrics."""
@@ -84,7 +76,7 @@ class OutcomeLog:
             if isinstance(ttft, float) and math.isfinite(ttft):
                 self.m.ttft.observe(ttft)
         if self._f is not None:
-            self._f.write(json.dumps(_clean(rec), separators=(",", ":")) + "\n")
+            self._f.write(json.dumps(json_safe(rec), separators=(",", ":")) + "\n")
 
     def flush(self) -> None:
         if self._f is not None:

@@ -3,24 +3,15 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from bear.protocol.codec import json_safe
+
 EXPERIMENTS = ["rates", "delta", "bursty", "staleness", "estimator", "lambda", "accuracy"]
-
-
-def _clean(o: Any) -> Any:
-    if isinstance(o, float):
-        return o if math.isfinite(o) else None
-    if isinstance(o, dict):
-        return {str(k): _clean(v) for k, v in o.items()}
-    if isinstance(o, list | tuple):
-        return [_clean(v) for v in o]
-    return o
 
 
 def eval_cmd(
@@ -89,7 +80,7 @@ def eval_cmd(
     else:
         result = ex.accuracy_result(rate, res, pol)
         plots.accuracy(result, png)
-    result = _clean({"experiment": experiment, "seed": seed, "n_queries": n_queries, **result,
+    result = json_safe({"experiment": experiment, "seed": seed, "n_queries": n_queries, **result,
                      "calibration": {k: v.__dict__ for k, v in s.calibration.items()}})
     (out / f"{experiment}.json").write_text(json.dumps(result, indent=2))
     if as_json:
