@@ -27,7 +27,7 @@ from bear.estimator.state import CalibrationEntry, InstanceState, StateStore
 from bear.protocol.codec import pack, unpack, unpack_map
 from bear.protocol.deadline import Deadline
 from bear.protocol.errors import BearError, ErrorCode
-from bear.protocol.publish import ensure_kv
+from bear.protocol.publish import watch_kv
 from bear.protocol.subjects import Subjects
 
 log = structlog.get_logger("bear.estimator")
@@ -82,7 +82,7 @@ class EstimatorWorker:
             (self.subjects.calibration_bucket, self._on_calibration),
             (self.subjects.instances_bucket, self._on_registry),
         ):
-            self._tasks.append(asyncio.create_task(self._watch(js, bucket, handler)))
+            self._tasks.append(asyncio.create_task(watch_kv(js, bucket, handler, retry_s=1.0, log=log)))
         self._service = await add_service(
             self.nc,
             name="bear-estimator",
@@ -158,23 +158,6 @@ class EstimatorWorker:
             self.store.get(key).registry_heartbeat = float(d.get("heartbeat", 0.0))
         except (BearError, TypeError, ValueError):
             pass
-
-    async def _watch(self, js: Any, bucket: str, handler: Any) -> None:
-        """Follow a KV bucket (created if missing); re-watch after errors."""
-        while True:
-            try:
-                kv = await ensure_kv(js, bucket)
-                watcher = await kv.watchall()
-                async for entry in watcher:
-                    if entry is None:
-                        continue
-                    deleted = entry.operation in ("DEL", "PURGE")
-                    handler(entry.key, None if deleted else entry.value)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("kv watch failed; retrying", bucket=bucket, error=str(exc))
-                await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------------ requests
     async def _handle(self, req: Any) -> None:

@@ -17,7 +17,7 @@ import structlog
 
 from bear.protocol.codec import unpack_map
 from bear.protocol.errors import BearError
-from bear.protocol.publish import ensure_kv
+from bear.protocol.publish import watch_kv
 from bear.protocol.subjects import Subjects
 
 log = structlog.get_logger("bear.router")
@@ -122,8 +122,10 @@ class Registry:
 
     async def start(self) -> None:
         js = self.nc.jetstream()
-        self._tasks.append(asyncio.create_task(self._watch(js, self.subjects.instances_bucket, self._on_instance)))
-        self._tasks.append(asyncio.create_task(self._watch(js, self.subjects.calibration_bucket, self._on_calibration)))
+        self._tasks.append(asyncio.create_task(watch_kv(
+            js, self.subjects.instances_bucket, self._on_instance, on_loaded=self.loaded.set, retry_s=0.5, log=log)))
+        self._tasks.append(asyncio.create_task(watch_kv(
+            js, self.subjects.calibration_bucket, self._on_calibration, retry_s=0.5, log=log)))
         self._sub = await self.nc.subscribe(f"{self.subjects.prefix}.outcome.*", cb=self._on_outcome,
                                             pending_msgs_limit=65536)
 
@@ -185,20 +187,3 @@ class Registry:
                 info.add_completion(float(d.get("t", time.time())))
         except (BearError, KeyError, TypeError, ValueError):
             pass
-
-    async def _watch(self, js: Any, bucket: str, handler: Any) -> None:
-        while True:
-            try:
-                kv = await ensure_kv(js, bucket)
-                watcher = await kv.watchall()
-                async for entry in watcher:
-                    if entry is None:  # end of the initial values
-                        if bucket == self.subjects.instances_bucket:
-                            self.loaded.set()
-                        continue
-                    handler(entry.key, None if entry.operation in ("DEL", "PURGE") else entry.value)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("kv watch failed; retrying", bucket=bucket, error=str(exc))
-                await asyncio.sleep(0.5)
