@@ -31,6 +31,7 @@ from bear.estimator.calibration import (
 from bear.protocol.codec import pack, unpack
 from bear.protocol.errors import BearError
 from bear.protocol.publish import ensure_kv
+from bear.protocol.shutdown import cancel_all
 from bear.protocol.subjects import Subjects
 
 log = structlog.get_logger("bear.calibrator")
@@ -104,9 +105,7 @@ class OnlineCalibrator:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
+            await cancel_all([self._task])
 
     async def _on_batches(self, msg: Any) -> None:
         instance = Subjects.instance_of(msg.subject)

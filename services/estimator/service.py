@@ -12,6 +12,7 @@ from typing import Any
 
 import structlog
 
+from bear.protocol.shutdown import close_nats
 from bear.protocol.subjects import Subjects
 
 log = structlog.get_logger("bear.estimator")
@@ -51,7 +52,7 @@ async def run_worker(nats_url: str, config: Any, prefix: str = "bear", with_cali
     if cal is not None:
         await cal.stop()
     await worker.stop()
-    await nc.drain()
+    await close_nats(nc)
     log.info("estimator worker stopped", handled=worker.handled)
 
 
@@ -63,7 +64,7 @@ async def run_calibrator(nats_url: str, prefix: str = "bear", **kwargs: Any) -> 
     await cal.start()
     await _stop_event().wait()
     await cal.stop()
-    await nc.drain()
+    await close_nats(nc)
 
 
 def run_forked(argv: list[str], workers: int, metrics_port: int | None) -> int:

@@ -28,6 +28,7 @@ from bear.protocol.codec import pack, unpack, unpack_map
 from bear.protocol.deadline import Deadline
 from bear.protocol.errors import BearError, ErrorCode
 from bear.protocol.publish import watch_kv
+from bear.protocol.shutdown import cancel_all
 from bear.protocol.subjects import Subjects
 
 log = structlog.get_logger("bear.estimator")
@@ -101,11 +102,7 @@ class EstimatorWorker:
         for s in self._subs:
             with contextlib.suppress(Exception):
                 await s.unsubscribe()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(BaseException):
-                await t
+        await cancel_all(self._tasks)
 
     # ------------------------------------------------------------------ feeds
     async def _on_snapshot(self, msg: Any) -> None:

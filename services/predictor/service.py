@@ -23,6 +23,7 @@ from bear.predictor.runtime import Predictor
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.deadline import Deadline
 from bear.protocol.errors import BearError, ErrorCode, error_reply
+from bear.protocol.shutdown import close_nats
 from bear.protocol.subjects import Subjects
 
 log = structlog.get_logger(__name__)
@@ -216,4 +217,4 @@ async def serve(nats_url: str, predictor: Predictor, limits: ServiceLimits, pref
     await stop.wait()
     log.info("predictor_stopping")
     await svc.stop()
-    await nc.drain()
+    await close_nats(nc)

@@ -18,6 +18,7 @@ import structlog
 from bear.protocol.codec import unpack_map
 from bear.protocol.errors import BearError
 from bear.protocol.publish import watch_kv
+from bear.protocol.shutdown import cancel_all
 from bear.protocol.subjects import Subjects
 
 log = structlog.get_logger("bear.router")
@@ -133,11 +134,7 @@ class Registry:
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(BaseException):
-                await t
+        await cancel_all(self._tasks)
 
     # ------------------------------------------------------------------ feeds
     def _on_instance(self, key: str, value: bytes | None) -> None:

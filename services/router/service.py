@@ -24,6 +24,7 @@ from bear.estimator.calibration import NOMINAL_BETA
 from bear.estimator.client import EstimatorClient
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.errors import BearError, ErrorCode, error_reply
+from bear.protocol.shutdown import cancel_all, close_nats
 from bear.protocol.subjects import Subjects
 from bear.router.dedup import Deduplicator
 from bear.router.dispatch import InstanceUnavailable, StreamBroken, request_body, stream_completion
@@ -196,11 +197,7 @@ class RouterService:
                 await self._sub.unsubscribe()
         if self._tasks:
             _, pending = await asyncio.wait(list(self._tasks), timeout=drain_s)
-            for t in pending:
-                t.cancel()
-            for t in pending:
-                with contextlib.suppress(BaseException):
-                    await t
+            await cancel_all(pending)
         await self.registry.stop()
         if self._session is not None:
             await self._session.close()
@@ -460,6 +457,5 @@ async def serve(nats_url: str, cfg: RouterConfig, prefix: str = "bear", ready: A
         ready.set()
     await stop.wait()
     await router.stop()
-    with contextlib.suppress(Exception):
-        await nc.drain()
+    await close_nats(nc)
     log.info("router stopped", router=router.name)

@@ -9,6 +9,7 @@ is worse than none) and batch records wait in a bounded drop-oldest buffer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import time
@@ -22,6 +23,7 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import BucketNotFoundError
 
 from bear.protocol.codec import pack
+from bear.protocol.shutdown import cancel_all
 from bear.protocol.subjects import SNAPSHOT_SCHEMA, Subjects
 from bear.snapshotter.metrics import SnapshotterMetrics
 from bear.snapshotter.records import BatchBuilder, RecordError, parse_step, to_snapshot
@@ -97,17 +99,15 @@ class Snapshotter:
         try:
             await self._stop.wait()
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_all(tasks)
             await self._final_status()
             if self._record is not None:
                 self._record.close()
             if self.nc is not None and not self.nc.is_closed:
-                try:
-                    await asyncio.wait_for(self.nc.drain(), 2.0)
-                except Exception:
-                    await self.nc.close()
+                # close() writes what is buffered; no drain(): nothing is subscribed here, and
+                # nats-py's drain() swallows its cancellation and then flushes for up to 10 s
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.nc.close(), 2.0)
             if self._reader is not None:
                 self._reader.close()
 

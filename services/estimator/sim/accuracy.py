@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from bear.protocol.codec import pack
+from bear.protocol.shutdown import cancel_all
 from bear.protocol.subjects import Subjects
 
 
@@ -70,8 +71,7 @@ async def measure(nats_url: str, *, profile: str = "qwen3-8b-h100", qps: float =
         while not req.finished:
             await req.changed.wait()
             req.changed.clear()
-    for t in tasks:
-        t.cancel()
+    await cancel_all(tasks)
     await cal.stop()
     await worker.stop()
     await pub.close()

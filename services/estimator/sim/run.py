@@ -14,6 +14,7 @@ from bear.estimator.sim.engine import SimEngine
 from bear.estimator.sim.profile import load_profile
 from bear.estimator.sim.server import SimApi
 from bear.protocol.publish import InstancePublisher, heartbeat_registry, instance_record
+from bear.protocol.shutdown import cancel_all, close_nats
 from bear.protocol.subjects import Subjects
 
 log = structlog.get_logger("bear.sim")
@@ -51,12 +52,8 @@ async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, h
         ready.set()
     await stop.wait()
     sim.stop()
-    for t in tasks:
-        t.cancel()
-    for t in tasks:
-        with contextlib.suppress(BaseException):
-            await t
+    await cancel_all(tasks)
     await publisher.close()
     await runner.cleanup()
-    await nc.drain()
+    await close_nats(nc)
     log.info("sim engine stopped", **sim.stats.as_dict())
