@@ -235,3 +235,32 @@ async def test_client_gives_terminal_error_without_router(nats_server) -> None:
         assert len(msgs) == 1 and msgs[0]["v"] == "bear.error/1" and msgs[0]["client"] is True
     finally:
         await nc.close()
+
+
+async def test_streamed_answers_reuse_one_keep_alive_connection() -> None:
+    """Reading each answer to the end of its body (not just to ``[DONE]``) keeps the connection in
+    the pool: 20 queries to one instance open one TCP connection, not 20."""
+    import aiohttp
+
+    from bear.router.dispatch import request_body, stream_completion
+
+    inst = FakeInstance(tokens=2)
+    await inst.start()
+    opened = 0
+
+    async def on_create(*_: object) -> None:
+        nonlocal opened
+        opened += 1
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_create_end.append(on_create)
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trace_configs=[trace]) as session:
+            for k in range(20):
+                path, body = request_body("m", "hi", None, 2)
+                pieces = [p async for p in stream_completion(session, f"http://127.0.0.1:{inst.port}/v1",
+                                                             f"r{k}", path, body)]
+                assert "".join(p.text for p in pieces) == "t0 t1 "
+        assert opened == 1
+    finally:
+        await inst.stop()

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from bear.protocol import aio
 from bear.protocol.codec import pack
 from bear.protocol.subjects import Subjects
 
@@ -73,7 +74,7 @@ async def _client(url: str, seconds: float, concurrency: int, instances: list[st
 
 
 def _client_proc(url: str, seconds: float, concurrency: int, instances: list[str], seed: int, out: Any) -> None:
-    out.put(asyncio.run(_client(url, seconds, concurrency, instances, seed)))
+    out.put(aio.run(_client(url, seconds, concurrency, instances, seed)))
 
 
 async def _publisher(url: str, snaps: list[dict[str, Any]], stop: asyncio.Event) -> None:
@@ -115,7 +116,7 @@ def run_bench(nats_url: str | None, *, seconds: float = 5.0, concurrency: int = 
         worker = subprocess.Popen([sys.executable, "-m", "bear", "estimator", "--nats", nats_url, "--log-level", "warning"])
     try:
         pid = worker.pid if worker is not None else None
-        return asyncio.run(_run(nats_url, seconds, concurrency, n_instances, residents, clients, latency_seconds, pid))
+        return aio.run(_run(nats_url, seconds, concurrency, n_instances, residents, clients, latency_seconds, pid))
     finally:
         if worker is not None:
             worker.terminate()

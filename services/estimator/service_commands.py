@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import typer
 
+from bear.protocol import aio
 from bear.protocol.logging import LogFormat, configure_logging
 
 NATS_HELP = "NATS server URL, e.g. nats://127.0.0.1:4222"
@@ -60,7 +59,7 @@ def register(app: typer.Typer) -> None:
         start_metrics_server(metrics_port or None)
         cfg = EstimatorConfig(max_age_s=max_age_s, down_after_s=down_after_s, default_output_tokens=default_output_tokens,
                               overrun_fraction=overrun_fraction, compensate_staleness=compensate_staleness)
-        asyncio.run(run_worker(nats_url, cfg, prefix, with_calibrator))
+        aio.run(run_worker(nats_url, cfg, prefix, with_calibrator))
 
     @app.command("calibrator")
     def calibrator(
@@ -79,7 +78,7 @@ def register(app: typer.Typer) -> None:
         from bear.estimator.service import run_calibrator
 
         start_metrics_server(metrics_port or None)
-        asyncio.run(run_calibrator(nats_url, prefix, window=window, min_records=min_records, refit_s=refit_s))
+        aio.run(run_calibrator(nats_url, prefix, window=window, min_records=min_records, refit_s=refit_s))
 
     @app.command("sim-engine")
     def sim_engine(
@@ -101,7 +100,7 @@ def register(app: typer.Typer) -> None:
         configure_logging(log_format, log_level)
         from bear.estimator.sim.run import serve
 
-        asyncio.run(serve(profile, port, instance, nats_url, host=host, prefix=prefix,
+        aio.run(serve(profile, port, instance, nats_url, host=host, prefix=prefix,
                           seed=None if seed < 0 else seed, base_url=base_url or None,
                           heartbeat_s=heartbeat_s, min_interval_s=min_interval_s))
 

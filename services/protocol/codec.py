@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -33,6 +34,21 @@ def unpack_map(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, 
     if not isinstance(obj, dict):
         raise BearError(ErrorCode.BAD_REQUEST, "message is not a map")
     return obj
+
+
+def json_line(o: Any) -> bytes:
+    """``o`` as one line of strict JSON (the shape ``json_safe`` gives), newline included: orjson
+    when installed (≈10× faster: the router writes one record per query on its event loop), else
+    the standard library."""
+    try:
+        import orjson
+    except ImportError:
+        return json.dumps(json_safe(o), separators=(",", ":")).encode() + b"\n"
+    try:
+        return orjson.dumps(o, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+                            | orjson.OPT_APPEND_NEWLINE)
+    except TypeError:  # a type orjson does not know: the standard path decides
+        return json.dumps(json_safe(o), separators=(",", ":")).encode() + b"\n"
 
 
 def json_safe(o: Any) -> Any:

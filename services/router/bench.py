@@ -4,11 +4,11 @@ worker, one router, each its own process). Queries are short synthetic prompts a
 token so the instances stay light; the numbers come from the router's own outcome log:
 ``decision_s`` (everything: parsing, the concurrent predictor + estimator round trips and the
 dedup claim, candidate building, policy, dispatch publish) and ``overhead`` = decision − the wait
-for the predictor and estimator replies (the router's own work)."""
+for the predictor and estimator replies (the router's own work). It also reports each process's
+CPU time per query: on a small host the wait is mostly the other processes' turn on the cores."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import tempfile
@@ -18,11 +18,30 @@ from typing import Any
 
 import numpy as np
 
+from bear.protocol import aio
+
 
 def _pct(xs: list[float]) -> dict[str, float]:
     a = np.asarray(xs) * 1e3
     return {"p50_ms": float(np.percentile(a, 50)), "p90_ms": float(np.percentile(a, 90)),
             "p99_ms": float(np.percentile(a, 99)), "mean_ms": float(a.mean()), "n": len(a)}
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its reaped children (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _processes(stack: Any) -> dict[str, int]:
+    procs = {name: c.proc.pid for name, c in stack.children.items() if c.proc is not None}
+    if stack.nats is not None and stack.nats.proc is not None:
+        procs["nats-server"] = stack.nats.proc.pid
+    procs["load-client"] = os.getpid()
+    return procs
 
 
 def run_bench(rate: float, duration: float, seed: int = 0) -> dict[str, Any]:
@@ -45,9 +64,12 @@ def run_bench(rate: float, duration: float, seed: int = 0) -> dict[str, Any]:
             finally:
                 await nc.close()
 
+        procs = _processes(stack)
+        cpu0 = {k: _cpu_s(pid) for k, pid in procs.items()}
         t0 = time.time()
-        res = asyncio.run(go())
+        res = aio.run(go())
         elapsed = time.time() - t0
+        cpu1 = {k: _cpu_s(pid) for k, pid in procs.items()}
     recs = [json.loads(line) for line in stack.outcome_log(0).read_text().splitlines()]
     recs = [r for r in recs if r.get("status") == "done" and not str(r["query_id"]).startswith("probe-")]
     dec = [r["decision_s"] for r in recs]
@@ -57,6 +79,12 @@ def run_bench(rate: float, duration: float, seed: int = 0) -> dict[str, Any]:
         "rate_qps": rate, "duration_s": duration, "sent": res.sent, "done": len(res.outcomes),
         "errors": dict(res.errors), "achieved_qps": res.sent / max(float(times[-1]), 1e-9), "wall_s": elapsed,
         "decision": _pct(dec), "router_own_overhead": _pct(own), "predictor_estimator_wait": _pct(wait),
+        "predictor_reply": _pct([r["predict_s"] for r in recs]),
+        "estimator_reply": _pct([r["estimate_s"] for r in recs]),
+        "dedup_claim": _pct([r["claim_s"] for r in recs]),
         "fallbacks": sum(bool(r["fallbacks"]) for r in recs), "host_load": os.getloadavg(),
-        "cpus": os.cpu_count(),
+        "cpus": os.cpu_count(), "event_loop": aio.loop_name(),
+        # where the two cores go: CPU milliseconds per query of each process during the load
+        "cpu_ms_per_query": {k: (cpu1[k] - cpu0[k]) * 1e3 / max(res.sent, 1) for k in procs},
+        "cpu_busy_share": sum(cpu1[k] - cpu0[k] for k in procs) / max(elapsed * (os.cpu_count() or 1), 1e-9),
     }

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import sys
@@ -13,6 +12,7 @@ from typing import Any
 
 import typer
 
+from bear.protocol import aio
 from bear.protocol.codec import json_safe
 from bear.protocol.logging import LogFormat, configure_logging
 
@@ -100,7 +100,7 @@ def register(app: typer.Typer) -> None:
                            max_inflight=max_inflight, down_after_s=down_after, outcome_log=outcome_log,
                            aliases=_aliases(model_alias))
         start_metrics_server(metrics_port or None)
-        asyncio.run(serve(nats_url, cfg, prefix))
+        aio.run(serve(nats_url, cfg, prefix))
 
     @app.command("submit")
     def submit_cmd(
@@ -151,7 +151,7 @@ def register(app: typer.Typer) -> None:
                 await nc.close()
             return code
 
-        raise typer.Exit(asyncio.run(go()))
+        raise typer.Exit(aio.run(go()))
 
     @app.command("load")
     def load_cmd(
@@ -327,7 +327,7 @@ def run_load_cli(nats_url: str, prefix: str, rate: float, arrivals_kind: str, du
         finally:
             await nc.close()
 
-    res = asyncio.run(go())
+    res = aio.run(go())
     console.print()
     rep = res.report()
     rep.update(rate=rate, arrivals=arrivals_kind, duration_s=duration, seed=seed)

@@ -59,16 +59,22 @@ async def stream_completion(session: Any, base_url: str, request_id: str, path: 
                 text = (await resp.text())[:300]
                 raise InstanceUnavailable(f"HTTP {resp.status}: {text}")
             buf = b""
+            done = False
+            # read to the end of the body even after [DONE]: a response left unread closes its
+            # keep-alive connection, and the next query to this instance pays a TCP connect
             async for data in resp.content.iter_any():
+                if done:
+                    continue
                 buf += data
-                while b"\n\n" in buf:
+                while not done and b"\n\n" in buf:
                     event, buf = buf.split(b"\n\n", 1)
                     for line in event.split(b"\n"):
                         if not line.startswith(b"data:"):
                             continue
                         payload = line[5:].strip()
                         if payload == b"[DONE]":
-                            return
+                            done = True
+                            break
                         piece = parse_chunk(json.loads(payload))
                         if piece is not None:
                             started = started or bool(piece.text)

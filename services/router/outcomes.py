@@ -1,18 +1,18 @@
 """Every routed query's record: one JSON line in the outcome log and Prometheus metrics.
 
 Record fields: ``query_id, t, policy, instance, model, target_s, predicted_ttft_s, ttft_method,
-observed_ttft_s, on_time, utility, feasible, decision_s, wait_s, fallbacks, status, attempts,
+observed_ttft_s, on_time, utility, feasible, decision_s, wait_s (predictor and estimator),
+predict_s, estimate_s, claim_s (each answer's time after the questions went out), fallbacks, status, attempts,
 usage, candidates`` (per candidate: acc, cost, out_len, ttft, method, queue counters, score)."""
 
 from __future__ import annotations
 
-import json
 import math
 from functools import cache
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO
 
-from bear.protocol.codec import json_safe
+from bear.protocol.codec import json_line
 
 DECISION_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1.0)
 
@@ -49,18 +49,18 @@ def start_metrics_server(port: int | None) -> None:
 
 
 class OutcomeLog:
-    """Appends records to a JSONL file, line-buffered (one write syscall per record, ~10 µs:
-    done inline on the loop; tail -f shows every query at once), and updates the metrics."""
+    """Appends records to a JSONL file, unbuffered (one write syscall per record, ~10 µs: done
+    inline on the loop; tail -f shows every query at once), and updates the metrics."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self._f: TextIO | None = None
+        self._f: BinaryIO | None = None
         self.m = metrics()
         self._done = 0
         self._on_time = 0
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = path.open("a", encoding="utf-8", buffering=1)
+            self._f = path.open("ab", buffering=0)
 
     def record(self, rec: dict[str, Any]) -> None:
         status = rec.get("status", "done")
@@ -76,7 +76,7 @@ class OutcomeLog:
             if isinstance(ttft, float) and math.isfinite(ttft):
                 self.m.ttft.observe(ttft)
         if self._f is not None:
-            self._f.write(json.dumps(json_safe(rec), separators=(",", ":")) + "\n")
+            self._f.write(json_line(rec))
 
     def flush(self) -> None:
         if self._f is not None:

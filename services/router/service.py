@@ -240,18 +240,19 @@ class RouterService:
             if not out.finished:  # defensive: every accepted query ends in done or error
                 await out.error(ErrorCode.INTERNAL, "no terminal message")
 
-    async def _ask(self, q: Query, insts: list[InstanceInfo], ptoks: int) -> tuple[
-            dict[str, ModelPrediction] | None, dict[str, Any] | None, float]:
-        """Predictor and estimator concurrently; (predictions, estimator rows, seconds waited)."""
+    async def _ask(self, q: Query, insts: list[InstanceInfo], ptoks: int) -> Asked:
+        """The dedup claim, the predictor and the estimator, concurrently (three tasks, no nesting),
+        each clocked where it finished."""
         models = sorted({i.predictor_model for i in insts})
-        tw = time.perf_counter()
+        t = time.perf_counter()
         pred = ask_predictor(self.nc, self.subjects.predict, q.text, models, self.cfg.predict_budget_s,
                              try_timeout_s=self.cfg.predict_try_s, prompt_tokens=q.prompt_tokens,
                              query_id=q.query_id)
         est = ask_estimator(self.estimator, {"id": q.query_id, "prompt_tokens": ptoks, "max_tokens": q.max_tokens},
                             [i.id for i in insts], self.cfg.estimate_budget_s)
-        preds, rows = await asyncio.gather(pred, est)
-        return preds, rows, time.perf_counter() - tw
+        (claimed, tc), (preds, tp), (rows, te) = await asyncio.gather(
+            _clocked(self.dedup.claim(q.query_id, self.name)), _clocked(pred), _clocked(est))
+        return Asked(claimed, preds, rows, claim_s=tc - t, predict_s=tp - t, estimate_s=te - t)
 
     def candidates(self, q: Query, insts: list[InstanceInfo], ptoks: int, preds: dict[str, ModelPrediction] | None,
                    rows: dict[str, Any] | None) -> tuple[list[Candidate], dict[str, ModelPrediction]]:
@@ -297,8 +298,8 @@ class RouterService:
             return
         ptoks = q.token_estimate()
         # The dedup claim (a JetStream round trip) runs concurrently with the two questions.
-        claimed, (preds, rows, waited) = await asyncio.gather(self.dedup.claim(q.query_id, self.name),
-                                                              self._ask(q, insts, ptoks))
+        asked = await self._ask(q, insts, ptoks)
+        claimed, preds, rows, waited = asked.claimed, asked.preds, asked.rows, asked.wait_s
         if not claimed:
             self.m.duplicates.inc()
             await out.error(ErrorCode.DUPLICATE, "query_id already submitted; not executed again")
@@ -338,7 +339,7 @@ class RouterService:
                             "ttft_method": d.candidate.ttft_method, "feasible": d.feasible,
                             "policy": self.policy.name, "decision_s": decision_s, "attempt": attempt})
             try:
-                await self._stream(q, out, inst, d, p, request_id, ptoks, t0, decision_s, waited, fallbacks,
+                await self._stream(q, out, inst, d, p, request_id, ptoks, t0, decision_s, asked, fallbacks,
                                    cands, attempt)
                 return
             except InstanceUnavailable as exc:
@@ -352,7 +353,7 @@ class RouterService:
                               "policy": self.policy.name, "attempts": attempts, "target_s": q.ttft_target_s})
 
     async def _stream(self, q: Query, out: ClientStream, inst: InstanceInfo, d: Decision, p: ModelPrediction,
-                      request_id: str, ptoks: int, t0: float, decision_s: float, waited: float,
+                      request_id: str, ptoks: int, t0: float, decision_s: float, asked: Asked,
                       fallbacks: list[str], cands: list[Candidate], attempt: int) -> None:
         extra: dict[str, Any] = {}
         if inst.backend == "sim":
@@ -421,7 +422,8 @@ class RouterService:
             "target_s": q.ttft_target_s, "lam": q.lam, "prompt_tokens": ptoks, "max_tokens": q.max_tokens,
             "predicted_ttft_s": predicted, "ttft_method": d.candidate.ttft_method, "feasible": d.feasible,
             "observed_ttft_s": ttft, "on_time": on_time, "utility": utility,
-            "predicted_utility": d.candidate.utility(q.lam), "decision_s": decision_s, "wait_s": waited,
+            "predicted_utility": d.candidate.utility(q.lam), "decision_s": decision_s, "wait_s": asked.wait_s,
+            "predict_s": asked.predict_s, "estimate_s": asked.estimate_s, "claim_s": asked.claim_s,
             "fallbacks": fallbacks, "attempt": attempt, "usage": usage, "request_id": request_id,
             "candidates": {c.instance: {
                 "model": c.model, "acc": c.acc, "cost": c.cost, "out_len": c.out_len, "out_p90": c.out_p90,
@@ -432,6 +434,27 @@ class RouterService:
                 "observed_ttft_p90": c.observed_ttft_p90, "score": d.scores.get(c.instance)}
                 for c in cands},
         })
+
+
+@dataclass
+class Asked:
+    """What ``_ask`` got, and when each answer was in (seconds after the questions went out)."""
+
+    claimed: bool
+    preds: dict[str, ModelPrediction] | None
+    rows: dict[str, Any] | None
+    claim_s: float
+    predict_s: float
+    estimate_s: float
+
+    @property
+    def wait_s(self) -> float:
+        """The wait for the predictor and the estimator (the claim excluded)."""
+        return max(self.predict_s, self.estimate_s)
+
+
+async def _clocked(aw: Any) -> tuple[Any, float]:
+    return await aw, time.perf_counter()
 
 
 def _finite(x: float) -> float | None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bear.protocol import aio
 from bear.protocol.nats_server import LocalNatsServer, free_port
 
 VLLM_TINY_ARGS = ("--max-model-len", "2048", "--max-num-batched-tokens", "256", "--max-num-seqs", "8")
@@ -196,7 +197,7 @@ class Stack:
             c.start(env)
         if cfg.backend == "vllm":
             self._wait_vllm_healthy()
-        asyncio.run(wait_ready(self.url, list(self.instances), cfg.prefix, timeout_s, self))
+        aio.run(wait_ready(self.url, list(self.instances), cfg.prefix, timeout_s, self))
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         c = self.children[name]

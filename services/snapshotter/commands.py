@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from bear.protocol import aio
+
 
 def snapshotter(
     instance: Annotated[str, typer.Option(help="Instance id (a NATS subject token, e.g. 'vllm-a').")],
@@ -78,7 +80,7 @@ def snapshotter(
             loop.add_signal_handler(sig, svc.stop)
         await svc.run()
 
-    asyncio.run(main())
+    aio.run(main())
 
 
 def record(

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from bear.protocol import aio
 from bear.protocol.codec import pack
 from bear.protocol.shutdown import cancel_all
 from bear.protocol.subjects import Subjects
@@ -109,6 +110,6 @@ def run(nats_url: str | None = None, **kwargs: Any) -> dict[str, Any]:
     from bear.protocol.nats_server import LocalNatsServer
 
     if nats_url is not None:
-        return asyncio.run(measure(nats_url, **kwargs))
+        return aio.run(measure(nats_url, **kwargs))
     with LocalNatsServer() as srv:
-        return asyncio.run(measure(srv.url, **kwargs))
+        return aio.run(measure(srv.url, **kwargs))
