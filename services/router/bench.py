@@ -5,7 +5,9 @@ token so the instances stay light; the numbers come from the router's own outcom
 ``decision_s`` (everything: parsing, the concurrent predictor + estimator round trips and the
 dedup claim, candidate building, policy, dispatch publish) and ``overhead`` = decision − the wait
 for the predictor and estimator replies (the router's own work). It also reports each process's
-CPU time per query: on a small host the wait is mostly the other processes' turn on the cores."""
+CPU time per query, and — as the floor measured on the same host in the same run — the round trip
+of a bare NATS echo between two idle processes at the same Poisson rate (the predictor and the
+estimator are each at least one such round trip away from the router)."""
 
 from __future__ import annotations
 
@@ -44,7 +46,52 @@ def _processes(stack: Any) -> dict[str, int]:
     return procs
 
 
-def run_bench(rate: float, duration: float, seed: int = 0) -> dict[str, Any]:
+ECHO = """
+import asyncio, sys
+import nats
+from bear.protocol import aio
+
+async def main(url):
+    nc = await nats.connect(url)
+
+    async def echo(msg):
+        await msg.respond(msg.data)
+
+    await nc.subscribe("bench.echo", cb=echo)
+    await asyncio.Event().wait()
+
+aio.run(main(sys.argv[1]))
+"""
+
+
+async def echo_rtt(url: str, rate: float, n: int, seed: int = 0) -> dict[str, float]:
+    """Round trips to a bare echo process (``ECHO``), requests sent at Poisson times of ``rate``:
+    the NATS-and-scheduler floor under any request-reply on this host, without BEAR's work."""
+    import asyncio
+
+    import nats
+
+    rng = np.random.default_rng(seed)
+    nc = await nats.connect(url)
+    try:
+        for _ in range(100):  # until the echo process is subscribed
+            try:
+                await nc.request("bench.echo", b"x", timeout=0.5)
+                break
+            except Exception:
+                await asyncio.sleep(0.05)
+        rtts = []
+        for _ in range(n):
+            await asyncio.sleep(float(rng.exponential(1.0 / rate)))
+            t = time.perf_counter()
+            await nc.request("bench.echo", b"x" * 256, timeout=2.0)
+            rtts.append(time.perf_counter() - t)
+        return _pct(rtts)
+    finally:
+        await nc.close()
+
+
+def run_bench(rate: float, duration: float, seed: int = 0, routers: int = 1) -> dict[str, Any]:
     import nats
 
     from bear.router.arrivals import arrivals
@@ -55,7 +102,7 @@ def run_bench(rate: float, duration: float, seed: int = 0) -> dict[str, Any]:
     n = max(1, round(rate * duration))
     queries = make_queries(n, seed, ("alpaca",), ("Qwen3-0.6B", "Qwen3-8B", "Qwen3-32B"))
     times = arrivals("poisson", rate, n, seed=seed)
-    stack = Stack(StackConfig(workdir=work, calibrator=False, log_level="warning"))
+    stack = Stack(StackConfig(workdir=work, calibrator=False, log_level="warning", routers=routers))
     with stack:
         async def go() -> Any:
             nc = await nats.connect(stack.url)
@@ -64,21 +111,31 @@ def run_bench(rate: float, duration: float, seed: int = 0) -> dict[str, Any]:
             finally:
                 await nc.close()
 
+        import subprocess
+        import sys
+
+        echo = subprocess.Popen([sys.executable, "-c", ECHO, stack.url])
+        try:
+            floor = aio.run(echo_rtt(stack.url, rate, min(n, 1000), seed))
+        finally:
+            echo.kill()
+            echo.wait()
         procs = _processes(stack)
         cpu0 = {k: _cpu_s(pid) for k, pid in procs.items()}
         t0 = time.time()
         res = aio.run(go())
         elapsed = time.time() - t0
         cpu1 = {k: _cpu_s(pid) for k, pid in procs.items()}
-    recs = [json.loads(line) for line in stack.outcome_log(0).read_text().splitlines()]
+    recs = [json.loads(line) for i in range(routers) for line in stack.outcome_log(i).read_text().splitlines()]
     recs = [r for r in recs if r.get("status") == "done" and not str(r["query_id"]).startswith("probe-")]
     dec = [r["decision_s"] for r in recs]
     own = [max(0.0, r["decision_s"] - r["wait_s"]) for r in recs]
     wait = [r["wait_s"] for r in recs]
     return {
-        "rate_qps": rate, "duration_s": duration, "sent": res.sent, "done": len(res.outcomes),
+        "rate_qps": rate, "duration_s": duration, "routers": routers, "sent": res.sent, "done": len(res.outcomes),
         "errors": dict(res.errors), "achieved_qps": res.sent / max(float(times[-1]), 1e-9), "wall_s": elapsed,
         "decision": _pct(dec), "router_own_overhead": _pct(own), "predictor_estimator_wait": _pct(wait),
+        "nats_echo_rtt_floor": floor,
         "predictor_reply": _pct([r["predict_s"] for r in recs]),
         "estimator_reply": _pct([r["estimate_s"] for r in recs]),
         "dedup_claim": _pct([r["claim_s"] for r in recs]),

@@ -55,8 +55,9 @@ class Deduplicator:
         from nats.js.errors import KeyWrongLastSequenceError
 
         try:
-            kv = await asyncio.wait_for(self._bucket(), self.timeout_s)
-            await asyncio.wait_for(kv.create(k, owner.encode()), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # no extra task per claim, unlike wait_for
+                kv = self._kv if self._kv is not None else await self._bucket()
+                await kv.create(k, owner.encode())
             return True
         except KeyWrongLastSequenceError:
             return False
