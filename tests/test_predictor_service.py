@@ -97,6 +97,45 @@ async def test_coded_errors(client: tuple, payload: bytes, code: str) -> None:
     assert is_error(rep) and rep["error"]["code"] == code, rep
 
 
+async def test_inline_up_to_the_request_size_bound_then_the_pool(client: tuple) -> None:
+    nc, svc = client  # inline_max_bytes=2000 (msgpack bytes of the whole request)
+    paths: list[str] = []
+    orig_inline, orig_work = svc._inline, svc._work
+
+    async def inline(*a: object) -> None:
+        paths.append("inline")
+        await orig_inline(*a)
+
+    async def work(*a: object) -> None:
+        paths.append("pool")
+        await orig_work(*a)
+
+    svc._inline, svc._work = inline, work  # type: ignore[method-assign]
+    short = req("Summarize this. " * 100)
+    assert len(pack(short)) <= 2000
+    long = req("Summarize this. " * 130)
+    assert len(pack(long)) > 2000
+    assert not is_error(await ask(nc, short)) and not is_error(await ask(nc, long))
+    assert paths == ["inline", "pool"]
+    # The same reply either way.
+    svc.limits = ServiceLimits(max_prompt_bytes=100_000, inline_max_bytes=0)
+    a = await ask(nc, req("Explain why the sky is blue."))
+    svc.limits = ServiceLimits(max_prompt_bytes=100_000, inline_max_bytes=1 << 20)
+    b = await ask(nc, req("Explain why the sky is blue."))
+    assert a == b and paths[2:] == ["pool", "inline"]
+
+
+async def test_internal_error_inline_is_a_coded_reply(client: tuple) -> None:
+    nc, svc = client
+
+    def boom(_req: dict) -> dict:
+        raise RuntimeError("boom")
+
+    svc._compute = boom  # type: ignore[method-assign]
+    rep = await ask(nc, req("hello"))
+    assert is_error(rep) and rep["error"]["code"] == "internal"
+
+
 async def test_deadline_passing_during_work(client: tuple) -> None:
     nc, svc = client
     long = "word " * 5000

@@ -21,6 +21,7 @@ namespace py = pybind11;
 using namespace bea;
 
 void bind_engine(py::module_& m);  // engine_binding.cpp
+void bind_predictor(py::module_& m);  // predictor_binding.cpp
 
 using bea_py::coeffs_from;
 using bea_py::to_value;
@@ -304,6 +305,7 @@ PYBIND11_MODULE(libbea, m) {
   m.def("lps_wait_corrected", &lps_wait_corrected, py::arg("alpha"), py::arg("mean_service"), py::arg("k"),
         py::arg("ca2"), py::arg("cs2"), "Paper eq. 15.");
   bind_engine(m);
+  bind_predictor(m);
 
   m.def(
       "engine_snapshot",

@@ -43,7 +43,8 @@ def predictor_service(
     workers: int = typer.Option(2, "--workers", min=1, help="Threads for long prompts."),
     max_inflight: int = typer.Option(256, "--max-inflight", min=1, help="Requests in progress before 'overloaded'."),
     inline_max_bytes: int = typer.Option(
-        8192, "--inline-max-bytes", min=0, help="Prompts up to this size are predicted on the event loop."
+        64 * 1024, "--inline-max-bytes", min=0,
+        help="Requests up to this size (msgpack bytes) are predicted on the event loop, larger ones in the pool."
     ),
     max_prompt_bytes: int = typer.Option(512 * 1024, "--max-prompt-bytes", min=1, help="Larger prompts get 'too_large'."),
     metrics_port: int | None = typer.Option(None, "--metrics-port", help="Serve Prometheus metrics on this port."),
@@ -58,11 +59,13 @@ def predictor_service(
         raise typer.BadParameter("--model-dir is required to run the service", param_hint="--model-dir")
     from bear.predictor.runtime import Predictor
     from bear.predictor.service import ServiceLimits, serve
+    from bear.protocol import aio
 
     predictor = Predictor(model_dir, tokenizer_dir)
+    log.info("predictor_loaded", native_forest=predictor.forest is not None, event_loop=aio.loop_name())
     limits = ServiceLimits(max_prompt_bytes=max_prompt_bytes, max_inflight=max_inflight,
                            inline_max_bytes=inline_max_bytes, workers=workers)
-    asyncio.run(serve(nats_url, predictor, limits, prefix, metrics_port))
+    aio.run(serve(nats_url, predictor, limits, prefix, metrics_port))
 
 
 def _progress_bar() -> Any:
@@ -172,6 +175,7 @@ def bench_cmd(
     from bear.predictor.bench import run_bench
     from bear.predictor.runtime import Predictor
     from bear.predictor.synth import generate
+    from bear.protocol import aio
     from bear.protocol.nats_server import LocalNatsServer
 
     models = Predictor(model_dir).models[:3]
@@ -190,7 +194,9 @@ def bench_cmd(
                 env={**os.environ},
             )
         asyncio.run(_wait_service(nats_url, 30.0))
-        seq, par = asyncio.run(run_bench(nats_url, prompts, models, n, n, concurrency))
+        # The client runs on the loop BEAR processes use (uvloop unless BEAR_EVENT_LOOP=asyncio),
+        # as the router, bear.predict's real client, does.
+        seq, par = aio.run(run_bench(nats_url, prompts, models, n, n, concurrency))
     finally:
         if proc is not None:
             proc.terminate()
@@ -199,7 +205,7 @@ def bench_cmd(
             server.close()
     load = os.getloadavg()
     table = Table(title=f"bear.predict, {len(models)} candidate models, {len(prompts)} synthetic prompts, "
-                  f"{os.cpu_count()} CPUs, load average {load[0]:.1f}")
+                  f"{os.cpu_count()} CPUs, load average {load[0]:.1f}, client loop {aio.loop_name()}")
     for col in ["phase", "n", "p50 ms", "p99 ms", "mean ms", "req/s", "errors", "p50 ms by task"]:
         table.add_column(col)
     for name, r in (("sequential", seq), (f"{concurrency} in flight", par)):
@@ -208,7 +214,7 @@ def bench_cmd(
                       ", ".join(f"{k} {v:.2f}" for k, v in r.per_task_p50_ms.items()))
     Console().print(table)
     if out is not None:
-        host = {"cpus": os.cpu_count(), "load_average_1m": load[0]}
+        host = {"cpus": os.cpu_count(), "load_average_1m": load[0], "client_loop": aio.loop_name()}
         out.write_text(json.dumps({"sequential": seq.to_dict(), "throughput": par.to_dict(), "host": host}, indent=2))
 
 

@@ -1,5 +1,11 @@
 """The trained predictor in memory: prompt + candidate models → accuracy, output length (mean,
-p50, p90) and cost per model. Synchronous and thread-safe; the service calls it off the loop."""
+p50, p90) and cost per model. Synchronous and thread-safe (no shared mutable state per call).
+
+Per request: the prompt analysis in C++ (``features.analyse``), the PCA projection in numpy
+(exactly the training computation), one feature row per candidate written into one array, and
+all heads x rows evaluated in one C++ call (``fastlgb.NativeForest``, bit-identical to LightGBM;
+``FastBooster`` per head if the native forest is unavailable or disagrees at load time).
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,16 @@ from typing import Any
 
 import numpy as np
 
-from bear.predictor.fastlgb import FastBooster
-from bear.predictor.features import FEATURE_NAMES, Pca, analyse, model_part, prompt_row, rows_for_models
+from bear.predictor.fastlgb import FastBooster, NativeForest
+from bear.predictor.features import (
+    FEATURE_NAMES,
+    MODEL_ID_COLUMN,
+    PCA_DIM,
+    Pca,
+    PromptAnalysis,
+    analyse,
+    model_part,
+)
 from bear.predictor.models import ModelSpec
 from bear.predictor.tokens import TokenCounter
 from bear.predictor.train import FORMAT, HEADS
@@ -35,6 +49,26 @@ class Prediction:
             "prompt_tokens": self.prompt_tokens,
             "cost": self.cost,
         }
+
+
+def _np_max(a: float, b: float) -> float:
+    """``np.maximum`` of two floats (NaN propagates; on ties the first)."""
+    return a if (a >= b or a != a) else b
+
+
+def _np_clip01(x: float) -> float:
+    """``np.clip(x, 0.0, 1.0)`` of one float (NaN propagates, -0.0 stays -0.0)."""
+    v = 0.0 if x < 0.0 else x
+    return 1.0 if v > 1.0 else v
+
+
+def finalize_lists(raw: list[list[float]]) -> list[list[float]]:
+    """``finalize`` on [acc, len_mean, len_p50, len_p90] lists of a few rows, in plain Python (numpy's
+    per-call overhead is most of the cost at 3 rows); the same values as ``finalize``, bit for bit."""
+    acc, mean, p50, p90 = raw
+    p50 = [_np_max(x, 1.0) for x in p50]
+    return [[_np_clip01(x) for x in acc], [_np_max(x, 1.0) for x in mean], p50,
+            [_np_max(x, y) for x, y in zip(p90, p50, strict=True)]]
 
 
 def finalize(raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -68,27 +102,81 @@ class Predictor:
         self.pca = Pca.from_dict(meta["pca"])
         self.heads = {name: FastBooster(lgb.Booster(model_file=str(model_dir / f"{name}.txt"))) for name in HEADS}
         self.tokens = TokenCounter(self.specs, tokenizer_dir)
+        self._index = {s.name: i for i, s in enumerate(self.specs)}
+        self._part_rows = np.stack([self._parts[s.name] for s in self.specs])
+        self._n_features = len(FEATURE_NAMES)
+        # Head order of the raw-score array: what finalize_lists expects.
+        self._head_order = ["acc", "len_mean", "len_p50", "len_p90"]
+        probe = np.vstack([self._rows(analyse(p), list(range(len(self.specs)))) for p in _PROBE_PROMPTS])
+        self.forest = NativeForest.build({h: self.heads[h].booster for h in self._head_order}, probe)
 
     @property
     def models(self) -> list[str]:
         return [s.name for s in self.specs]
 
+    def _rows(self, a: PromptAnalysis, ids: list[int]) -> np.ndarray:
+        """The feature rows of ``rows_for_models(prompt_row(a, pca), parts)``, written in place."""
+        X = np.empty((len(ids), self._n_features), dtype=np.float64)
+        X[:, :PCA_DIM] = self.pca.project(a.hashed)
+        X[:, PCA_DIM:MODEL_ID_COLUMN] = a.scalars
+        X[:, MODEL_ID_COLUMN:] = self._part_rows[ids]
+        return X
+
+    def _ids(self, models: list[str]) -> list[int]:
+        try:
+            return [self._index[m] for m in models]
+        except KeyError:
+            unknown = [m for m in models if m not in self._index]
+            raise BearError(ErrorCode.NOT_FOUND, f"unknown models {unknown}; known: {self.models}") from None
+
+    def predict_raw(self, prompt: str, models: list[str],
+                    prompt_tokens: dict[str, int] | None = None) -> tuple[list[list[float]], dict[str, int]]:
+        """([acc, len_mean, len_p50, len_p90] served values, each a list over ``models``; prompt token
+        counts per model). Unknown models raise NOT_FOUND."""
+        ids = self._ids(models)
+        a = analyse(prompt)
+        if self.forest is not None:
+            raw = self.forest.predict_parts(self.pca.project(a.hashed), a.scalars, self._part_rows, ids)
+        else:
+            X = self._rows(a, ids)
+            raw = np.stack([self.heads[h].predict(X) for h in self._head_order])
+        y = finalize_lists(raw.tolist())
+        if prompt_tokens:
+            need = [m for m in models if m not in prompt_tokens]
+            counts = {**self.tokens.counts(prompt, need, a.n_pieces), **prompt_tokens}
+        else:
+            counts = self.tokens.counts(prompt, models, a.n_pieces)
+        return y, counts
+
     def predict(self, prompt: str, models: list[str],
                 prompt_tokens: dict[str, int] | None = None) -> list[Prediction]:
         """One prediction per model, in the order given. Unknown models raise NOT_FOUND."""
-        unknown = [m for m in models if m not in self.by_name]
-        if unknown:
-            raise BearError(ErrorCode.NOT_FOUND, f"unknown models {unknown}; known: {self.models}")
-        a = analyse(prompt)
-        X = rows_for_models(prompt_row(a, self.pca), [self._parts[m] for m in models])
-        y = finalize({name: head.predict(X) for name, head in self.heads.items()})
-        acc, mean, p50, p90 = y["acc"], y["len_mean"], y["len_p50"], y["len_p90"]
-        given = prompt_tokens or {}
-        need = [m for m in models if m not in given]
-        counts = {**self.tokens.counts(prompt, need, a.n_pieces), **given}
+        (acc, mean, p50, p90), counts = self.predict_raw(prompt, models, prompt_tokens)
         out = []
         for i, m in enumerate(models):
             spec = self.by_name[m]
-            out.append(Prediction(m, float(acc[i]), float(mean[i]), float(p50[i]), float(p90[i]),
-                                  int(counts[m]), spec.cost_usd(counts[m], float(mean[i]))))
+            out.append(Prediction(m, acc[i], mean[i], p50[i], p90[i],
+                                  int(counts[m]), spec.cost_usd(counts[m], mean[i])))
         return out
+
+    def predict_wire(self, prompt: str, models: list[str],
+                     prompt_tokens: dict[str, int] | None = None) -> dict[str, dict[str, Any]]:
+        """``{model: Prediction.to_wire()}`` without the intermediate objects (the service's path)."""
+        (acc, mean, p50, p90), counts = self.predict_raw(prompt, models, prompt_tokens)
+        by_name = self.by_name
+        out: dict[str, dict[str, Any]] = {}
+        for i, m in enumerate(models):
+            n = int(counts[m])
+            out[m] = {"acc": acc[i], "len": {"mean": mean[i], "p50": p50[i], "p90": p90[i]},
+                      "prompt_tokens": n, "cost": by_name[m].cost_usd(n, mean[i])}
+        return out
+
+
+# Rows for the load-time check of the native forest against LightGBM (with every model id).
+_PROBE_PROMPTS = (
+    "List five facts about enzymes.",
+    "Summarize the report above briefly, in 50 words.",
+    "Write a story in 800 words.\n\n[WP] The moon files a complaint.",
+    "Explain in detail how a compiler works? " * 40,
+    "",
+)

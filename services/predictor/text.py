@@ -9,6 +9,11 @@ Speed: counts (pieces, sentences) cover the whole text with a few vectorised num
 hashes are computed in numpy (no per-word Python loop) over at most ``HASH_HEAD + HASH_TAIL`` bytes
 (the start and the end of the prompt, where instructions sit). The hashed vector is normalised by
 the number of hashed pieces, so for a long prompt it is an estimate of the full-text vector.
+
+This module is the definition. The request path (``features.analyse``) uses its C++ port in
+``bear.libbea`` (libbea/src/prompt_text.cpp), which gives the same hashes, counts and vector bit for
+bit (tests/test_predictor_native.py compares them on thousands of prompts) in a few µs to tens of
+µs instead of ~0.1-0.7 ms.
 """
 
 from __future__ import annotations
