@@ -1,12 +1,10 @@
 // Standalone driver for sanitizer builds: feeds files (or stdin) as msgpack snapshots through the
 // parser, validator and a replay. Any input must end in a clean error or an estimate.
 #include <cstdio>
-#include <fstream>
-#include <iostream>
-#include <iterator>
 #include <string>
 #include <vector>
 
+#include "driver.h"
 #include "bea/replay.h"
 #include "bea/snapshot.h"
 #include "bea/value.h"
@@ -29,25 +27,11 @@ static int run_one(const std::vector<uint8_t>& buf) {
   return 0;
 }
 
-#ifdef BEA_LIBFUZZER
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  std::vector<uint8_t> buf(data, data + size);
-  return run_one(buf);
-}
-#else
+BEA_FUZZ_ENTRY(run_one)
+
+#ifndef BEA_LIBFUZZER
 int main(int argc, char** argv) {
-  int n = 0;
-  for (int k = 1; k < argc; ++k) {
-    std::ifstream f(argv[k], std::ios::binary);
-    std::vector<uint8_t> buf((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    run_one(buf);
-    ++n;
-  }
-  if (argc == 1) {
-    std::vector<uint8_t> buf((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
-    run_one(buf);
-    ++n;
-  }
+  const int n = bea_fuzz::run_inputs(argc, argv, run_one);
   std::printf("checked %d inputs\n", n);
   return 0;
 }

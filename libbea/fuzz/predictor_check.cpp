@@ -10,9 +10,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <iostream>
-#include <iterator>
 #include <limits>
 #include <utility>
 #include <stdexcept>
@@ -20,6 +17,7 @@
 #include <string_view>
 #include <vector>
 
+#include "driver.h"
 #include "bea/forest.h"
 #include "bea/prompt_text.h"
 
@@ -169,25 +167,11 @@ int run_one(const std::vector<uint8_t>& buf) {
 
 }  // namespace
 
-#ifdef BEA_LIBFUZZER
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  std::vector<uint8_t> buf(data, data + size);
-  return run_one(buf);
-}
-#else
+BEA_FUZZ_ENTRY(run_one)
+
+#ifndef BEA_LIBFUZZER
 int main(int argc, char** argv) {
-  int n = 0;
-  for (int k = 1; k < argc; ++k) {
-    std::ifstream f(argv[k], std::ios::binary);
-    std::vector<uint8_t> buf((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    run_one(buf);
-    ++n;
-  }
-  if (argc == 1) {
-    std::vector<uint8_t> buf((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
-    run_one(buf);
-    ++n;
-  }
+  const int n = bea_fuzz::run_inputs(argc, argv, run_one);
   std::printf("checked %d inputs, %ld trees accepted\n", n, g_trees_accepted);
   return 0;
 }
