@@ -1,8 +1,8 @@
 """Stopping background tasks and NATS connections for sure, in bounded time.
 
 A plain ``t.cancel(); await t`` can hang forever on Python 3.11: ``asyncio.wait_for`` swallows a
-cancellation that arrives in the same loop turn as its inner operation completing (CPython
-gh-86296, fixed in 3.12), so a ``while True`` loop that calls ``wait_for`` may simply carry on.
+cancellation that arrives in the same loop turn as its inner operation completing (its
+implementation was rewritten in 3.12), so a ``while True`` loop that calls ``wait_for`` may simply carry on.
 ``cancel_all`` re-cancels whatever is still running until a deadline, then gives up loudly rather
 than blocking a shutdown.
 """
