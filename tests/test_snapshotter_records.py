@@ -121,3 +121,109 @@ def test_bear_record_cli(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert "2 cases" in res.output and (tmp_path / "o" / "batches_cli.jsonl.gz").exists()
     assert CliRunner().invoke(app, ["snapshotter", "--help"]).exit_code == 0
+
+
+# ---- per-step deltas (StepDecoder / StateMirror) ---------------------------------------------------
+def _delta_scenario() -> tuple[list[tuple], list[tuple]]:
+    """The same four steps as full records (what the plugin writes with deltas off) and as the
+    plugin's deltas. A (500-token prompt, 3 outputs) and B (100, 2 outputs) arrive before step 1;
+    A takes the whole budget (384); step 2 finishes A's prompt and admits B; C (300 tokens, its
+    first 256 a prefix-cache hit on A's blocks 1 and 2) arrives before step 3; B stops in step 3,
+    A in step 4. Block ids: A 1-4, B 5, C shares 1, 2 and gets 6."""
+    from snapshotter_fakes import delta, delta_step
+
+    t = 100.0
+    A = {"id": "A", "prompt": 500, "max_tokens": 3, "arrival": 1.0}
+    B = {"id": "B", "prompt": 100, "max_tokens": 2, "arrival": 2.0}
+    C = {"id": "C", "prompt": 300, "max_tokens": 5, "arrival": 3.0}
+    full = [
+        raw_step(0, busy=False, t0=t, free=999, reason=1, with_ids=True),
+        raw_step(1, sched={"A": 384}, new={"A": 0}, running=[{**A, "computed": 384, "blocks": 3, "bids": (1, 2, 3)}],
+                 waiting=[{**B, "computed": 0, "blocks": 0}], t0=t + 1, free=996, with_ids=True, reason=4),
+        raw_step(2, sched={"A": 116, "B": 100}, new={"B": 0}, cached={"A": 384},
+                 running=[{**A, "computed": 500, "output": 1, "blocks": 4, "bids": (1, 2, 3, 4)},
+                          {**B, "computed": 100, "output": 1, "bids": (5,)}], t0=t + 1.01, free=994, with_ids=True,
+                 reason=4),
+        raw_step(3, sched={"A": 1, "B": 1, "C": 44}, new={"C": 256}, cached={"A": 500, "B": 100},
+                 running=[{**A, "computed": 501, "output": 2, "blocks": 4, "bids": (1, 2, 3, 4)},
+                          {**C, "computed": 300, "output": 1, "blocks": 3, "bids": (1, 2, 6)}],
+                 t0=t + 1.02, free=994, with_ids=True, reason=4),
+        raw_step(4, sched={"A": 1, "C": 1}, cached={"A": 501, "C": 300},
+                 running=[{**C, "computed": 301, "output": 2, "blocks": 3, "bids": (1, 2, 6)}],
+                 t0=t + 1.03, free=996, with_ids=True, reason=4),
+    ]  # fmt: skip
+    # shared leading blocks (vLLM's ref_cnt > 1): A and C share blocks 1, 2 in steps 3 (both running)
+    run3 = full[3][15]
+    full[3] = (*full[3][:15], (run3[0], run3[1], run3[2], {0: 2, 1: 2}, run3[4]), *full[3][16:])
+    deltas = [
+        full[0],
+        delta_step(1, delta(arrivals=[A, B], admitted=(("A", 0, (1, 2, 3)),), sched=1, ns=(384,), n_run=1,
+                            n_wait=1), new={"A": 0}, free=996, t0=t + 1),
+        delta_step(2, delta(admitted=(("B", 0, (5,)),), sched=2, ns=(116, 100), new_blocks=(1, (0,), ((4,),)),
+                            emitted=2, n_run=2), new={"B": 0}, free=994, t0=t + 1.01),
+        delta_step(3, delta(arrivals=[C], admitted=(("C", 256, (1, 2, 6)),), sched=3, ns=(1, 1, 44), new_blocks=2,
+                            fin_upd=("B",), emitted=3, n_run=2), new={"C": 256}, free=994, t0=t + 1.02),
+        delta_step(4, delta(sched=2, new_blocks=2, fin_upd=("A",), emitted=2, n_run=1), free=996, t0=t + 1.03),
+    ]  # fmt: skip
+    return full, deltas
+
+
+def _published(step: dict) -> dict:
+    return {k: step[k] for k in ("running", "waiting", "sched", "new_reqs", "cached_computed", "free_blocks")}
+
+
+def test_deltas_decode_to_the_full_state() -> None:
+    from bear.snapshotter.records import StepDecoder
+
+    full, deltas = _delta_scenario()
+    dec = StepDecoder()
+    got = [dec.decode(r) for r in deltas]
+    want = [parse_step(r) for r in full]
+    for g, w in zip(got, want, strict=True):
+        assert g is not None and _published(g) == _published(w), (g["seq"], _published(g), _published(w))
+    assert got[3]["running"][0][6] == 2 and got[3]["running"][1][6] == 1  # shared prefix: A 4-2, C 3-2
+    assert got[4]["running"][0][6] == 3  # A gone: C's blocks are its own again
+    assert [g["record"] for g in got] == ["first", "delta", "delta", "delta", "delta"]
+    assert dec.stats == {"full": 1, "delta": 4, "verified": 0, "mismatches": 0, "undecodable": 0, "gaps": 0}
+    # the batch records are the same whichever way the steps were decoded
+    assert batches_of(got, "i") == batches_of(want, "i")
+
+
+def test_verify_records_compare_the_mirror_with_the_full_state() -> None:
+    from bear.snapshotter.records import StepDecoder
+
+    full, deltas = _delta_scenario()
+    both = [full[0]] + [(*f[:20], 6, d[21]) for f, d in zip(full[1:], deltas[1:], strict=True)]
+    dec = StepDecoder()
+    for r in both:
+        assert dec.decode(r) is not None and dec.last_problem is None
+    assert dec.stats["verified"] == 4 and dec.stats["mismatches"] == 0
+    # a wrong delta (B's output not counted) is caught; the full record resynchronises
+    bad = list(both[3][21])
+    bad[9] = 2
+    dec = StepDecoder()
+    for r in both[:3]:
+        dec.decode(r)
+    step = dec.decode((*both[3][:21], tuple(bad)))
+    assert step is not None and step["running"] == parse_step(full[3])["running"]  # the full state wins
+    assert dec.stats["mismatches"] == 1 and "got output" in (dec.last_problem or "")
+    assert dec.decode(both[4]) is not None and dec.last_problem is None
+
+
+def test_delta_without_state_or_after_a_gap_is_not_decoded() -> None:
+    from bear.snapshotter.records import StepDecoder
+
+    full, deltas = _delta_scenario()
+    dec = StepDecoder()
+    assert dec.decode(deltas[1]) is None and dec.stats["undecodable"] == 1  # no full record yet
+    dec.decode(full[1])
+    assert dec.decode(deltas[3]) is None  # step 2 is missing: never guess
+    assert dec.stats["gaps"] == 1 and dec.stats["mismatches"] == 0 and dec.stats["undecodable"] == 2
+    assert dec.decode(deltas[4]) is None and dec.stats["undecodable"] == 3  # until the next full record
+    dec.decode(full[3])
+    assert _published(dec.decode(deltas[4]) or {}) == _published(parse_step(full[4]))
+    # a wrong count of blocks in use is caught on the delta itself
+    dec = StepDecoder()
+    dec.decode(full[0])
+    d1 = deltas[1]
+    assert dec.decode((*d1[:14], 990, *d1[15:])) is None and "blocks held" in (dec.last_problem or "")

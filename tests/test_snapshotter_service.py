@@ -36,8 +36,8 @@ def shm_name() -> Iterator[str]:
         pass
 
 
-def start_engine(name: str) -> subprocess.Popen[bytes]:
-    p = subprocess.Popen([sys.executable, str(FAKES), name, "0.005"])
+def start_engine(name: str, mode: str = "full") -> subprocess.Popen[bytes]:
+    p = subprocess.Popen([sys.executable, str(FAKES), name, "0.005", mode])
     end = time.monotonic() + 10
     while time.monotonic() < end:
         try:
@@ -209,4 +209,37 @@ async def test_idle_engine_snapshot_is_resent_busy_one_ages(
         assert len(busy) == 1 and not busy[0].get("idle")
     finally:
         w.close()
+        await nc.close()
+
+
+async def test_deltas_without_a_full_record_ask_the_plugin_for_one(
+    service: Snapshotter, nats_server: LocalNatsServer, shm_name: str
+) -> None:
+    """An engine whose first full record is gone (a reader that came late): the deltas cannot be
+    decoded, so nothing is published until the snapshotter's resync request makes the plugin write
+    a full record; from there every step is decoded from deltas, in order."""
+    nc = await nats.connect(nats_server.url)
+    snaps: list[dict] = []
+
+    async def on_snap(msg: nats.aio.msg.Msg) -> None:
+        snaps.append(unpack_map(msg.data))
+
+    await nc.subscribe("bear.snapshot.i1", cb=on_snap)
+    engine = start_engine(shm_name, "deltas-no-initial-full")
+    try:
+        await asyncio.sleep(1.5)
+        m = service.metrics
+        assert m.resync_requests._value.get() >= 1  # type: ignore[attr-defined]
+        assert m.steps_undecodable._value.get() >= 1  # type: ignore[attr-defined]
+        assert m.delta_mismatches._value.get() == 0  # type: ignore[attr-defined]
+        seqs = [s["seq"] for s in snaps if not s.get("idle")]
+        assert len(seqs) > 50 and seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        last = snaps[-1]
+        assert last["running"][0]["computed_tokens"] == 10 + last["seq"]
+        assert last["running"][0]["blocks"] == -(-last["running"][0]["computed_tokens"] // 128)
+        assert m.records.labels("delta")._value.get() > 50  # type: ignore[attr-defined]
+        assert m.records.labels("resync")._value.get() >= 1  # type: ignore[attr-defined]
+    finally:
+        engine.kill()
+        engine.wait()
         await nc.close()

@@ -98,3 +98,17 @@ def test_concurrent_writer_never_yields_a_torn_record(name: str) -> None:
         stop.set()
         t.join()
     assert seen == sorted(seen) and len(set(seen)) == len(seen)
+
+
+def test_reader_asks_the_writer_for_a_full_record(name: str) -> None:
+    w = ShmWriter(name, slot_count=4, slot_bytes=4096, meta={"config": {}})
+    r = ShmReader(name)
+    n0 = w.resync_requests()
+    assert r.request_full() and r.request_full()
+    assert w.resync_requests() == n0 + 2
+    assert r.meta() == {"config": {}}  # the counter does not touch the metadata
+    w.close()
+    w2 = ShmWriter(name, slot_count=4, slot_bytes=4096)  # a restarted engine: the old reader's
+    assert r.replaced() and not r.request_full()  # request would go to a region it never read
+    assert w2.resync_requests() == 0
+    w2.close()

@@ -50,6 +50,27 @@ class SnapshotterMetrics:
         self.engine_up = Gauge(
             "bear_snapshotter_engine_up", "1 while the engine's writer is alive", registry=r
         )
+        self.records = Counter(
+            "bear_snapshotter_records",
+            "Plugin records decoded, by kind (delta, or why the plugin wrote a full record)",
+            ["kind"],
+            registry=r,
+        )
+        self.delta_mismatches = Counter(
+            "bear_snapshotter_delta_mismatches",
+            "Steps where the state mirrored from the plugin's deltas disagreed with vLLM "
+            "(checked on every delta, compared in full on periodic/verify records)",
+            registry=r,
+        )
+        self.steps_undecodable = Counter(
+            "bear_snapshotter_steps_undecodable",
+            "Delta records that could not be applied (no full record yet, a lost record, or a "
+            "mismatch): not published; the snapshotter asks the plugin for a full record",
+            registry=r,
+        )
+        self.resync_requests = Counter(
+            "bear_snapshotter_resync_requests", "Full records asked from the plugin", registry=r
+        )
         self.plugin_overhead = Histogram(
             "bear_snapshotter_plugin_overhead_seconds",
             "Wall time the plugin added to one engine step",

@@ -26,7 +26,7 @@ from bear.protocol.codec import pack
 from bear.protocol.shutdown import cancel_all
 from bear.protocol.subjects import SNAPSHOT_SCHEMA, Subjects
 from bear.snapshotter.metrics import SnapshotterMetrics
-from bear.snapshotter.records import BatchBuilder, RecordError, parse_step, to_snapshot
+from bear.snapshotter.records import BatchBuilder, RecordError, StepDecoder, to_snapshot
 from bear.snapshotter.shm import ShmReader, pid_namespace
 
 INSTANCE_SCHEMA = "bear.instance/1"
@@ -70,6 +70,10 @@ class Snapshotter:
         self._reader: ShmReader | None = None
         self._meta: dict[str, Any] = {}
         self._builder = BatchBuilder(cfg.instance)
+        self._decoder = StepDecoder()
+        self._resync_asked = 0.0  # monotonic time of the last full-record request (0: none pending)
+        self._mismatch_logged = 0
+        self._meta_logged = False
         self._batches: deque[dict[str, Any]] = deque(maxlen=cfg.batch_buffer)
         self._pending: deque[dict[str, Any]] = deque(maxlen=cfg.snapshot_buffer)
         self._last_publish = 0.0
@@ -232,6 +236,9 @@ class Snapshotter:
         self._reader = reader
         self._meta = reader.meta()
         self._builder.reset()
+        self._decoder = StepDecoder()
+        self._resync_asked = 0.0
+        self._meta_logged = False
         self._last_seq = -1
         self._last_snap = None
         self._bad_logged = False
@@ -274,30 +281,56 @@ class Snapshotter:
             await self._idle_snapshot(r)
             await asyncio.sleep(self.cfg.poll_interval_s)
 
+    def _ask_full(self, r: ShmReader, why: str) -> None:
+        """Ask the plugin for a full record (the mirror cannot go on without one); again at most
+        every 0.5 s while none arrives."""
+        now = time.monotonic()
+        if self._resync_asked and now - self._resync_asked < 0.5:
+            return
+        self._resync_asked = now
+        ok = r.request_full()
+        self.metrics.resync_requests.inc()
+        self.log.info("resync_requested", reason=why, writable=ok)
+
     def _drain(self, r: ShmReader) -> None:
         res = r.poll(limit=4096)
         m = self.metrics
         if res.skipped:
             m.steps_skipped.inc(res.skipped)
+            self._decoder.reset()  # the deltas in between are gone: wait for a full record
         if res.torn_retries:
             m.torn_retries.inc(res.torn_retries)
         for raw in res.records:
             try:
-                step = parse_step(raw)
+                step = self._decoder.decode(raw)
             except RecordError as exc:
                 if not self._bad_logged:  # once per engine generation: a version mismatch repeats
                     self.log.error("bad_record", error=str(exc), plugin_meta=self._meta)
                     self._bad_logged = True
                 m.steps_skipped.inc()
                 continue
+            problem = self._decoder.last_problem
+            if problem is not None:
+                m.delta_mismatches.inc()
+                self._mismatch_logged += 1
+                if self._mismatch_logged <= 20 or self._mismatch_logged % 1000 == 0:
+                    self.log.error("delta_mismatch", seq=raw[1], problem=problem, count=self._mismatch_logged,
+                                   resync="from this full record" if step is not None else "requested")  # fmt: skip
+            if step is None:  # a delta without the state before it: never publish a guess
+                m.steps_undecodable.inc()
+                self._ask_full(r, problem or "no state to apply the delta to (first records, or records lost)")
+                continue
+            if step["record"] != "delta":
+                self._resync_asked = 0.0
+            m.records.labels(step["record"]).inc()
             m.steps_read.inc()
             if step["overhead_ns"]:
                 m.plugin_overhead.observe(step["overhead_ns"] / 1e9)
                 m.plugin_overhead_cpu.observe(step["overhead_cpu_ns"] / 1e9)
-            if self._record is not None:
-                self._record.write(
-                    json.dumps({"meta": self._meta, "step": step} if step["seq"] == 0 else step) + "\n"
-                )
+            if self._record is not None:  # the metadata goes with the generation's first step logged
+                first = not self._meta_logged
+                self._meta_logged = True
+                self._record.write(json.dumps({"meta": self._meta, "step": step} if first else step) + "\n")
             self._last_seq = step["seq"]
             snap = to_snapshot(
                 step, self._meta.get("config", {}), instance=self.cfg.instance, model=self.cfg.model

@@ -5,8 +5,9 @@ Stdlib only: the writer side is imported into the vLLM engine process, which mus
 anything heavy. Layout (little endian, one file under /dev/shm):
 
 * header (4096 bytes): magic, layout version, slot count, slot size, generation, writer pid,
-  heartbeat (ns, wall clock), records written, closed flag, then a marshal'ed metadata blob
-  (engine config, vLLM version) guarded by its own seqlock.
+  heartbeat (ns, wall clock), records written, closed flag, a resync-request counter (the one
+  word a reader writes: any change asks the plugin for a full record at its next step), then a
+  marshal'ed metadata blob (engine config, vLLM version) guarded by its own seqlock.
 * ``slot_count`` slots of ``slot_size`` bytes: ``[lock u64][index u64][length u32][pad u32]`` then
   the payload. ``lock`` is a seqlock: ``2*index+1`` while record ``index`` is being written,
   ``2*index+2`` once it is complete. A reader copies the payload and accepts it only if the lock
@@ -28,12 +29,12 @@ from dataclasses import dataclass
 from typing import Any
 
 MAGIC = b"BEARSHM1"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 HEADER_BYTES = 4096
 SLOT_HEADER_BYTES = 24
 MARSHAL_VERSION = 2  # no back-references: faster to write than 4 for our tuples
 DEFAULT_SLOT_COUNT = 256  # ≥ 0.5 s of steps: a reader starved for a while loses nothing
-DEFAULT_SLOT_BYTES = 128 << 10  # a 256-resident record is ~30 KiB
+DEFAULT_SLOT_BYTES = 128 << 10  # a full 256-resident record is ~50 KiB; a delta ~0.2 KiB
 
 # header field offsets
 _OFF_MAGIC = 0
@@ -44,9 +45,10 @@ _OFF_PID = 32
 _OFF_HEARTBEAT = 40
 _OFF_COUNT = 48
 _OFF_CLOSED = 56
-_OFF_META_LOCK = 64
-_OFF_META_LEN = 72
-_OFF_META = 80
+_OFF_RESYNC = 64  # u64 written by readers (request_full), read by the writer every step
+_OFF_META_LOCK = 72
+_OFF_META_LEN = 80
+_OFF_META = 88
 _META_MAX = HEADER_BYTES - _OFF_META
 
 _U64 = struct.Struct("<Q")
@@ -158,6 +160,10 @@ class ShmWriter:
 
     def heartbeat(self) -> None:
         _U64.pack_into(self._mm, _OFF_HEARTBEAT, time.time_ns())
+
+    def resync_requests(self) -> int:
+        """The readers' resync-request counter (compare with the last value seen)."""
+        return int(_U64.unpack_from(self._mm, _OFF_RESYNC)[0])
 
     def close(self, *, unlink: bool = False) -> None:
         """Mark the region closed (a clean engine shutdown) and unmap it."""
@@ -289,6 +295,25 @@ class ShmReader:
             res.records.append(marshal.loads(data))
             self.next_index += 1
         return res
+
+    def request_full(self) -> bool:
+        """Ask the writer for a full record at its next step (bumps the header's resync counter).
+        False when this process may not write the region (another user): the plugin's periodic
+        full record then resynchronises the reader."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except OSError:
+            return False
+        try:
+            if os.fstat(fd).st_ino != self.inode:
+                return False  # replaced meanwhile: the new engine starts with a full record anyway
+            cur = _U64.unpack(os.pread(fd, 8, _OFF_RESYNC))[0]
+            os.pwrite(fd, _U64.pack((cur + 1) & 0xFFFFFFFFFFFFFFFF), _OFF_RESYNC)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
 
     def seek_latest(self) -> None:
         """Skip everything already written (a reader that only wants what comes next)."""

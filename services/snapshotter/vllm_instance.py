@@ -108,6 +108,7 @@ class VllmServer:
     proc: subprocess.Popen[bytes] | None = None
     kv_gib: str = "1"
     served_name: str = "tiny"
+    env: dict[str, str] = field(default_factory=dict)  # extra environment (e.g. BEAR_SNAPSHOT_VERIFY=1)
 
     @property
     def base_url(self) -> str:
@@ -116,7 +117,7 @@ class VllmServer:
     def start(self, timeout: float = 600) -> VllmServer:
         cmd = vllm_command(self.python, self.model, self.port, self.served_name, self.args)
         with open(self.log_path or os.devnull, "ab") as log:
-            self.proc = subprocess.Popen(cmd, env=vllm_env(self.shm, self.kv_gib), stdout=log,
+            self.proc = subprocess.Popen(cmd, env={**vllm_env(self.shm, self.kv_gib), **self.env}, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         end = time.monotonic() + timeout
         while time.monotonic() < end:

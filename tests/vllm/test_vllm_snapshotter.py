@@ -1,5 +1,7 @@
 """Real vLLM (CPU build) + BEAR plugin + snapshotter + nats-server: every step arrives on NATS in
-order; libbea replays vLLM's batches from the snapshot seen at each arrival; faults."""
+order; libbea replays vLLM's batches from the snapshot seen at each arrival; the state mirrored
+from the plugin's per-step deltas equals the full state at every step (BEAR_SNAPSHOT_VERIFY=1);
+the plugin's overhead at 256 residents; faults."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from bear.estimator.calibration import fit_beta
 from bear.protocol.codec import unpack_map
 from bear.protocol.nats_server import LocalNatsServer
 from bear.snapshotter.cases import generations, record_run
-from bear.snapshotter.records import batches_of, parse_step
+from bear.snapshotter.records import StepDecoder, batches_of
 from bear.snapshotter.service import Snapshotter, SnapshotterConfig
 from bear.snapshotter.shm import ShmReader
 
@@ -43,6 +45,18 @@ CONFIGS: dict[str, dict[str, Any]] = {
                  "--num-gpu-blocks-override", "40", "--no-enable-prefix-caching"],
         "load": Load(n=150, rate=12.0, prompt=(100, 900), output=(32, 160), seed=3),
     },
+}  # fmt: skip
+# The fidelity configurations run with BEAR_SNAPSHOT_VERIFY=1: every record carries the delta and
+# the full state, and the snapshotter's decoder compares its mirror with the full state each step.
+VERIFY_ENV = {"BEAR_SNAPSHOT_VERIFY": "1"}
+# Deltas only (not replayed): KV pressure with prefix caching on and shared prompt prefixes
+# (preemptions, prefix hits on resume and admission), chunked prefill with a long-prefill
+# threshold, clients that give up (aborts).
+MIRROR_CONFIG: dict[str, Any] = {
+    "args": ["--max-model-len", "2048", "--max-num-batched-tokens", "512", "--max-num-seqs", "16",
+             "--num-gpu-blocks-override", "48", "--long-prefill-token-threshold", "256"],
+    "load": Load(n=200, rate=14.0, prompt=(50, 700), output=(16, 160), seed=4, prefix=300, prefix_frac=0.6,
+                 abort_frac=0.15),
 }  # fmt: skip
 
 RESULTS = Path(os.environ.get("BEAR_VLLM_RESULTS", "/tmp/bear-vllm-results"))
@@ -95,7 +109,7 @@ async def test_every_step_published_and_replayed(
     config: str, vllm_py: str, tiny_model: Path, tmp_path: Path
 ) -> None:
     spec = CONFIGS[config]
-    srv = VllmServer(vllm_py, tiny_model, spec["args"], log_path=tmp_path / "vllm.log")
+    srv = VllmServer(vllm_py, tiny_model, spec["args"], log_path=tmp_path / "vllm.log", env=VERIFY_ENV)
     step_log = tmp_path / "steps.jsonl.gz"
     with LocalNatsServer() as nats_srv:
         await asyncio.to_thread(srv.start)
@@ -117,6 +131,9 @@ async def test_every_step_published_and_replayed(
             srv.stop()
     assert all(r["status"] == 200 for r in results), [r for r in results if r["status"] != 200][:3]
     ((meta, steps),) = generations(step_log)
+    mirror = _mirror_stats(svc, steps)
+    assert meta["verify"] and mirror["mismatches"] == 0, mirror
+    assert mirror["verified"] >= len(steps) - 1 - mirror["records"].get("check", 0), mirror
     last = steps[-1]["seq"]
     seqs = [s["seq"] for s in snaps if not s.get("idle")]  # idle re-sends repeat the last step
     assert seqs == list(range(last + 1)), "snapshots missing or out of order on NATS"
@@ -132,7 +149,7 @@ async def test_every_step_published_and_replayed(
     fid = replay_fidelity(cases, batches_of(steps, config))
     fid.update(config=config, steps=last, requests=len(results), max_resident=max_res,
                overhead_us_median=sorted(overhead)[len(overhead) // 2], vllm=meta["vllm_version"],
-               skipped_steps=last + 1 - len(steps))  # fmt: skip
+               skipped_steps=last + 1 - len(steps), delta_mirror=mirror)  # fmt: skip
     save_result(config, fid)
     assert fid["arrivals"] >= 0.9 * len(results)
     assert fid["exact_frac"] >= 0.99, fid
@@ -140,9 +157,65 @@ async def test_every_step_published_and_replayed(
         assert fid["preemption_cases"] > 0, "the KV-pressure configuration never preempted"
 
 
-def _drain_steps(reader: ShmReader, sink: list[dict[str, Any]]) -> None:
-    for raw in reader.poll().records:
-        sink.append(parse_step(raw))
+def _mirror_stats(svc: Snapshotter, steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the snapshotter's decoder saw: records by kind, deltas checked against the full state."""
+    kinds: dict[str, int] = {}
+    for st in steps:
+        kinds[st["record"]] = kinds.get(st["record"], 0) + 1
+    return {**svc._decoder.stats, "records": kinds}
+
+
+async def test_delta_mirror_equals_full_capture(vllm_py: str, tiny_model: Path, tmp_path: Path) -> None:
+    """BEAR_SNAPSHOT_VERIFY=1 under KV pressure with prefix caching and shared prefixes, chunked
+    prefill with a long-prefill threshold, and clients that give up: at every step the state the
+    snapshotter rebuilt from the deltas equals the full state vLLM had."""
+    srv = VllmServer(vllm_py, tiny_model, MIRROR_CONFIG["args"], log_path=tmp_path / "vllm.log", env=VERIFY_ENV)
+    step_log = tmp_path / "steps.jsonl.gz"
+    with LocalNatsServer() as nats_srv:
+        await asyncio.to_thread(srv.start)
+        try:
+            svc = Snapshotter(SnapshotterConfig(instance="vm", shm=srv.shm, nats_url=nats_srv.url, model="tiny",
+                                                base_url=srv.base_url, record_to=str(step_log)))  # fmt: skip
+            task = asyncio.create_task(svc.run())
+            await asyncio.sleep(1.0)
+            results = await run_load(srv.base_url, MIRROR_CONFIG["load"])
+            await asyncio.sleep(1.5)
+            svc.stop()
+            await asyncio.wait_for(task, 15)
+        finally:
+            srv.stop()
+    ((meta, steps),) = generations(step_log)
+    mirror = _mirror_stats(svc, steps)
+    res = {
+        **mirror,
+        "steps": steps[-1]["seq"],
+        "requests": len(results),
+        "aborted": sum(1 for r in results if r.get("aborted")),
+        "preemptions": sum(len(st["preempted"]) for st in steps),
+        "prefix_hit_admissions": sum(1 for st in steps for c in st["new_reqs"].values() if c > 0),
+        "max_resident": max(len(st["running"]) + len(st["waiting"]) for st in steps),
+    }
+    save_result("delta-mirror", res)
+    assert meta["verify"] and res["mismatches"] == 0 and res["undecodable"] == 0, res
+    assert res["verified"] >= len(steps) - 1 - mirror["records"].get("check", 0), res
+    assert res["steps"] + 1 == len(steps), "steps missing from the log"
+    assert res["preemptions"] > 0 and res["prefix_hit_admissions"] > 0 and res["aborted"] > 0, res
+
+
+def _drain_steps(reader: ShmReader, dec: StepDecoder, sink: list[dict[str, Any]]) -> None:
+    """What the snapshotter service does: steps lost to a wrapped ring (this reader shares the
+    GIL with 256 HTTP clients) leave the next deltas undecodable until a full record, which it
+    asks for."""
+    res = reader.poll()
+    if res.skipped:
+        dec.reset()
+    asked = False
+    for raw in res.records:
+        step = dec.decode(raw)
+        if step is None:
+            asked = asked or reader.request_full()
+            continue
+        sink.append(step)
 
 
 async def test_plugin_overhead_at_256_residents(vllm_py: str, tiny_model: Path, tmp_path: Path) -> None:
@@ -153,15 +226,17 @@ async def test_plugin_overhead_at_256_residents(vllm_py: str, tiny_model: Path, 
     steps: list[dict[str, Any]] = []
     try:
         reader = ShmReader(srv.shm)
+        delta_mode = bool(reader.meta().get("delta"))  # BEAR_SNAPSHOT_DELTA=0 in the environment: full
+        dec = StepDecoder()
         # Drain the ring from its own thread: the 256 streaming clients share this event loop, and a
         # reader starved behind them would let the ring wrap and lose the very steps measured here.
         stop = threading.Event()
 
         def drain() -> None:
             while not stop.is_set():
-                _drain_steps(reader, steps)
+                _drain_steps(reader, dec, steps)
                 time.sleep(0.002)
-            _drain_steps(reader, steps)
+            _drain_steps(reader, dec, steps)
 
         drainer = threading.Thread(target=drain, daemon=True)
         drainer.start()
@@ -187,22 +262,37 @@ async def test_plugin_overhead_at_256_residents(vllm_py: str, tiny_model: Path, 
     period = sorted(
         b["duration_s"] for b in batches_of(steps, "x") if b["duration_s"] and len(b["items"]) >= 0.95 * peak
     )
+    kinds: dict[str, int] = {}
+    for s in full:
+        kinds[s["record"]] = kinds.get(s["record"], 0) + 1
     res = {
+        "mode": "delta" if delta_mode else "full",
         "steps_at_256": len(full),
+        "records": kinds,
         "peak_residents": peak,
         "overhead_us_median": over[len(over) // 2],
         "overhead_us_p90": over[int(len(over) * 0.9)],
+        "overhead_us_mean": sum(over) / len(over),
         "overhead_cpu_us_median": cpu[len(cpu) // 2],
         "overhead_cpu_us_p90": cpu[int(len(cpu) * 0.9)],
+        "overhead_cpu_us_mean": sum(cpu) / len(cpu),
         "step_ms_median": 1e3 * period[len(period) // 2],
+        "loadavg_1m": os.getloadavg()[0],
+        "decoder": dec.stats,
     }
     res["overhead_frac_of_step"] = res["overhead_us_median"] / 1e3 / res["step_ms_median"]
     res["overhead_cpu_frac_of_step"] = res["overhead_cpu_us_median"] / 1e3 / res["step_ms_median"]
-    save_result("overhead-256", res)
-    # Regression guard, not the goal: the issue's goal is ≤ 50 µs (≈1% of a GPU batch); measured
-    # here ≈ 1 ms CPU ≈ 1.5% of a 66 ms CPU step (docs/snapshotter.md). Wall time on a shared
-    # 2-core box also counts GIL hand-offs to vLLM's own I/O threads and preemption: reported only.
-    assert res["overhead_cpu_frac_of_step"] < 0.03, res
+    save_result(f"overhead-256{'' if delta_mode else '-full'}", res)
+    assert dec.stats["mismatches"] == 0, res
+    if not delta_mode:  # the full capture (before per-step deltas): ≈ 1 ms CPU ≈ 1.5 % of a step
+        assert res["overhead_cpu_frac_of_step"] < 0.03, res
+        return
+    # Per-step deltas (docs/snapshotter.md): nearly every step at 256 residents is a delta record
+    # (a full one every BEAR_SNAPSHOT_FULL_EVERY steps). Measured here 46 µs CPU median at load ≈ 1
+    # and ~74 µs at load 4–5 (the full capture: 485 µs); the guard leaves room for a loaded host
+    # and fails on a fall-back to full records (≥ 3× this).
+    assert kinds.get("delta", 0) >= 0.9 * len(full), res
+    assert res["overhead_cpu_us_median"] < 150, res
 
 
 async def test_faults_nats_restart_and_vllm_kill(vllm_py: str, tiny_model: Path, tmp_path: Path) -> None:
