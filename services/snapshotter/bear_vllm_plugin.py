@@ -314,16 +314,21 @@ class _SnapshotMixin:
         return outs
 
     # ---- delta mode ------------------------------------------------------------------------------
-    def _bear_capture_delta(self, so: Any, outs: Any, fin_mid: frozenset[str], t2: float, t3: float) -> None:
+    def _bear_pop_pending(self, so: Any) -> tuple[tuple[Any, ...] | None, bool]:
+        """The entry schedule() left for ``so`` and whether older entries had to be dropped to
+        reach it (a step whose update vLLM never ran)."""
         pending = self._bear_pending
-        entry = None
         lost = False
         while pending:
             cand = pending.popleft()
             if cand[0] is so:
-                entry = cand
-                break
+                return cand, lost
             lost = True
+        return None, lost
+
+    def _bear_capture_delta(self, so: Any, outs: Any, fin_mid: frozenset[str], t2: float, t3: float) -> None:
+        pending = self._bear_pending
+        entry, lost = self._bear_pop_pending(so)
         if entry is None or lost or pending:  # not the sync schedule → update alternation
             self._bear_force_full = self._bear_force_full or FULL_FIRST
             if entry is None:
@@ -641,12 +646,7 @@ class _SnapshotMixin:
 
     def _bear_capture_full(self, scheduler_output: Any, t2: float, t3: float) -> None:
         pending = self._bear_pending
-        entry = None
-        while pending:
-            cand = pending.popleft()
-            if cand[0] is scheduler_output:
-                entry = cand
-                break
+        entry, _ = self._bear_pop_pending(scheduler_output)
         if entry is None:
             return
         _, t0, t1, ids, ns, new, cids, cctx, pre = entry
