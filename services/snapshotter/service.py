@@ -73,6 +73,7 @@ class Snapshotter:
         self._decoder = StepDecoder()
         self._resync_asked = 0.0  # monotonic time of the last full-record request (0: none pending)
         self._mismatch_logged = 0
+        self._skip_logged = 0.0  # monotonic time of the last steps_skipped warning
         self._meta_logged = False
         self._batches: deque[dict[str, Any]] = deque(maxlen=cfg.batch_buffer)
         self._pending: deque[dict[str, Any]] = deque(maxlen=cfg.snapshot_buffer)
@@ -298,6 +299,11 @@ class Snapshotter:
         if res.skipped:
             m.steps_skipped.inc(res.skipped)
             self._decoder.reset()  # the deltas in between are gone: wait for a full record
+            now = time.monotonic()
+            if now - self._skip_logged >= 1.0:  # a reader that stays behind would log every poll
+                self._skip_logged = now
+                self.log.warning("steps_skipped", count=res.skipped,
+                                 why="the ring overwrote records before this reader got them")  # fmt: skip
         if res.torn_retries:
             m.torn_retries.inc(res.torn_retries)
         for raw in res.records:
