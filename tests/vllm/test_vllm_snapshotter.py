@@ -108,6 +108,22 @@ async def _collect(nc: Any, subject: str, sink: list[dict[str, Any]]) -> Any:
     return await nc.subscribe(subject, cb=on_msg)
 
 
+async def _load_under_snapshotter(
+    srv: VllmServer, nats_url: str, instance: str, step_log: Path, load: Load
+) -> tuple[Snapshotter, list[dict[str, Any]]]:
+    """Run a snapshotter (every step logged to ``step_log``) beside the started vLLM while ``load``
+    runs, then stop it: (the snapshotter, the load's per-request results)."""
+    svc = Snapshotter(SnapshotterConfig(instance=instance, shm=srv.shm, nats_url=nats_url, model="tiny",
+                                        base_url=srv.base_url, record_to=str(step_log)))  # fmt: skip
+    task = asyncio.create_task(svc.run())
+    await asyncio.sleep(1.0)
+    results = await run_load(srv.base_url, load)
+    await asyncio.sleep(1.5)
+    svc.stop()
+    await asyncio.wait_for(task, 15)
+    return svc, results
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
 async def test_every_step_published_and_replayed(
     config: str, vllm_py: str, tiny_model: Path, tmp_path: Path
@@ -118,18 +134,11 @@ async def test_every_step_published_and_replayed(
     with LocalNatsServer() as nats_srv:
         await asyncio.to_thread(srv.start)
         try:
-            svc = Snapshotter(SnapshotterConfig(instance=f"vllm-{config}", shm=srv.shm, nats_url=nats_srv.url,
-                                                model="tiny", base_url=srv.base_url, record_to=str(step_log)))  # fmt: skip
             nc = await nats.connect(nats_srv.url)
             snaps: list[dict[str, Any]] = []
             await _collect(nc, f"bear.snapshot.vllm-{config}", snaps)
             await nc.flush()
-            task = asyncio.create_task(svc.run())
-            await asyncio.sleep(1.0)
-            results = await run_load(srv.base_url, spec["load"])
-            await asyncio.sleep(1.5)
-            svc.stop()
-            await asyncio.wait_for(task, 15)
+            svc, results = await _load_under_snapshotter(srv, nats_srv.url, f"vllm-{config}", step_log, spec["load"])
             await nc.close()
         finally:
             srv.stop()
@@ -179,14 +188,7 @@ async def test_delta_mirror_equals_full_capture(vllm_py: str, tiny_model: Path, 
     with LocalNatsServer() as nats_srv:
         await asyncio.to_thread(srv.start)
         try:
-            svc = Snapshotter(SnapshotterConfig(instance="vm", shm=srv.shm, nats_url=nats_srv.url, model="tiny",
-                                                base_url=srv.base_url, record_to=str(step_log)))  # fmt: skip
-            task = asyncio.create_task(svc.run())
-            await asyncio.sleep(1.0)
-            results = await run_load(srv.base_url, MIRROR_CONFIG["load"])
-            await asyncio.sleep(1.5)
-            svc.stop()
-            await asyncio.wait_for(task, 15)
+            svc, results = await _load_under_snapshotter(srv, nats_srv.url, "vm", step_log, MIRROR_CONFIG["load"])
         finally:
             srv.stop()
     ((meta, steps),) = generations(step_log)
