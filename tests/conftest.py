@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterator
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,24 @@ def traces_dir() -> Path:
 @pytest.fixture(scope="session")
 def cases(traces_dir: Path) -> list[dict]:
     return load_jsonl(traces_dir / "cases.jsonl.gz")
+
+
+@pytest.fixture(scope="session")
+def sanitized_tool(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Build a libbea target with ASan+UBSan (``-DBEA_SANITIZE=ON``) and return its path. One
+    build tree for the session: the fuzz drivers share the library, so it is configured and
+    compiled once."""
+    if shutil.which("cmake") is None or shutil.which("c++") is None:
+        pytest.fail("cmake and a C++ compiler are required (the project builds libbea with them)")
+    build = tmp_path_factory.mktemp("sanitized-build")
+    subprocess.run(["cmake", "-S", str(REPO), "-B", str(build), "-DBEA_SANITIZE=ON", "-DCMAKE_BUILD_TYPE=Debug"],
+                   check=True, capture_output=True)  # fmt: skip
+
+    def tool(target: str) -> Path:
+        subprocess.run(["cmake", "--build", str(build), "-j2", "--target", target], check=True, capture_output=True)
+        return build / target
+
+    return tool
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ import functools
 import math
 import random
 import re
-import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +30,6 @@ from bear.predictor.runtime import Predictor, finalize, finalize_lists
 from bear.predictor.synth import generate
 from bear.predictor.text import pieces as text_pieces
 from bear.predictor.train import TrainConfig, train
-
-REPO = Path(__file__).resolve().parents[1]
 
 # ==== REFERENCE (verbatim: text.py) =============================================================
 
@@ -667,14 +665,8 @@ def test_native_analysis_is_much_faster_than_the_reference() -> None:
 
 
 @pytest.mark.slow
-def test_sanitized_predictor_fuzz(tmp_path: Path) -> None:
-    if shutil.which("cmake") is None or shutil.which("c++") is None:
-        pytest.fail("cmake and a C++ compiler are required (the project builds libbea with them)")
-    build = tmp_path / "build"
-    subprocess.run(["cmake", "-S", str(REPO), "-B", str(build), "-DBEA_SANITIZE=ON", "-DCMAKE_BUILD_TYPE=Debug"],
-                   check=True, capture_output=True)
-    subprocess.run(["cmake", "--build", str(build), "-j2", "--target", "bea_predictor_check"], check=True,
-                   capture_output=True)
+def test_sanitized_predictor_fuzz(tmp_path: Path, sanitized_tool: Callable[[str], Path]) -> None:
+    predictor_check = sanitized_tool("bea_predictor_check")
     rng = random.Random(9)
     corpus_dir = tmp_path / "corpus"
     corpus_dir.mkdir()
@@ -685,7 +677,7 @@ def test_sanitized_predictor_fuzz(tmp_path: Path) -> None:
     files = sorted(str(p) for p in corpus_dir.iterdir())
     accepted = 0
     for k in range(0, len(files), 300):
-        out = subprocess.run([str(build / "bea_predictor_check"), *files[k : k + 300]], capture_output=True, text=True)
+        out = subprocess.run([str(predictor_check), *files[k : k + 300]], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr[-4000:]
         m = re.search(r"checked (\d+) inputs, (\d+) trees accepted", out.stdout)
         assert m is not None, out.stdout
