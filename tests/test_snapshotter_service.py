@@ -243,3 +243,45 @@ async def test_deltas_without_a_full_record_ask_the_plugin_for_one(
         engine.kill()
         engine.wait()
         await nc.close()
+
+
+async def test_a_reader_behind_publishes_every_step_through_a_small_buffer(
+    nats_server: LocalNatsServer, shm_name: str
+) -> None:
+    """600 steps already in the ring when the snapshotter comes, a publish buffer of 16: it reads
+    only what the buffer has room for and publishes in between, so every step goes out in order
+    and nothing is dropped from the middle of the stream (a CI run lost 15 snapshots that way)."""
+    from snapshotter_fakes import meta, raw_step
+
+    w = ShmWriter(shm_name, meta=meta(), slot_count=1024)
+    req = {"id": "R", "prompt": 10, "computed": 10, "output": 0, "max_tokens": 10**6}
+    for seq in range(600):
+        req = {**req, "computed": 10 + seq, "output": seq}
+        w.write(raw_step(seq, sched={"R": 1}, running=[req]))
+    nc = await nats.connect(nats_server.url)
+    seqs: list[int] = []
+
+    async def on_snap(msg: nats.aio.msg.Msg) -> None:
+        seqs.append(unpack_map(msg.data)["seq"])
+
+    await nc.subscribe("bear.snapshot.i1", cb=on_snap)
+    cfg = SnapshotterConfig(instance="i1", shm=shm_name, nats_url=nats_server.url, model="tiny",
+                            base_url="http://127.0.0.1:1/v1", snapshot_buffer=16, idle_snapshot_s=0)  # fmt: skip
+    svc = Snapshotter(cfg)
+    task = asyncio.create_task(svc.run())
+    try:
+        for _ in range(100):
+            w.heartbeat()
+            if len(seqs) >= 600:
+                break
+            await asyncio.sleep(0.05)
+        await nc.flush()
+        assert seqs == list(range(600))
+        dropped = svc.metrics.snapshots_dropped
+        assert all(dropped.labels(why)._value.get() == 0  # type: ignore[attr-defined]
+                   for why in ("coalesced", "disconnected", "publish_error"))  # fmt: skip
+    finally:
+        svc.stop()
+        await asyncio.wait_for(task, 10)
+        w.close()
+        await nc.close()

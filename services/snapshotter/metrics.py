@@ -30,7 +30,7 @@ class SnapshotterMetrics:
         )
         self.snapshots_dropped = Counter(
             "bear_snapshotter_snapshots_dropped",
-            "Snapshots not published (coalesced, NATS disconnected, overflow, or publish failed)",
+            "Snapshots not published (coalesced, NATS disconnected, or publish failed)",
             ["reason"],
             registry=r,
         )

@@ -263,7 +263,7 @@ class Snapshotter:
             r = self._reader
             if r is None or r.replaced():
                 if r is not None:
-                    self._drain(r)  # what the old engine completed before the new region appeared
+                    await self._drain_and_publish(r)  # what the old engine completed before the new region appeared
                 if not self._attach() and r is None:
                     await asyncio.sleep(0.05)  # no engine yet
                     continue
@@ -271,14 +271,12 @@ class Snapshotter:
                 assert r is not None
             dead = self._writer_dead(r)
             if dead is not None:
-                self._drain(r)
-                await self._publish_snapshot()
+                await self._drain_and_publish(r)
                 self._set_status("down", reason=dead)
                 await asyncio.sleep(0.05)
                 continue
             self._set_status("up")
-            self._drain(r)
-            await self._publish_snapshot()
+            await self._drain_and_publish(r)
             await self._idle_snapshot(r)
             await asyncio.sleep(self.cfg.poll_interval_s)
 
@@ -293,8 +291,24 @@ class Snapshotter:
         self.metrics.resync_requests.inc()
         self.log.info("resync_requested", reason=why, writable=ok)
 
-    def _drain(self, r: ShmReader) -> None:
-        res = r.poll(limit=4096)
+    async def _drain_and_publish(self, r: ShmReader) -> None:
+        """Read the ring and publish until it is empty, taking only as many records per read as
+        the bounded publish buffer has room for: a reader that fell behind leaves the rest in the
+        ring (itself bounded; what it overwrites is counted as skipped) instead of dropping
+        snapshots from the middle of the stream."""
+        while True:
+            room = 4096 if self.cfg.min_interval_s > 0 else self.cfg.snapshot_buffer - len(self._pending)
+            if room <= 0 or self._drain(r, limit=room) < room:
+                await self._publish_snapshot()
+                return
+            await self._publish_snapshot()
+            if self._pending:  # not published (disconnected or coalescing): the ring keeps the rest
+                return
+            await asyncio.sleep(0)  # catching up must not starve the heartbeat and batch loops
+
+    def _drain(self, r: ShmReader, *, limit: int) -> int:
+        """Decode up to ``limit`` records into the publish and batch buffers; how many were read."""
+        res = r.poll(limit=limit)
         m = self.metrics
         if res.skipped:
             m.steps_skipped.inc(res.skipped)
@@ -346,13 +360,12 @@ class Snapshotter:
                 if self._pending:
                     m.snapshots_dropped.labels("coalesced").inc()
                 self._pending.clear()
-            elif len(self._pending) == self._pending.maxlen:
-                m.snapshots_dropped.labels("overflow").inc()
-            self._pending.append(snap)
+            self._pending.append(snap)  # never full here: _drain_and_publish reads only what fits
             for b in self._builder.feed(step):
                 if len(self._batches) == self._batches.maxlen:
                     m.batches_dropped.inc()
                 self._batches.append(b)
+        return len(res.records)
 
     async def _publish_snapshot(self) -> None:
         """Publish pending snapshots oldest first (every step), or only the newest one per
