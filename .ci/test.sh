@@ -16,7 +16,7 @@ if [ "${BEAR_SKIP_VLLM:-0}" != "1" ]; then
   VLLM_VENV="${BEAR_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/bear/vllm-venv}"
   mkdir -p "$(dirname "$VLLM_VENV")"
   bash .ci/install-vllm.sh "$VLLM_VENV"
-  export BEAR_VLLM_PYTHON="$VLLM_VENV/bin/python"
+  export BEAR_VLLM_PYTHON="$VLLM_VENV/bin/python" BEAR_REQUIRE_VLLM=1
 fi
 "$VENV/bin/ruff" check services tests
 "$VENV/bin/pytest" -q -m "not slow and not vllm" -p no:cacheprovider

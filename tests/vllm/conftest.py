@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ from harness import make_tiny_model, vllm_python
 def vllm_py() -> str:
     py = vllm_python()
     if py is None:
+        if os.environ.get("BEAR_REQUIRE_VLLM") == "1":  # .ci/test.sh installed it: a skip would hide a failure
+            pytest.fail("BEAR_REQUIRE_VLLM=1 but BEAR_VLLM_PYTHON is not set or not runnable")
         pytest.skip("BEAR_VLLM_PYTHON is not set (CI sets it; locally: .ci/install-vllm.sh)")
     return py
 
