@@ -298,11 +298,9 @@ class Snapshotter:
         snapshots from the middle of the stream."""
         while True:
             room = 4096 if self.cfg.min_interval_s > 0 else self.cfg.snapshot_buffer - len(self._pending)
-            if room <= 0 or self._drain(r, limit=room) < room:
-                await self._publish_snapshot()
-                return
+            more = room > 0 and self._drain(r, limit=room) == room  # a full read: the ring may hold more
             await self._publish_snapshot()
-            if self._pending:  # not published (disconnected or coalescing): the ring keeps the rest
+            if not more or self._pending:  # unpublished (not connected, coalescing): the ring keeps the rest
                 return
             await asyncio.sleep(0)  # catching up must not starve the heartbeat and batch loops
 
