@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from bear.protocol.nats_server import LocalNatsServer
+from bear.runtime.nats_server import LocalNatsServer
 
 REPO = Path(__file__).resolve().parents[1]
-TRACES = REPO.parent / "shared" / "data" / "vllm-cpu-traces"
+TRACES = REPO / "tests" / "data" / "vllm-cpu-traces"  # recorded from vLLM (CPU build): README there
 
 
 def load_jsonl(path: Path) -> list[dict]:

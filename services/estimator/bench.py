@@ -127,7 +127,7 @@ def run_bench(n: int, timing_reps: int, cases_path: Path | None, as_json: bool) 
                          "rss_before_mib": t0, "rss_after_mib": t1, "estimates": n})
             progress.advance(task)
         # (c) the public real-vLLM cases: every case timed, pooled.
-        path = cases_path or Path(__file__).resolve().parents[2].parent / "shared/data/vllm-cpu-traces/cases.jsonl.gz"
+        path = cases_path or Path(__file__).resolve().parents[2] / "tests/data/vllm-cpu-traces/cases.jsonl.gz"
         case_list = list(read_cases(path))
         prepared = []
         for c in case_list:

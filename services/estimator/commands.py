@@ -1,4 +1,5 @@
-"""``bear estimate``, ``bear calibrate`` and ``bear bench estimator``: libbea from the shell."""
+"""``bear estimator`` (the service), ``bear estimate`` (libbea from the shell) and the estimator's
+benchmarks ``bear bench estimator``, ``estimator-service`` and ``estimator-accuracy``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import Annotated, Any
 
 import typer
 
-bench_app = typer.Typer(help="Benchmarks that print numbers (medians, p99, memory).", no_args_is_help=True)
+from bear.options import DEFAULT_NATS, LogFormatOpt, LogLevel, LogLevelOpt, NatsUrl, Prefix
+from bear.runtime import aio
+from bear.runtime.logging import LogFormat, configure_logging
 
 
 def _load_json(path: Path) -> Any:
@@ -19,7 +22,7 @@ def _load_json(path: Path) -> Any:
 
 
 def _load_beta(coeffs: Path | None) -> list[float]:
-    from bear.estimator.calibration import NOMINAL_BETA, Calibration
+    from bear.calibrator.fit import NOMINAL_BETA, Calibration
 
     if coeffs is None:
         print("note: no --coeffs given; using the nominal β " + json.dumps(list(NOMINAL_BETA)), file=sys.stderr)
@@ -96,26 +99,6 @@ def estimate(
             print(f"  step {k + 1}: " + ", ".join(f"{rid}={n}" for rid, n in b.items()))
 
 
-def calibrate(
-    batches: Annotated[
-        list[Path], typer.Option("--batches", help="bear.batch/1 JSONL(.gz) file(s); repeat or list several.")
-    ],
-    out: Annotated[Path, typer.Option(help="Where to write {beta, mape, n} as JSON.")],
-    extra: Annotated[list[Path] | None, typer.Argument(help="More batch files.", show_default=False)] = None,
-) -> None:
-    """Fit eq. 12's β0..β3 by non-negative least squares and report the batch-time MAPE."""
-    from bear.estimator.calibration import fit_beta, read_records
-
-    files = list(batches) + list(extra or [])
-    cal = fit_beta(read_records(files))
-    out.write_text(json.dumps(cal.to_json(), indent=2) + "\n")
-    print(
-        f"β = [{', '.join(f'{b:.4g}' for b in cal.beta)}]  batch-time MAPE {cal.mape * 100:.1f}% "
-        f"over {cal.n} batches -> {out}"
-    )
-
-
-@bench_app.command("estimator")
 def bench_estimator(
     n: Annotated[int, typer.Option(help="Estimates per scenario for the memory check (RSS before/after).")] = 1_000_000,
     timing_reps: Annotated[int, typer.Option(help="Individually timed estimates per scenario (median, p99).")] = 20_000,
@@ -130,7 +113,103 @@ def bench_estimator(
     run_bench(n=n, timing_reps=timing_reps, cases_path=cases, as_json=as_json)
 
 
+def estimator(
+    nats_url: NatsUrl = DEFAULT_NATS,
+    workers: int = typer.Option(1, "--workers", min=1, help="Worker processes to start (they share only NATS)"),
+    max_age_s: float = typer.Option(1.0, "--max-age", help="Snapshots older than this (s) use the analytic fallback"),
+    down_after_s: float = typer.Option(
+        10.0, "--down-after", help="No snapshot and no registry heartbeat for this long (s): instance is down"
+    ),
+    default_output_tokens: int = typer.Option(
+        256, "--default-output-tokens", help="Predicted total output tokens of residents never announced on dispatch"
+    ),
+    overrun_fraction: float = typer.Option(
+        0.5, "--overrun-fraction", help="A resident past its prediction gets this fraction of it again"
+    ),
+    compensate_staleness: bool = typer.Option(
+        True, "--compensate-staleness/--no-compensate-staleness",
+        help="Run residents through each snapshot's age before inserting the query (assumes NTP-synchronised "
+             "clocks between instances and workers)"
+    ),
+    with_calibrator: bool = typer.Option(
+        False, "--with-calibrator", help="Also run the online β calibrator in this process (single worker only)"
+    ),
+    prefix: Prefix = "bear",
+    metrics_port: int = typer.Option(0, "--metrics-port", help="Prometheus port (worker i uses port+i); 0: off"),
+    log_format: LogFormatOpt = LogFormat.console,
+    log_level: LogLevelOpt = LogLevel.info,
+) -> None:
+    """Serve bear.estimate: BEA TTFT per candidate instance from the newest snapshots."""
+    if workers > 1:
+        from bear.estimator.service import run_forked
+
+        argv = ["--nats", nats_url, "--max-age", str(max_age_s), "--down-after", str(down_after_s),
+                "--default-output-tokens", str(default_output_tokens), "--overrun-fraction", str(overrun_fraction),
+                "--prefix", prefix, "--log-format", str(log_format), "--log-level", log_level]
+        argv.append("--compensate-staleness" if compensate_staleness else "--no-compensate-staleness")
+        raise typer.Exit(run_forked(argv, workers, metrics_port or None))
+    configure_logging(log_format, log_level)
+    from bear.estimator.metrics import start_metrics_server
+    from bear.estimator.service import run_worker
+    from bear.estimator.worker import EstimatorConfig
+
+    start_metrics_server(metrics_port or None)
+    cfg = EstimatorConfig(max_age_s=max_age_s, down_after_s=down_after_s, default_output_tokens=default_output_tokens,
+                          overrun_fraction=overrun_fraction, compensate_staleness=compensate_staleness)
+    aio.run(run_worker(nats_url, cfg, prefix, with_calibrator))
+
+
+
+def bench_estimator_service(
+    nats_url: str = typer.Option("", "--nats", help="Use this NATS and its running workers; "
+                                 "default: start a local NATS and one worker process"),
+    seconds: float = typer.Option(5.0, "--seconds", help="Measurement duration"),
+    concurrency: int = typer.Option(32, "--concurrency", min=1, help="Requests in flight"),
+    instances: int = typer.Option(3, "--instances", min=1, help="Candidate instances per query"),
+    residents: int = typer.Option(64, "--residents", min=0, help="Resident requests per instance snapshot"),
+    clients: int = typer.Option(2, "--clients", min=1, help="Client processes generating load"),
+    latency_seconds: float = typer.Option(2.0, "--latency-seconds", help="Unloaded-latency phase (one in flight)"),
+    log_format: LogFormatOpt = LogFormat.console,
+) -> None:
+    """Measure estimate throughput and service time of one worker process over NATS."""
+    configure_logging(log_format, "warning")
+    from bear.estimator.service_bench import run_bench
+
+    res = run_bench(nats_url or None, seconds=seconds, concurrency=concurrency, n_instances=instances,
+                    residents=residents, clients=clients,
+                    latency_seconds=latency_seconds)
+    from rich import print as rprint
+
+    rprint(res)
+
+
+
+def bench_estimator_accuracy(
+    profile: str = typer.Option("qwen3-8b-h100", "--profile", help="Sim profile name or file"),
+    qps: float = typer.Option(4.0, "--qps", help="Poisson arrival rate (queries/s)"),
+    seconds: float = typer.Option(15.0, "--seconds", help="Measured duration after the warm-up"),
+    warmup_s: float = typer.Option(4.0, "--warmup", help="Warm-up (first calibration) not measured"),
+    length_noise: float = typer.Option(0.3, "--length-noise", help="σ of the log-normal error of predicted lengths"),
+    compensate: bool = typer.Option(False, "--compensate", help="Use staleness compensation"),
+    seed: int = typer.Option(0, "--seed", help="Workload and noise seed"),
+    nats_url: str = typer.Option("", "--nats", help="NATS URL; default: start a local one"),
+) -> None:
+    """BEA's TTFT MAPE against the TTFTs a simulated instance actually produced under load."""
+    configure_logging(LogFormat.console, "warning")
+    from rich import print as rprint
+
+    from bear.estimator.accuracy import run
+
+    rprint(run(nats_url or None, profile=profile, qps=qps, seconds=seconds, warmup_s=warmup_s, seed=seed,
+               length_noise=length_noise, compensate=compensate))
+
+
 def register(app: typer.Typer) -> None:
+    app.command("estimator")(estimator)
     app.command("estimate")(estimate)
-    app.command("calibrate")(calibrate)
-    app.add_typer(bench_app, name="bench")
+
+
+def register_bench(bench: typer.Typer) -> None:
+    bench.command("estimator")(bench_estimator)
+    bench.command("estimator-service")(bench_estimator_service)
+    bench.command("estimator-accuracy")(bench_estimator_accuracy)

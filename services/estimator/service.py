@@ -1,10 +1,8 @@
 """Process mains of ``bear estimator`` (one worker per process; ``--workers N`` forks N such
-processes, which share nothing but NATS) and ``bear calibrator``."""
+processes, which share nothing but NATS)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import signal
 import subprocess
 import sys
@@ -12,59 +10,31 @@ from typing import Any
 
 import structlog
 
-from bear.protocol.shutdown import close_nats
 from bear.protocol.subjects import Subjects
+from bear.runtime.service import connect, stop_event
+from bear.runtime.shutdown import close_nats
 
 log = structlog.get_logger("bear.estimator")
 
 
-def _stop_event() -> asyncio.Event:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    return stop
-
-
-async def _connect(url: str, name: str) -> Any:
-    import nats
-
-    async def on_error(exc: Exception) -> None:  # slow-consumer drops etc.: logged, not fatal
-        log.warning("nats error", error=str(exc))
-
-    return await nats.connect(url, name=name, max_reconnect_attempts=-1, error_cb=on_error)
-
-
 async def run_worker(nats_url: str, config: Any, prefix: str = "bear", with_calibrator: bool = False,
                      calibrator_kwargs: dict[str, Any] | None = None) -> None:
-    from bear.estimator.calibrator import OnlineCalibrator
+    from bear.calibrator.service import OnlineCalibrator
     from bear.estimator.worker import EstimatorWorker
 
-    nc = await _connect(nats_url, "bear-estimator")
+    nc = await connect(nats_url, "bear-estimator")
     worker = EstimatorWorker(nc, config, Subjects(prefix))
     await worker.start()
     cal = None
     if with_calibrator:
         cal = OnlineCalibrator(nc, Subjects(prefix), **(calibrator_kwargs or {}))
         await cal.start()
-    await _stop_event().wait()
+    await stop_event().wait()
     if cal is not None:
         await cal.stop()
     await worker.stop()
     await close_nats(nc)
     log.info("estimator worker stopped", handled=worker.handled)
-
-
-async def run_calibrator(nats_url: str, prefix: str = "bear", **kwargs: Any) -> None:
-    from bear.estimator.calibrator import OnlineCalibrator
-
-    nc = await _connect(nats_url, "bear-calibrator")
-    cal = OnlineCalibrator(nc, Subjects(prefix), **kwargs)
-    await cal.start()
-    await _stop_event().wait()
-    await cal.stop()
-    await close_nats(nc)
 
 
 def run_forked(argv: list[str], workers: int, metrics_port: int | None) -> int:

@@ -1,4 +1,4 @@
-"""``bear estimator-bench``: throughput and service time of ONE estimator worker process over
+"""``bear bench estimator-service``: throughput and service time of ONE estimator worker process over
 NATS, with realistic snapshots (built by libbea.Engine from a sim profile: residents decoding at
 several context lengths) refreshed every 200 ms, and load from separate client processes."""
 
@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from bear.protocol import aio
 from bear.protocol.codec import pack
 from bear.protocol.subjects import Subjects
+from bear.runtime import aio
 
 PROFILE = "qwen3-8b-h100"
 
@@ -23,7 +23,7 @@ PROFILE = "qwen3-8b-h100"
 def make_snapshot(instance: str, residents: int, seed: int) -> dict[str, Any]:
     """A busy instance: ``residents`` requests admitted and decoding, built by the sim scheduler."""
     from bear import libbea
-    from bear.estimator.sim.profile import load_profile
+    from bear.sim.profile import load_profile
 
     rng = np.random.default_rng(seed)
     eng = libbea.Engine(load_profile(PROFILE).engine_config())
@@ -106,7 +106,7 @@ def _cpu_seconds(pid: int) -> float:
 
 def run_bench(nats_url: str | None, *, seconds: float = 5.0, concurrency: int = 32, n_instances: int = 3,
               residents: int = 64, clients: int = 2, latency_seconds: float = 2.0) -> dict[str, Any]:
-    from bear.protocol.nats_server import LocalNatsServer
+    from bear.runtime.nats_server import LocalNatsServer
 
     server = None
     worker = None

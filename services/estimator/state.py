@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bear import libbea
-from bear.estimator.calibration import NOMINAL_BETA
+from bear.calibrator.fit import NOMINAL_BETA
 
 MAX_LENGTHS_PER_INSTANCE = 50_000  # predicted lengths kept (oldest forgotten first)
 EWMA = 0.05

@@ -27,9 +27,9 @@ from bear.estimator.state import CalibrationEntry, InstanceState, StateStore
 from bear.protocol.codec import pack, unpack, unpack_map
 from bear.protocol.deadline import Deadline
 from bear.protocol.errors import BearError, ErrorCode
-from bear.protocol.publish import watch_kv
-from bear.protocol.shutdown import cancel_all
 from bear.protocol.subjects import Subjects
+from bear.runtime.kv import watch_kv
+from bear.runtime.shutdown import cancel_all
 
 log = structlog.get_logger("bear.estimator")
 

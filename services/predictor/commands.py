@@ -1,4 +1,4 @@
-"""CLI: ``bear predictor`` (the service), ``bear predictor train``, ``bear predictor bench`` and
+"""CLI: ``bear predictor`` (the service), ``bear predictor train``, ``bear bench predictor`` and
 ``bear data synth``. Heavy imports stay inside the command functions so ``bear --help`` is fast."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any
 import structlog
 import typer
 
-from bear.protocol.logging import LogFormat, configure_logging
+from bear.options import DEFAULT_NATS, LogFormatOpt, LogLevel, LogLevelOpt, NatsUrl, Prefix
+from bear.runtime.logging import LogFormat, configure_logging
 
 log = structlog.get_logger(__name__)
 
@@ -27,19 +28,17 @@ predictor_app = typer.Typer(
 )
 data_app = typer.Typer(help="Datasets for the predictor.", no_args_is_help=True)
 
-LOG_FORMAT = typer.Option(LogFormat.console, "--log-format", help="Log format: console (humans) or json.")
-LOG_LEVEL = typer.Option("info", "--log-level", help="Log level: debug, info, warning, error.")
 
 
 @predictor_app.callback()
 def predictor_service(
     ctx: typer.Context,
-    nats_url: str = typer.Option("nats://127.0.0.1:4222", "--nats", help="NATS server URL."),
+    nats_url: NatsUrl = DEFAULT_NATS,
     model_dir: Path | None = typer.Option(None, "--model-dir", help="Directory written by `bear predictor train`."),
     tokenizer_dir: Path | None = typer.Option(
         None, "--tokenizer-dir", help="Folder with <model>/tokenizer.json files (else the HF cache, else fallback)."
     ),
-    prefix: str = typer.Option("bear", "--prefix", help="Subject prefix of the deployment."),
+    prefix: Prefix = "bear",
     workers: int = typer.Option(2, "--workers", min=1, help="Threads for long prompts."),
     max_inflight: int = typer.Option(256, "--max-inflight", min=1, help="Requests in progress before 'overloaded'."),
     inline_max_bytes: int = typer.Option(
@@ -48,8 +47,8 @@ def predictor_service(
     ),
     max_prompt_bytes: int = typer.Option(512 * 1024, "--max-prompt-bytes", min=1, help="Larger prompts get 'too_large'."),
     metrics_port: int | None = typer.Option(None, "--metrics-port", help="Serve Prometheus metrics on this port."),
-    log_format: LogFormat = LOG_FORMAT,
-    log_level: str = LOG_LEVEL,
+    log_format: LogFormatOpt = LogFormat.console,
+    log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
     """Run the bear.predict service (queue group: start more processes to scale)."""
     if ctx.invoked_subcommand is not None:
@@ -59,7 +58,7 @@ def predictor_service(
         raise typer.BadParameter("--model-dir is required to run the service", param_hint="--model-dir")
     from bear.predictor.runtime import Predictor
     from bear.predictor.service import ServiceLimits, serve
-    from bear.protocol import aio
+    from bear.runtime import aio
 
     predictor = Predictor(model_dir, tokenizer_dir)
     log.info("predictor_loaded", native_forest=predictor.forest is not None, event_loop=aio.loop_name())
@@ -85,8 +84,8 @@ def train_cmd(
     test_fraction: float = typer.Option(0.2, "--test-fraction", min=0.0, max=0.9, help="Queries held out for the report."),
     seed: int = typer.Option(0, "--seed", help="Seed of the split and of LightGBM."),
     threads: int = typer.Option(1, "--threads", min=1, help="LightGBM training threads (1 is fastest on a busy host)."),
-    log_format: LogFormat = LOG_FORMAT,
-    log_level: str = LOG_LEVEL,
+    log_format: LogFormatOpt = LogFormat.console,
+    log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
     """Train the quality and output-length heads, then evaluate them on held-out queries."""
     configure_logging(log_format, log_level)
@@ -155,8 +154,7 @@ async def _wait_service(url: str, within_s: float) -> None:
         await nc.close()
 
 
-@predictor_app.command("bench")
-def bench_cmd(
+def bench_predictor(
     model_dir: Path = typer.Option(..., "--model-dir", exists=True, file_okay=False, help="Trained model directory."),
     nats_url: str | None = typer.Option(None, "--nats", help="NATS URL (default: start a local nats-server)."),
     spawn: bool = typer.Option(True, "--spawn/--no-spawn", help="Start one predictor process for the run."),
@@ -164,8 +162,8 @@ def bench_cmd(
     concurrency: int = typer.Option(32, "--concurrency", min=1, help="Requests in flight in the throughput phase."),
     queries: int = typer.Option(400, "--queries", min=4, help="Distinct synthetic prompts cycled through."),
     out: Path | None = typer.Option(None, "--out", help="Write the results as JSON here."),
-    log_format: LogFormat = LOG_FORMAT,
-    log_level: str = LOG_LEVEL,
+    log_format: LogFormatOpt = LogFormat.console,
+    log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
     """Latency (p50/p99, one request at a time) and throughput of bear.predict with 3 candidates."""
     configure_logging(log_format, log_level)
@@ -175,8 +173,8 @@ def bench_cmd(
     from bear.predictor.bench import run_bench
     from bear.predictor.runtime import Predictor
     from bear.predictor.synth import generate
-    from bear.protocol import aio
-    from bear.protocol.nats_server import LocalNatsServer
+    from bear.runtime import aio
+    from bear.runtime.nats_server import LocalNatsServer
 
     models = Predictor(model_dir).models[:3]
     # Prompts only: the synthetic generator needs one of its own model names to emit records.
@@ -223,8 +221,8 @@ def synth_cmd(
     out: Path = typer.Option(..., "--out", help="JSONL file to write (.gz to compress)."),
     queries: int = typer.Option(2000, "--queries", min=1, help="Number of queries (one record per model each)."),
     seed: int = typer.Option(0, "--seed", help="Random seed."),
-    log_format: LogFormat = LOG_FORMAT,
-    log_level: str = LOG_LEVEL,
+    log_format: LogFormatOpt = LogFormat.console,
+    log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
     """Write a SYNTHETIC dataset (four task families, Table 2 quality levels) — not real evaluations."""
     configure_logging(log_format, log_level)
@@ -249,3 +247,7 @@ def synth_cmd(
 def register(app: typer.Typer) -> None:
     app.add_typer(predictor_app, name="predictor")
     app.add_typer(data_app, name="data")
+
+
+def register_bench(bench: typer.Typer) -> None:
+    bench.command("predictor")(bench_predictor)

@@ -30,8 +30,8 @@ from bear.predictor.runtime import Predictor
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.deadline import Deadline
 from bear.protocol.errors import BearError, ErrorCode, error_reply
-from bear.protocol.shutdown import close_nats
 from bear.protocol.subjects import Subjects
+from bear.runtime.shutdown import close_nats
 
 log = structlog.get_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""``bear router-bench``: decision overhead of the router — submit received → dispatch sent — at a
+"""``bear bench router``: decision overhead of the router — submit received → dispatch sent — at a
 fixed Poisson rate, on a local stack (nats-server, three sim engines, predictor, one estimator
 worker, one router, each its own process). Queries are short synthetic prompts answered with one
 token so the instances stay light; the numbers come from the router's own outcome log:
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from bear.protocol import aio
+from bear.runtime import aio
 
 
 def _pct(xs: list[float]) -> dict[str, float]:
@@ -49,7 +49,7 @@ def _processes(stack: Any) -> dict[str, int]:
 ECHO = """
 import asyncio, sys
 import nats
-from bear.protocol import aio
+from bear.runtime import aio
 
 async def main(url):
     nc = await nats.connect(url)
@@ -94,9 +94,9 @@ async def echo_rtt(url: str, rate: float, n: int, seed: int = 0) -> dict[str, fl
 def run_bench(rate: float, duration: float, seed: int = 0, routers: int = 1) -> dict[str, Any]:
     import nats
 
-    from bear.router.arrivals import arrivals
-    from bear.router.load import make_queries, run_load
-    from bear.router.stack import Stack, StackConfig
+    from bear.load.arrivals import arrivals
+    from bear.load.generator import make_queries, run_load
+    from bear.stack.stack import Stack, StackConfig
 
     work = Path(tempfile.mkdtemp(prefix="bear-router-bench-"))
     n = max(1, round(rate * duration))

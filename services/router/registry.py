@@ -17,9 +17,9 @@ import structlog
 
 from bear.protocol.codec import unpack_map
 from bear.protocol.errors import BearError
-from bear.protocol.publish import watch_kv
-from bear.protocol.shutdown import cancel_all
 from bear.protocol.subjects import Subjects
+from bear.runtime.kv import watch_kv
+from bear.runtime.shutdown import cancel_all
 
 log = structlog.get_logger("bear.router")
 

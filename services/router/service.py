@@ -20,11 +20,10 @@ from typing import Any
 import structlog
 
 from bear import libbea
-from bear.estimator.calibration import NOMINAL_BETA
+from bear.calibrator.fit import NOMINAL_BETA
 from bear.estimator.client import EstimatorClient
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.errors import BearError, ErrorCode, error_reply
-from bear.protocol.shutdown import cancel_all, close_nats
 from bear.protocol.subjects import Subjects
 from bear.router.dedup import Deduplicator
 from bear.router.dispatch import InstanceUnavailable, StreamBroken, request_body, stream_completion
@@ -38,6 +37,7 @@ from bear.router.predict import (
     prefill_eq8,
 )
 from bear.router.registry import InstanceInfo, Registry
+from bear.runtime.shutdown import cancel_all, close_nats
 
 log = structlog.get_logger("bear.router")
 

@@ -8,7 +8,9 @@ from typing import Annotated
 
 import typer
 
-from bear.protocol import aio
+from bear.options import DEFAULT_NATS, LogFormatOpt, LogLevel, LogLevelOpt, MetricsPort, NatsUrl, Prefix
+from bear.runtime import aio
+from bear.runtime.logging import LogFormat
 
 
 def snapshotter(
@@ -16,7 +18,7 @@ def snapshotter(
     shm: Annotated[
         str, typer.Option(help="Shared-memory region the plugin writes (BEAR_SNAPSHOT_SHM of vLLM).")
     ],
-    nats: Annotated[str, typer.Option("--nats", help="NATS server URL.")] = "nats://127.0.0.1:4222",
+    nats: NatsUrl = DEFAULT_NATS,
     model: Annotated[str, typer.Option(help="Model name served by the instance (registry entry).")] = "",
     base_url: Annotated[
         str, typer.Option(help="OpenAI-compatible base URL of the instance (registry entry).")
@@ -28,7 +30,7 @@ def snapshotter(
     price_output: Annotated[
         float, typer.Option(help="Price per million output tokens (registry entry).")
     ] = 0.0,
-    prefix: Annotated[str, typer.Option(help="Subject prefix of the deployment.")] = "bear",
+    prefix: Prefix = "bear",
     min_interval_ms: Annotated[
         float, typer.Option(help="Coalesce snapshots: publish at most one per interval (0 = every step).")
     ] = 0.0,
@@ -46,15 +48,15 @@ def snapshotter(
         Path | None,
         typer.Option(help="Also append every step to this JSONL(.gz) log (input of `bear record`)."),
     ] = None,
-    metrics_port: Annotated[int, typer.Option(help="Serve Prometheus metrics on this port (0 = off).")] = 0,
-    log_format: Annotated[str, typer.Option(help="Log format: json|console.")] = "console",
-    log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
+    metrics_port: MetricsPort = 0,
+    log_format: LogFormatOpt = LogFormat.console,
+    log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
     """Publish bear.snapshot/1 and bear.batch/1 of one vLLM instance and keep it registered."""
     import asyncio
     import signal
 
-    from bear.protocol.logging import configure_logging
+    from bear.runtime.logging import configure_logging
     from bear.snapshotter.metrics import SnapshotterMetrics
     from bear.snapshotter.service import Snapshotter, SnapshotterConfig
 

@@ -23,8 +23,8 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import BucketNotFoundError
 
 from bear.protocol.codec import pack
-from bear.protocol.shutdown import cancel_all
 from bear.protocol.subjects import SNAPSHOT_SCHEMA, Subjects
+from bear.runtime.shutdown import cancel_all
 from bear.snapshotter.metrics import SnapshotterMetrics
 from bear.snapshotter.records import BatchBuilder, RecordError, StepDecoder, to_snapshot
 from bear.snapshotter.shm import ShmReader, pid_namespace
@@ -397,7 +397,7 @@ class Snapshotter:
         """An idle engine (nothing running or waiting) does not step, so the plugin writes nothing
         and its state cannot change: re-send the last snapshot every ``idle_snapshot_s`` with
         ``time`` refreshed and ``idle: true`` (same ``seq``: not a new step), so that estimators tell idle from stale (the rule of
-        ``bear.protocol.publish.InstancePublisher``). Called only while the plugin's own heartbeat
+        ``bear.instance.publisher.InstancePublisher``). Called only while the plugin's own heartbeat
         is fresh (the engine is alive). An engine that has not stepped at all since it started gets
         an empty snapshot (every block free but vLLM's null block). A busy engine that stops
         stepping gets nothing: its snapshot ages and the estimator falls back."""

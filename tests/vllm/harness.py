@@ -1,6 +1,6 @@
 """Run a real vLLM (CPU build) with the BEAR plugin, the snapshotter and a Poisson load; shared by
 the tests in this folder. The vLLM process itself (BEAR_VLLM_PYTHON, a separate venv made by
-.ci/install-vllm.sh; command line; tiny model) is ``bear.snapshotter.vllm_instance``, which
+.ci/install-vllm.sh; command line; tiny model) is ``bear.vllm_instance.launch``, which
 ``bear up --backend vllm`` uses too."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from bear.snapshotter.vllm_instance import VllmServer, make_tiny_model, vllm_python
+from bear.vllm_instance.launch import VllmServer, make_tiny_model, vllm_python
 
 __all__ = ["Load", "VllmServer", "make_tiny_model", "run_load", "vllm_python"]
 

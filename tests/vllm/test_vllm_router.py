@@ -14,12 +14,12 @@ import nats
 import pytest
 from harness import VllmServer
 
+from bear.client.submit import submit
 from bear.estimator.client import EstimatorClient
 from bear.estimator.worker import EstimatorConfig, EstimatorWorker
-from bear.protocol.nats_server import LocalNatsServer
 from bear.protocol.subjects import Subjects
-from bear.router.client import submit
 from bear.router.service import RouterConfig, RouterService
+from bear.runtime.nats_server import LocalNatsServer
 from bear.snapshotter.service import Snapshotter, SnapshotterConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

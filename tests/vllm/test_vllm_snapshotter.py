@@ -20,9 +20,9 @@ import pytest
 from harness import Load, VllmServer, run_load
 
 from bear import libbea
-from bear.estimator.calibration import fit_beta
+from bear.calibrator.fit import fit_beta
 from bear.protocol.codec import unpack_map
-from bear.protocol.nats_server import LocalNatsServer
+from bear.runtime.nats_server import LocalNatsServer
 from bear.snapshotter.cases import generations, record_run
 from bear.snapshotter.records import StepDecoder, batches_of
 from bear.snapshotter.service import Snapshotter, SnapshotterConfig

@@ -19,9 +19,9 @@ from pathlib import Path
 import nats
 import pytest
 
-from bear.protocol.nats_server import LocalNatsServer
-from bear.router.client import submit
-from bear.snapshotter.vllm_instance import healthy
+from bear.client.submit import submit
+from bear.runtime.nats_server import LocalNatsServer
+from bear.vllm_instance.launch import healthy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

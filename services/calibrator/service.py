@@ -1,0 +1,171 @@
+"""Online β calibration (``bear calibrator``): fit eq. 12 per instance from the batch records on
+``bear.batches.<instance>`` over a sliding window and publish the fit to the ``bear_calibration``
+KV bucket that every estimator worker watches.
+
+Robustness: a first NNLS fit (relative residuals, calibration.fit_arrays), then records whose
+relative residual is beyond median + 3·1.4826·MAD are dropped (GC pauses, preemption storms,
+co-located noise) and β is refitted on the rest; at least half of the window is always kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+import structlog
+
+from bear.calibrator.fit import (
+    Calibration,
+    design_matrix,
+    fit_arrays,
+    mape,
+    predict,
+    prefill_throughput,
+    usable,
+)
+from bear.protocol.codec import pack, unpack
+from bear.protocol.errors import BearError
+from bear.protocol.subjects import Subjects
+from bear.runtime.kv import ensure_kv
+from bear.runtime.service import connect, stop_event
+from bear.runtime.shutdown import cancel_all, close_nats
+
+log = structlog.get_logger("bear.calibrator")
+SCHEMA = "bear.calibration/1"
+
+
+def robust_fit(records: list[dict[str, Any]]) -> tuple[Calibration, float | None]:
+    """(β fit after outlier trimming, θ prefill throughput of the kept records or None)."""
+    x, y = design_matrix(records)
+    first = fit_arrays(x, y)
+    rel = np.abs(predict(first.beta, x) - y) / y
+    med = float(np.median(rel))
+    mad = float(np.median(np.abs(rel - med)))
+    cut = max(med + 3.0 * 1.4826 * mad, float(np.quantile(rel, 0.5)))
+    keep = rel <= cut
+    if keep.sum() >= 4 and keep.sum() < len(y):
+        cal = fit_arrays(x[keep], y[keep])
+        cal = Calibration(beta=cal.beta, mape=mape(predict(cal.beta, x[keep]), y[keep]), n=int(keep.sum()))
+    else:
+        cal = first
+    kept = [r for r, k in zip([r for r in records if usable(r)], keep, strict=True) if k]
+    try:
+        theta: float | None = prefill_throughput(kept)
+    except ValueError:
+        theta = None
+    return cal, theta
+
+
+def valid_record(r: Any) -> bool:
+    if not isinstance(r, dict):
+        return False
+    d = r.get("duration_s")
+    if d is not None and (not isinstance(d, int | float) or isinstance(d, bool) or not math.isfinite(d) or d < 0):
+        return False
+    items = r.get("items")
+    if not isinstance(items, list):
+        return False
+    for it in items:
+        if not isinstance(it, dict):
+            return False
+        n, c = it.get("n"), it.get("context")
+        if not isinstance(n, int) or not isinstance(c, int) or n < 0 or c < 0 or not isinstance(it.get("decode"), bool):
+            return False
+    return True
+
+
+class OnlineCalibrator:
+    def __init__(self, nc: Any, subjects: Subjects | None = None, *, window: int = 2000, min_records: int = 50,
+                 refit_s: float = 5.0) -> None:
+        self.nc = nc
+        self.subjects = subjects or Subjects()
+        self.window = window
+        self.min_records = min_records
+        self.refit_s = refit_s
+        self.records: dict[str, deque[dict[str, Any]]] = {}
+        self.new: dict[str, int] = {}
+        self.malformed = 0
+        self.fits: dict[str, tuple[Calibration, float | None]] = {}
+        self._sub: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._kv: Any = None
+
+    async def start(self) -> None:
+        self._kv = await ensure_kv(self.nc.jetstream(), self.subjects.calibration_bucket)
+        self._sub = await self.nc.subscribe(self.subjects.batches_all, cb=self._on_batches)
+        self._task = asyncio.create_task(self._loop())
+        log.info("calibrator started", window=self.window, refit_s=self.refit_s)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+        if self._task is not None:
+            await cancel_all([self._task])
+
+    async def _on_batches(self, msg: Any) -> None:
+        instance = Subjects.instance_of(msg.subject)
+        try:
+            group = unpack(msg.data)
+        except BearError:
+            self.malformed += 1
+            return
+        if isinstance(group, dict):
+            group = [group]
+        if not isinstance(group, list):
+            self.malformed += 1
+            return
+        buf = self.records.setdefault(instance, deque(maxlen=self.window))
+        for r in group:
+            if not valid_record(r):
+                self.malformed += 1
+                continue
+            if r.get("duration_s") and r["items"]:
+                buf.append(r)
+                self.new[instance] = self.new.get(instance, 0) + 1
+
+    async def refit_once(self) -> list[str]:
+        """Refit every instance with enough new records; returns the instances updated."""
+        done = []
+        for instance, buf in list(self.records.items()):
+            if len(buf) < self.min_records or self.new.get(instance, 0) == 0:
+                continue
+            self.new[instance] = 0
+            try:
+                cal, theta = await asyncio.to_thread(robust_fit, list(buf))
+            except ValueError as exc:
+                log.warning("calibration fit failed", instance=instance, error=str(exc))
+                continue
+            self.fits[instance] = (cal, theta)
+            value = {"v": SCHEMA, "instance": instance, "beta": list(cal.beta), "mape": cal.mape, "n": cal.n,
+                     "theta": theta, "updated": time.time()}
+            try:
+                await self._kv.put(instance, pack(value))
+                done.append(instance)
+            except Exception as exc:
+                log.warning("calibration publish failed", instance=instance, error=str(exc))
+        return done
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refit_s)
+            updated = await self.refit_once()
+            for inst in updated:
+                cal, theta = self.fits[inst]
+                log.info("beta updated", instance=inst, beta=cal.beta, mape=round(cal.mape, 4), n=cal.n, theta=theta)
+
+
+async def run_calibrator(nats_url: str, prefix: str = "bear", **kwargs: Any) -> None:
+    nc = await connect(nats_url, "bear-calibrator")
+    cal = OnlineCalibrator(nc, Subjects(prefix), **kwargs)
+    await cal.start()
+    await stop_event().wait()
+    await cal.stop()
+    await close_nats(nc)
+
+

@@ -1,0 +1,1 @@
+"""Synthetic traffic: arrival processes, the paper's TTFT targets, and ``bear load``."""

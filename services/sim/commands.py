@@ -1,0 +1,38 @@
+"""``bear sim-engine``: one simulated vLLM instance with the OpenAI API on NATS."""
+
+from __future__ import annotations
+
+import typer
+
+from bear.options import DEFAULT_NATS, LogFormatOpt, LogLevel, LogLevelOpt, NatsUrl, Prefix
+from bear.runtime import aio
+from bear.runtime.logging import LogFormat, configure_logging
+
+
+def sim_engine(
+    profile: str = typer.Option(..., "--profile", help="Profile name (qwen3-0.6b-h100, qwen3-8b-h100, "
+                                "qwen3-32b-2xh100-tp2) or path of a profile JSON file"),
+    port: int = typer.Option(8000, "--port", help="HTTP port of the OpenAI-compatible API"),
+    instance: str = typer.Option(..., "--instance", help="Instance id (the last token of its NATS subjects)"),
+    nats_url: NatsUrl = DEFAULT_NATS,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on"),
+    base_url: str = typer.Option("", "--base-url", help="URL to advertise in bear_instances (default: from host/port)"),
+    seed: int = typer.Option(-1, "--seed", help="Seed of the batch-time noise; -1: random"),
+    heartbeat_s: float = typer.Option(0.5, "--heartbeat", help="Idle snapshot re-publication period (s)"),
+    min_interval_s: float = typer.Option(0.0, "--snapshot-interval", help="Minimum seconds between snapshots; 0: every step"),
+    prefix: Prefix = "bear",
+    log_format: LogFormatOpt = LogFormat.console,
+    log_level: LogLevelOpt = LogLevel.info,
+) -> None:
+    """Run a simulated vLLM instance (roofline-timed, vLLM V1 scheduling) with the OpenAI API."""
+    configure_logging(log_format, log_level)
+    from bear.sim.run import serve
+
+    aio.run(serve(profile, port, instance, nats_url, host=host, prefix=prefix,
+                      seed=None if seed < 0 else seed, base_url=base_url or None,
+                      heartbeat_s=heartbeat_s, min_interval_s=min_interval_s))
+
+
+
+def register(app: typer.Typer) -> None:
+    app.command("sim-engine")(sim_engine)

@@ -1,0 +1,242 @@
+"""OpenAI-compatible HTTP front of the simulated instance (what the router calls on a real vLLM):
+``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE streaming),
+``GET /v1/models``, ``GET /health`` and ``GET /sim/stats``.
+
+Lengths (docs/sim-engine.md): the prompt length is ``sim_prompt_tokens`` when given, else the
+length of a token-id prompt, else ≈ UTF-8 bytes / 4 (plus a small per-message chat template); the
+true output length is ``sim_output_tokens`` when given (the workload draws it), else ``max_tokens``
+(a model that never emits EOS). The request id is the ``X-Request-Id`` header when present, so the
+router can name the request in ``bear.dispatch`` the way the instance's snapshots name it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from bear.sim.engine import SimEngine, SimRequest
+
+FILLER = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit")
+CHAT_TEMPLATE_TOKENS_PER_MESSAGE = 4
+CHAT_TEMPLATE_TOKENS = 3
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def error_response(status: int, message: str) -> web.Response:
+    kind = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError"}.get(status, "InternalServerError")
+    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+    return web.json_response(body, status=status)
+
+
+def text_tokens(text: str) -> int:
+    return max(1, math.ceil(len(text.encode()) / 4))
+
+
+def prompt_tokens_of(body: dict[str, Any], chat: bool) -> int:
+    explicit = body.get("sim_prompt_tokens")
+    if explicit is not None:
+        return _positive_int(explicit, "sim_prompt_tokens")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list")
+        total = CHAT_TEMPLATE_TOKENS
+        for m in messages:
+            if not isinstance(m, dict):
+                raise ApiError(400, "each message must be an object")
+            content = m.get("content", "")
+            if isinstance(content, list):  # content parts
+                content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            total += CHAT_TEMPLATE_TOKENS_PER_MESSAGE + text_tokens(str(content))
+        return total
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return text_tokens(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        return prompt_tokens_of({"prompt": prompt[0]}, chat=False)
+    raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)")
+
+
+def _positive_int(v: Any, name: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ApiError(400, f"{name} must be a positive integer")
+    return v
+
+
+def filler(start: int, count: int) -> str:
+    return "".join(" " + FILLER[(start + k) % len(FILLER)] for k in range(count))
+
+
+class SimApi:
+    def __init__(self, sim: SimEngine) -> None:
+        self.sim = sim
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/sim/stats", self.stats)
+        return app
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def stats(self, _: web.Request) -> web.Response:
+        return web.json_response({"instance": self.sim.instance, "model": self.sim.model_name, **self.sim.stats.as_dict()})
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.sim.model_name,
+                        "object": "model",
+                        "created": int(time.time()),
+                        "owned_by": "bear-sim",
+                        "max_model_len": self.sim.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    # ------------------------------------------------------------------ common path
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ApiError(400, "body must be a JSON object")
+            model = body.get("model")
+            if model is not None and model != self.sim.model_name:
+                raise ApiError(404, f"the model `{model}` does not exist (serving {self.sim.model_name})")
+            ptoks = prompt_tokens_of(body, chat)
+            if ptoks >= self.sim.max_model_len:
+                raise ApiError(400, f"prompt of {ptoks} tokens does not fit max_model_len {self.sim.max_model_len}")
+            room = self.sim.max_model_len - ptoks
+            raw_max = body.get("max_completion_tokens") if chat else None
+            if raw_max is None:
+                raw_max = body.get("max_tokens")
+            max_tokens = room if raw_max is None else min(_positive_int(raw_max, "max_tokens"), room)
+            true_out = body.get("sim_output_tokens")
+            true_out = max_tokens if true_out is None else _positive_int(true_out, "sim_output_tokens")
+            priority = body.get("priority", 0)
+            if not isinstance(priority, int) or isinstance(priority, bool):
+                raise ApiError(400, "priority must be an integer")
+            rid = request.headers.get("X-Request-Id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            try:
+                req = self.sim.submit(rid, ptoks, max_tokens, true_out, priority)
+            except ValueError as exc:
+                raise ApiError(409 if "duplicate" in str(exc) else 400, str(exc)) from exc
+        except json.JSONDecodeError:
+            return error_response(400, "body is not valid JSON")
+        except ApiError as exc:
+            return error_response(exc.status, exc.message)
+
+        try:
+            if body.get("stream"):
+                opts = body.get("stream_options") or {}
+                usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
+                return await self._stream(request, req, chat, usage)
+            return await self._complete(req, chat)
+        finally:
+            if not req.finished:  # client went away: free the engine's slot like vLLM's abort
+                self.sim.abort(req.id)
+
+    async def _wait_done(self, req: SimRequest) -> None:
+        while not req.finished:
+            await req.changed.wait()
+            req.changed.clear()
+
+    def _usage(self, req: SimRequest) -> dict[str, int]:
+        return {
+            "prompt_tokens": req.prompt_tokens,
+            "completion_tokens": req.output_tokens,
+            "total_tokens": req.prompt_tokens + req.output_tokens,
+        }
+
+    async def _complete(self, req: SimRequest, chat: bool) -> web.Response:
+        await self._wait_done(req)
+        text = filler(0, req.output_tokens)
+        reason = req.finish_reason
+        if chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": reason,
+            }
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        return web.json_response(
+            {
+                "id": req.id,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(req.arrival),
+                "model": self.sim.model_name,
+                "choices": [choice],
+                "usage": self._usage(req),
+            }
+        )
+
+    async def _stream(self, request: web.Request, req: SimRequest, chat: bool, include_usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(req.arrival)
+
+        def chunk(text: str | None, reason: str | None, role: bool = False) -> bytes:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+                if text is not None:
+                    delta["content"] = text
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+            payload = {"id": req.id, "object": obj, "created": created, "model": self.sim.model_name, "choices": [choice]}
+            return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+        if chat:
+            await resp.write(chunk(None, None, role=True))
+        sent = 0
+        while True:
+            await req.changed.wait()
+            req.changed.clear()
+            if req.aborted:
+                break
+            # Coalesce: everything produced since the last wake-up goes out in one write.
+            out = bytearray()
+            while sent < req.output_tokens:
+                last = req.finished and sent == req.output_tokens - 1
+                out += chunk(filler(sent, 1), req.finish_reason if last else None)
+                sent += 1
+            if out:
+                await resp.write(bytes(out))
+            if req.finished:
+                break
+        if include_usage:
+            payload = {"id": req.id, "object": obj, "created": created, "model": self.sim.model_name,
+                       "choices": [], "usage": self._usage(req)}
+            await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,305 @@
+"""The whole BEAR stack as child processes (``bear up``, ``bear bench router`` and the end-to-end
+tests): a local nats-server (unless a URL is given), the instances — sim engines with the paper's
+profiles, or real vLLM processes with the BEAR scheduler plugin and one ``bear snapshotter`` each
+(``backend="vllm"``) — a trained predictor, estimator workers, the calibrator and routers. Each child logs to
+``<workdir>/logs/<name>.log``; ``stop()`` sends SIGTERM in reverse start order (routers first, so
+queries in flight are drained while their dependencies still run) and SIGKILLs what does not exit
+within the grace period."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bear.runtime import aio
+from bear.runtime.nats_server import LocalNatsServer, free_port
+
+VLLM_TINY_ARGS = ("--max-model-len", "2048", "--max-num-batched-tokens", "256", "--max-num-seqs", "8")
+PAPER_POOL = ("qwen3-0.6b-h100", "qwen3-8b-h100", "qwen3-32b-2xh100-tp2")
+INSTANCE_NAMES = {"qwen3-0.6b-h100": "qwen0.6b-0", "qwen3-8b-h100": "qwen8b-0", "qwen3-32b-2xh100-tp2": "qwen32b-0"}
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] = field(default_factory=dict)  # on top of the stack's environment
+    group: bool = False  # signal the whole process group (vLLM: API server, engine core, workers)
+
+    def start(self, env: dict[str, str]) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as logf:
+            self.proc = subprocess.Popen(self.argv, stdout=logf, stderr=subprocess.STDOUT, env={**env, **self.env},
+                                         start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            assert self.proc is not None
+            if self.group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
+
+
+@dataclass
+class StackConfig:
+    workdir: Path
+    nats_url: str | None = None
+    profiles: tuple[str, ...] = PAPER_POOL
+    estimator_workers: int = 1
+    routers: int = 1
+    policy: str = "bear"
+    router_args: list[str] = field(default_factory=list)
+    predictor_dir: Path | None = None
+    n_train: int = 3000
+    train_seed: int = 10_000
+    calibrator: bool = True
+    metrics_port: int = 0  # router i serves /metrics on metrics_port + i; 0: off
+    log_level: str = "info"
+    prefix: str = "bear"
+    seed: int = 0
+    backend: str = "sim"  # sim | vllm
+    vllm_python: str | None = None  # None: BEAR_VLLM_PYTHON, else ~/.cache/bear/vllm-venv/bin/python
+    vllm_model: Path | None = None  # None: the tiny random Qwen3 (CPU), written to <workdir>/tiny-qwen3
+    vllm_instances: int = 2
+    vllm_args: list[str] | None = None  # extra vLLM arguments; None: VLLM_TINY_ARGS for the tiny model, else none
+    vllm_kv_gib: str = "1"  # VLLM_CPU_KVCACHE_SPACE (CPU build only)
+    vllm_price_in: float = 0.1  # USD / million tokens of instance 0; instance k: × (k + 1)
+    vllm_price_out: float = 0.2
+    vllm_start_timeout_s: float = 900.0  # first start compiles (~2 min on 2 CPU cores)
+
+
+class Stack:
+    def __init__(self, cfg: StackConfig) -> None:
+        self.cfg = cfg
+        self.nats: LocalNatsServer | None = None
+        self.children: dict[str, Child] = {}
+        self.instances: dict[str, int] = {}  # instance id → HTTP port
+        self.shms: list[str] = []  # vLLM plugin rings in /dev/shm, removed by stop()
+        self.served_model = ""
+        self.tiny = False  # vLLM backend serving the tiny random model
+        self.url = cfg.nats_url or ""
+
+    def _bear(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "bear", *args]
+
+    def _child(self, name: str, argv: list[str]) -> Child:
+        c = Child(name, argv, self.cfg.workdir / "logs" / f"{name}.log")
+        self.children[name] = c
+        return c
+
+    def outcome_log(self, i: int = 0) -> Path:
+        return self.cfg.workdir / f"outcomes-router-{i}.jsonl"
+
+    def plan(self) -> None:
+        cfg = self.cfg
+        common = ["--nats", self.url, "--log-format", "json", "--log-level", cfg.log_level]
+        if cfg.backend == "vllm":
+            self._plan_vllm(common)
+        for k, prof in enumerate(cfg.profiles if cfg.backend == "sim" else ()):
+            inst = INSTANCE_NAMES.get(prof, f"inst-{k}")
+            if inst in self.instances:
+                inst = f"{inst}-{k}"
+            port = free_port()
+            self.instances[inst] = port
+            self._child(f"sim-{inst}", self._bear("sim-engine", "--profile", prof, "--port", str(port),
+                                                  "--instance", inst, "--nats", self.url, "--seed",
+                                                  str(cfg.seed * 100 + k)))
+        assert cfg.predictor_dir is not None
+        self._child("predictor", self._bear("predictor", *common, "--model-dir", str(cfg.predictor_dir)))
+        for i in range(cfg.estimator_workers):
+            self._child(f"estimator-{i}", self._bear("estimator", *common, "--workers", "1"))
+        if cfg.calibrator:
+            self._child("calibrator", self._bear("calibrator", "--nats", self.url, "--log-format", "json",
+                                                 "--log-level", cfg.log_level))
+        for i in range(cfg.routers):
+            argv = self._bear("router", *common, "--policy", cfg.policy, "--outcome-log", str(self.outcome_log(i)),
+                              *cfg.router_args)
+            if cfg.metrics_port:
+                argv += ["--metrics-port", str(cfg.metrics_port + i)]
+            self._child(f"router-{i}", argv)
+
+    def _plan_vllm(self, common: list[str]) -> None:
+        """Per instance: vLLM (plugin ring ``shm``) and the snapshotter that registers it."""
+        from bear.vllm_instance.launch import vllm_command, vllm_env_overrides
+
+        cfg = self.cfg
+        assert cfg.vllm_python is not None and cfg.vllm_model is not None
+        if cfg.vllm_args is not None:
+            args = list(cfg.vllm_args)
+        else:
+            args = list(VLLM_TINY_ARGS) if self.tiny else []
+        self.served_model = "tiny" if self.tiny else cfg.vllm_model.name
+        for k in range(cfg.vllm_instances):
+            inst, port, shm = f"vllm-{k}", free_port(), f"bear-vllm-{k}-{uuid.uuid4().hex[:8]}"
+            self.instances[inst] = port
+            self.shms.append(shm)
+            c = self._child(inst, vllm_command(cfg.vllm_python, cfg.vllm_model, port, self.served_model, args))
+            c.env, c.group = vllm_env_overrides(shm, cfg.vllm_kv_gib), True
+            self._child(f"snapshotter-{inst}", self._bear(
+                "snapshotter", "--instance", inst, "--shm", shm, *common, "--model", self.served_model,
+                "--base-url", f"http://127.0.0.1:{port}/v1", "--price-input", str(cfg.vllm_price_in * (k + 1)),
+                "--price-output", str(cfg.vllm_price_out * (k + 1))))  # fmt: skip
+
+    def _prepare_vllm(self) -> None:
+        from bear.vllm_instance.launch import default_vllm_python, make_tiny_model
+
+        cfg = self.cfg
+        cfg.vllm_python = cfg.vllm_python or default_vllm_python()
+        self.tiny = cfg.vllm_model is None
+        if cfg.vllm_model is None:
+            cfg.vllm_model = make_tiny_model(cfg.vllm_python, cfg.workdir / "tiny-qwen3")
+
+    def _wait_vllm_healthy(self) -> None:
+        from bear.vllm_instance.launch import healthy
+
+        end = time.monotonic() + self.cfg.vllm_start_timeout_s
+        todo = dict(self.instances)
+        while todo:
+            dead = self.check_alive()
+            if dead:
+                raise RuntimeError(f"child exited during start-up: {dead} (see {self.cfg.workdir / 'logs'})")
+            if time.monotonic() > end:
+                raise TimeoutError(f"vLLM not healthy after {self.cfg.vllm_start_timeout_s:.0f} s: {sorted(todo)}")
+            todo = {i: p for i, p in todo.items() if not healthy(p)}
+            time.sleep(0.5)
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        cfg = self.cfg
+        if cfg.backend not in ("sim", "vllm"):
+            raise ValueError(f"unknown backend {cfg.backend!r} (sim or vllm)")
+        cfg.workdir.mkdir(parents=True, exist_ok=True)
+        if cfg.backend == "vllm":
+            self._prepare_vllm()
+        if not self.url:
+            self.nats = LocalNatsServer().start()
+            self.url = self.nats.url
+        if cfg.predictor_dir is None:
+            from bear.evaluation.workload import trained_predictor_dir
+
+            cfg.predictor_dir = trained_predictor_dir(cfg.n_train, cfg.train_seed)
+        self.plan()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for c in self.children.values():
+            c.start(env)
+        if cfg.backend == "vllm":
+            self._wait_vllm_healthy()
+        aio.run(wait_ready(self.url, list(self.instances), cfg.prefix, timeout_s, self))
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        c = self.children[name]
+        c.signal(sig)
+        if c.proc is not None:
+            c.proc.wait(timeout=10)
+
+    def restart_child(self, name: str) -> None:
+        self.children[name].start({**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def check_alive(self) -> list[str]:
+        """Names of children that exited."""
+        return [n for n, c in self.children.items() if not c.alive()]
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for c in reversed(list(self.children.values())):
+            c.signal(signal.SIGTERM)
+            if c.name.startswith("router"):  # routers drain before their dependencies go
+                _wait(c, grace_s)
+        for c in reversed(list(self.children.values())):
+            _wait(c, grace_s)
+        if self.nats is not None:
+            self.nats.stop()
+            self.nats = None
+        if self.shms:
+            from bear.vllm_instance.launch import remove_shm
+
+            for shm in self.shms:
+                remove_shm(shm)
+
+    def __enter__(self) -> Stack:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _wait(c: Child, grace_s: float) -> None:
+    if c.proc is None:
+        return
+    try:
+        c.proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        c.signal(signal.SIGKILL)
+        c.proc.wait()
+
+
+async def wait_ready(url: str, instances: list[str], prefix: str, timeout_s: float, stack: Stack | None = None) -> None:
+    """Until every instance is registered, the predictor and an estimator answer PING and a
+    router routes a probe query to the end."""
+    import nats
+
+    from bear.client.submit import submit
+    from bear.protocol.codec import unpack_map
+    from bear.protocol.subjects import Subjects
+    from bear.runtime.kv import ensure_kv
+
+    end = time.monotonic() + timeout_s
+    nc = await nats.connect(url, max_reconnect_attempts=-1)
+
+    def check() -> None:
+        if time.monotonic() > end:
+            raise TimeoutError("stack did not come up in time")
+        if stack is not None:
+            dead = stack.check_alive()
+            if dead:
+                raise RuntimeError(f"child exited during start-up: {dead} (see {stack.cfg.workdir / 'logs'})")
+
+    try:
+        kv = await ensure_kv(nc.jetstream(), Subjects(prefix).instances_bucket)
+        while True:
+            check()
+            try:
+                keys = set(await kv.keys())
+            except Exception:
+                keys = set()
+            if set(instances) <= keys:
+                fresh = [unpack_map((await kv.get(k)).value).get("heartbeat", 0) for k in instances]
+                if all(time.time() - h < 10 for h in fresh):
+                    break
+            await asyncio.sleep(0.2)
+        for svc in ("bear-predictor", "bear-estimator"):
+            while True:
+                check()
+                try:
+                    await nc.request(f"$SRV.PING.{svc}", b"", timeout=0.5)
+                    break
+                except Exception:
+                    await asyncio.sleep(0.2)
+        while True:
+            check()
+            last: dict[str, Any] = {}
+            async for m in submit(nc, "ready?", ttft_target_s=5.0, max_tokens=1, query_id=f"probe-{time.time_ns()}",
+                                  accept_timeout_s=1.0, resubmits=0, subjects=Subjects(prefix)):
+                last = m
+            if last.get("v") == "bear.done/1":
+                return
+            await asyncio.sleep(0.3)
+    finally:
+        await nc.close()

@@ -1,0 +1,61 @@
+"""NNLS calibration recovers known coefficients and is robust to bad records."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bear.calibrator.fit import Calibration, fit_beta, prefill_throughput
+
+
+def synthetic_records(beta, n=400, noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    recs = []
+    for _ in range(n):
+        items = [{"n": 1, "context": int(rng.integers(10, 4000)), "decode": True} for _ in range(rng.integers(0, 30))]
+        if rng.random() < 0.6:
+            items.append({"n": int(rng.integers(1, 512)), "context": int(rng.integers(0, 2000)), "decode": False})
+        if not items:
+            continue
+        tok = sum(i["n"] for i in items)
+        dec = sum(i["context"] for i in items if i["decode"])
+        pre = sum(i["n"] * i["context"] + i["n"] * (i["n"] + 1) / 2 for i in items if not i["decode"])
+        t = beta[0] + beta[1] * tok + beta[2] * dec + beta[3] * pre
+        recs.append({"schema": "bear.batch/1", "items": items, "duration_s": t * (1 + noise * rng.normal())})
+    return recs
+
+
+def test_recovers_exact_coefficients() -> None:
+    beta = (5e-3, 2e-5, 1e-7, 3e-9)
+    cal = fit_beta(synthetic_records(beta))
+    assert cal.mape < 1e-6
+    assert np.allclose(cal.beta, beta, rtol=1e-4)
+
+
+def test_noisy_fit_and_skips_null_durations() -> None:
+    beta = (5e-3, 2e-5, 1e-7, 3e-9)
+    recs = synthetic_records(beta, noise=0.05)
+    recs += [{"items": [{"n": 5, "context": 0, "decode": False}], "duration_s": None}] * 50
+    cal = fit_beta(recs)
+    assert cal.n == len(recs) - 50
+    assert 0.02 < cal.mape < 0.08
+    assert all(b >= 0 for b in cal.beta)
+
+
+def test_too_few_records() -> None:
+    with pytest.raises(ValueError):
+        fit_beta([])
+
+
+def test_calibration_json_round_trip_and_validation() -> None:
+    c = Calibration(beta=(1.0, 2.0, 3.0, 4.0), mape=0.1, n=5)
+    assert Calibration.from_json(c.to_json()) == c
+    with pytest.raises(ValueError):
+        Calibration.from_json({"beta": [1, 2, -3, 4]})
+
+
+def test_prefill_throughput() -> None:
+    recs = [{"items": [{"n": 100, "context": 0, "decode": False}, {"n": 1, "context": 5, "decode": True}],
+             "duration_s": 0.5},
+            {"items": [{"n": 1, "context": 5, "decode": True}], "duration_s": 0.1}]
+    assert prefill_throughput(recs) == pytest.approx(200.0)

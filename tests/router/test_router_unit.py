@@ -1,0 +1,267 @@
+"""Router in-process: submit validation, SSE parsing, dedup through JetStream KV, fallbacks when
+predictor and estimator are absent, rerouting when an instance is unreachable, exactly one
+terminal message per query."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import nats
+import pytest
+from aiohttp import web
+
+from bear.client.submit import submit
+from bear.instance.record import instance_record
+from bear.protocol.codec import pack
+from bear.protocol.errors import BearError
+from bear.protocol.subjects import Subjects
+from bear.router.dedup import Deduplicator
+from bear.router.dispatch import parse_chunk
+from bear.router.registry import RATE_WINDOW_S, InstanceInfo
+from bear.router.service import RouterConfig, RouterService, parse_submit
+from bear.runtime.kv import ensure_kv
+from bear.runtime.nats_server import free_port
+
+S = Subjects()
+
+
+def test_parse_submit_validates() -> None:
+    cfg = RouterConfig()
+    q = parse_submit(pack({"v": "bear.submit/1", "query_id": "a", "prompt": "hi", "ttft_target_s": 0.3}), cfg)
+    assert q.ttft_target_s == 0.3 and q.max_tokens == cfg.default_max_tokens and q.lam == cfg.lam
+    assert q.token_estimate() == 1
+    for bad in ({"query_id": "", "prompt": "x"}, {"query_id": "a"}, {"query_id": "a", "prompt": "x", "messages": []},
+                {"query_id": "a", "prompt": "x", "ttft_target_s": -1}, {"query_id": "a", "prompt": 3},
+                {"query_id": "a", "prompt": "x", "max_tokens": 0}, {"v": "other", "query_id": "a", "prompt": "x"}):
+        with pytest.raises(BearError):
+            parse_submit(pack(bad), cfg)
+    with pytest.raises(BearError):
+        parse_submit(b"\xc1", cfg)
+
+
+def test_instance_rate_window_and_ttft_percentiles() -> None:
+    """The incremental completion rate and cached percentiles equal the direct computation."""
+    import numpy as np
+
+    info = InstanceInfo("i")
+    ts = [100.0 + 0.5 * k for k in range(300)]  # 150 s of completions, 2 per second
+    for t in ts:
+        info.add_completion(t)
+    for now in (120.0, 180.0, 249.5, 260.0, 400.0):
+        recent = [t for t in ts if now - t <= RATE_WINDOW_S]  # the former full scan
+        want = 0.0 if len(recent) < 2 else len(recent) / max(now - recent[0], 1e-3)
+        assert info.throughput_rps(now) == pytest.approx(want), now
+    assert info.throughput_rps(400.0) == 0.0 and not info.completions
+    info.add_completion(500.0)
+    info.add_completion(499.0)  # another router's slightly earlier clock: kept in order
+    assert list(info.completions) == [500.0, 500.0]
+    assert info.observed_percentiles() == (0.0, 0.0)
+    rng = np.random.default_rng(0)
+    for k in range(250):
+        info.add_observed(float(rng.exponential()))
+        if k % 37 == 0:
+            p50, p90 = info.observed_percentiles()
+            xs = np.asarray(info.observed)
+            assert (p50, p90) == pytest.approx((np.percentile(xs, 50), np.percentile(xs, 90)))
+    assert info.observed_percentiles() == pytest.approx(tuple(np.percentile(np.asarray(info.observed), [50, 90])))
+
+
+def test_bear_up_rejects_bad_backend_options_before_starting_anything(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from bear.cli import app
+
+    def up(*args: str) -> tuple[int, str]:
+        res = CliRunner().invoke(app, ["up", "--workdir", str(tmp_path / "w"), *args])
+        return res.exit_code, " ".join(res.output.replace("│", " ").split())  # rich wraps the message
+
+    code, out = up("--backend", "tpu")
+    assert code == 2 and "sim or vllm" in out
+    code, out = up("--vllm-model", str(tmp_path))
+    assert code == 2 and "need --backend vllm" in out
+    code, out = up("--backend", "vllm", "--vllm-python", str(tmp_path / "no-python"))
+    assert code == 2 and "not an executable" in out
+    code, out = up("--backend", "vllm", "--vllm-model", str(tmp_path / "absent"), "--vllm-python", "/bin/true")
+    assert code == 2 and "is not a folder" in out
+    code, out = up("--backend", "vllm", "--vllm-python", "/bin/false")
+    assert code == 2 and "cannot import vllm" in out
+    assert not (tmp_path / "w").exists()  # nothing was started
+
+
+def test_parse_chunk_completion_and_chat() -> None:
+    p = parse_chunk({"choices": [{"text": "ab", "finish_reason": None}]})
+    assert p is not None and p.text == "ab"
+    p = parse_chunk({"choices": [{"delta": {"content": "cd"}, "finish_reason": "stop"}]})
+    assert p is not None and p.text == "cd" and p.finish_reason == "stop"
+    p = parse_chunk({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+    assert p is not None and p.usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert parse_chunk({"choices": [{"delta": {"role": "assistant"}}]}) is None
+
+
+async def test_dedup_create_only_across_routers(nats_server) -> None:
+    nc = await nats.connect(nats_server.url)
+    try:
+        a = Deduplicator(nc, "bear_queries", timeout_s=1.0)
+        b = Deduplicator(nc, "bear_queries", timeout_s=1.0)  # a second, stateless router
+        assert await a.claim("q/1 with spaces", "a")
+        assert not await b.claim("q/1 with spaces", "b")
+        assert not await a.claim("q/1 with spaces", "a")
+        assert await b.claim("q2", "b")
+        assert a.fallbacks == 0 and b.fallbacks == 0
+    finally:
+        await nc.close()
+
+
+class FakeInstance:
+    """A minimal OpenAI streaming server that records request ids."""
+
+    def __init__(self, tokens: int = 3) -> None:
+        self.tokens = tokens
+        self.request_ids: list[str] = []
+        self.port = free_port()
+        self.runner: web.AppRunner | None = None
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.request_ids.append(request.headers.get("X-Request-Id", ""))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for k in range(self.tokens):
+            await resp.write(f"data: {json.dumps({'choices': [{'text': f't{k} ', 'finish_reason': None}]})}\n\n".encode())
+        usage = {"prompt_tokens": 4, "completion_tokens": self.tokens, "total_tokens": 4 + self.tokens}
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage, 'model': body['model']})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.handle)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+async def register(nc, inst: str, model: str, port: int, price_out: float) -> None:
+    import time
+
+    kv = await ensure_kv(nc.jetstream(), S.instances_bucket)
+    rec = instance_record(inst, model, f"http://127.0.0.1:{port}/v1", price_input_per_mtok=0.1,
+                          price_output_per_mtok=price_out, backend="vllm")
+    rec["heartbeat"] = time.time()
+    await kv.put(inst, pack(rec))
+
+
+async def collect(nc, **kw) -> list[dict]:
+    return [m async for m in submit(nc, "hello there", **kw)]
+
+
+@pytest.fixture
+async def router_env(nats_server, tmp_path):
+    nc = await nats.connect(nats_server.url)
+    good = FakeInstance()
+    await good.start()
+    dead_port = free_port()  # nothing listens there
+    # The unreachable instance is the cheapest: with no predictor the fallback utility prefers it.
+    await register(nc, "dead", "m/cheap", dead_port, 0.01)
+    await register(nc, "good", "m/pricey", good.port, 10.0)
+    cfg = RouterConfig(policy="bear", predict_budget_s=0.05, predict_try_s=0.025, estimate_budget_s=0.05,
+                       estimate_try_s=0.025, outcome_log=tmp_path / "out.jsonl", connect_timeout_s=0.5)
+    router = RouterService(nc, cfg)
+    await router.start()
+    for _ in range(100):
+        if {i.id for i in router.registry.healthy()} == {"dead", "good"}:
+            break
+        await asyncio.sleep(0.02)
+    yield nc, router, good, tmp_path / "out.jsonl"
+    await router.stop()
+    await good.stop()
+    await nc.close()
+
+
+async def test_fallbacks_and_reroute_when_instance_unreachable(router_env) -> None:
+    nc, router, good, log_path = router_env
+    msgs = await collect(nc, ttft_target_s=1.0, max_tokens=3, query_id="u1")
+    kinds = [m["v"] for m in msgs]
+    assert kinds.count("bear.done/1") == 1 and "bear.error/1" not in kinds and kinds[-1] == "bear.done/1"
+    routed = [m for m in msgs if m["v"] == "bear.routed/1"]
+    # First choice: the cheap instance (fallback utility = −λ·cost), refused → rerouted to "good".
+    assert [r["instance"] for r in routed] == ["dead", "good"] and routed[1]["attempt"] == 2
+    assert routed[0]["ttft_method"] == "router-eq8"
+    text = "".join(m["text"] for m in msgs if m["v"] == "bear.chunk/1")
+    assert text == "t0 t1 t2 "
+    done = msgs[-1]
+    assert done["instance"] == "good" and done["usage"]["completion_tokens"] == 3 and math.isfinite(done["ttft_s"])
+    assert len(good.request_ids) == 1 and good.request_ids[0].startswith("bear-")
+    router.outcomes.flush()
+    rec = json.loads(log_path.read_text().splitlines()[-1])
+    assert rec["fallbacks"] == ["predictor", "estimator"] and rec["instance"] == "good" and rec["attempt"] == 2
+    # The dead instance is avoided for a while: the next query goes straight to "good".
+    msgs = await collect(nc, ttft_target_s=1.0, max_tokens=3, query_id="u2")
+    assert [m["instance"] for m in msgs if m["v"] == "bear.routed/1"] == ["good"]
+
+
+async def test_resubmitted_query_id_runs_once(router_env) -> None:
+    nc, _router, good, _ = router_env
+    first = await collect(nc, ttft_target_s=1.0, max_tokens=3, query_id="same")
+    second = await collect(nc, ttft_target_s=1.0, max_tokens=3, query_id="same", accept_timeout_s=0.5)
+    assert first[-1]["v"] == "bear.done/1"
+    assert second[-1]["v"] == "bear.error/1" and second[-1]["error"]["code"] == "duplicate"
+    assert len(good.request_ids) == 1
+
+
+async def test_no_instance_gives_one_clear_error(nats_server) -> None:
+    nc = await nats.connect(nats_server.url)
+    router = RouterService(nc, RouterConfig(predict_budget_s=0.05, estimate_budget_s=0.05))
+    await router.start()
+    try:
+        msgs = await collect(nc, ttft_target_s=1.0, query_id="none")
+        assert len(msgs) == 1 and msgs[0]["error"]["code"] == "unavailable"
+        bad = [m async for m in submit(nc, None, messages="not a list", query_id="bad")]  # type: ignore[arg-type]
+        assert len(bad) == 1 and bad[0]["error"]["code"] == "bad_request"
+    finally:
+        await router.stop()
+        await nc.close()
+
+
+async def test_client_gives_terminal_error_without_router(nats_server) -> None:
+    nc = await nats.connect(nats_server.url)
+    try:
+        msgs = await collect(nc, query_id="lonely", accept_timeout_s=0.2, resubmits=1)
+        assert len(msgs) == 1 and msgs[0]["v"] == "bear.error/1" and msgs[0]["client"] is True
+    finally:
+        await nc.close()
+
+
+async def test_streamed_answers_reuse_one_keep_alive_connection() -> None:
+    """Reading each answer to the end of its body (not just to ``[DONE]``) keeps the connection in
+    the pool: 20 queries to one instance open one TCP connection, not 20."""
+    import aiohttp
+
+    from bear.router.dispatch import request_body, stream_completion
+
+    inst = FakeInstance(tokens=2)
+    await inst.start()
+    opened = 0
+
+    async def on_create(*_: object) -> None:
+        nonlocal opened
+        opened += 1
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_create_end.append(on_create)
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trace_configs=[trace]) as session:
+            for k in range(20):
+                path, body = request_body("m", "hi", None, 2)
+                pieces = [p async for p in stream_completion(session, f"http://127.0.0.1:{inst.port}/v1",
+                                                             f"r{k}", path, body)]
+                assert "".join(p.text for p in pieces) == "t0 t1 "
+        assert opened == 1
+    finally:
+        await inst.stop()

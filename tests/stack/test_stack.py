@@ -1,0 +1,149 @@
+"""The whole stack as separate processes (nats-server, three sim engines with the paper's
+profiles, predictor, estimator workers, calibrator, router): every query ends in exactly one
+done or error, the chosen instance is the policy's choice given the logged predictions, killing
+an estimator worker or the predictor mid-load loses no query, and a NATS restart mid-load ends
+every query explicitly and routing resumes within 2 s."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import signal
+import time
+from pathlib import Path
+
+import nats
+import pytest
+
+from bear.client.submit import submit
+from bear.load.arrivals import arrivals
+from bear.load.generator import make_queries, run_load
+from bear.router.policies import Candidate, QueryContext, make_policy
+from bear.stack.stack import Stack, StackConfig
+
+pytestmark = pytest.mark.slow
+MODELS = ("Qwen3-0.6B", "Qwen3-8B", "Qwen3-32B")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    st = Stack(StackConfig(workdir=tmp_path_factory.mktemp("stack"), estimator_workers=2, log_level="warning"))
+    with st:
+        yield st
+
+
+def records(st: Stack) -> list[dict]:
+    path: Path = st.outcome_log(0)
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+async def wait_records(st: Stack, ids: set[str], within_s: float = 5.0) -> dict[str, dict]:
+    """Outcome records of ``ids`` (polls: the router writes them after the answer ends)."""
+    end = time.monotonic() + within_s
+    while True:
+        got = {r["query_id"]: r for r in records(st) if r["query_id"] in ids}
+        if len(got) == len(ids) or time.monotonic() > end:
+            return got
+        await asyncio.sleep(0.2)
+
+
+async def load(st: Stack, rate: float, seconds: float, seed: int, during=None):
+    n = round(rate * seconds)
+    qs = make_queries(n, seed, None, MODELS)
+    times = arrivals("poisson", rate, n, seed=seed)
+    nc = await nats.connect(st.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    try:
+        task = asyncio.create_task(run_load(nc, qs, times, max_tokens=512, idle_timeout_s=15.0))
+        if during is not None:
+            await during()
+        return qs, await task
+    finally:
+        await nc.close()
+
+
+def candidate_of(name: str, d: dict) -> Candidate:
+    inf = math.inf
+    return Candidate(instance=name, model=d["model"], acc=d["acc"], cost=d["cost"], out_len=d["out_len"],
+                     out_p90=d["out_p90"], ttft=inf if d["ttft"] is None else d["ttft"], ttft_method=d["method"],
+                     ttft_prefill=inf if d["ttft_prefill"] is None else d["ttft_prefill"], n_running=d["n_running"],
+                     n_waiting=d["n_waiting"], pending_prefill_tokens=d["pending_prefill_tokens"],
+                     pending_decode_tokens=d["pending_decode_tokens"], prefill_tps=d["prefill_tps"], tpot=d["tpot"],
+                     throughput_rps=d["throughput_rps"], observed_ttft_p50=d["observed_ttft_p50"],
+                     observed_ttft_p90=d["observed_ttft_p90"])
+
+
+async def test_every_query_one_terminal_and_policy_obeyed(stack: Stack) -> None:
+    qs, res = await load(stack, rate=6.0, seconds=4.0, seed=1)
+    assert res.sent == len(qs) and res.terminal == len(qs) and res.duplicates_terminal == 0
+    assert dict(res.errors) == {} and len(res.outcomes) == len(qs)
+    recs = await wait_records(stack, {q.query_id for q in qs})
+    assert len(recs) == len(qs)
+    policy = make_policy("bear")
+    methods = set()
+    for q in qs:
+        r = recs[q.query_id]
+        assert r["status"] == "done" and r["attempt"] == 1
+        cands = [candidate_of(k, v) for k, v in r["candidates"].items()]
+        d = policy.decide(QueryContext(q.query_id, r["target_s"], r["lam"], r["prompt_tokens"]), cands)
+        assert d.candidate.instance == r["instance"], r
+        methods |= {c.ttft_method for c in cands}
+        assert all(c.acc > 0 for c in cands) and r["fallbacks"] == []
+    assert "bea" in methods
+    # routing uses more than one instance and reports predicted vs observed TTFT
+    assert len({o.instance for o in res.outcomes}) >= 2
+    assert all(math.isfinite(o.ttft_s) for o in res.outcomes)
+
+
+async def test_kill_estimator_and_predictor_mid_load_loses_nothing(stack: Stack) -> None:
+    async def during() -> None:
+        await asyncio.sleep(1.0)
+        stack.kill("estimator-0", signal.SIGKILL)
+        await asyncio.sleep(1.0)
+        stack.kill("predictor", signal.SIGKILL)
+        stack.kill("estimator-1", signal.SIGKILL)
+
+    qs, res = await load(stack, rate=6.0, seconds=4.0, seed=2, during=during)
+    try:
+        assert res.terminal == len(qs) and res.duplicates_terminal == 0
+        assert dict(res.errors) == {} and len(res.outcomes) == len(qs)
+        recs = await wait_records(stack, {q.query_id for q in qs})
+        fb = [r["fallbacks"] for r in recs.values()]
+        assert any("predictor" in f for f in fb) and any("estimator" in f for f in fb)
+        assert all(r["decision_s"] < 1.0 for r in recs.values())  # fallbacks within the deadline, no stall
+    finally:
+        for name in ("estimator-0", "estimator-1", "predictor"):
+            stack.restart_child(name)
+        await asyncio.sleep(0.1)
+        from bear.stack.stack import wait_ready
+
+        await wait_ready(stack.url, list(stack.instances), "bear", 60.0)
+
+
+async def test_nats_restart_mid_load(stack: Stack) -> None:
+    routed_again: dict[str, float] = {}
+
+    async def during() -> None:
+        await asyncio.sleep(1.5)
+        await asyncio.to_thread(stack.nats.restart)
+        t_restart = time.monotonic()
+        nc = await nats.connect(stack.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+        try:
+            while time.monotonic() - t_restart < 10.0:
+                msgs = [m async for m in submit(nc, "after restart", ttft_target_s=1.0, max_tokens=2,
+                                                accept_timeout_s=0.3, resubmits=0)]
+                if msgs[-1]["v"] == "bear.done/1":
+                    routed_again["s"] = time.monotonic() - t_restart
+                    return
+        finally:
+            await nc.close()
+
+    qs, res = await load(stack, rate=5.0, seconds=4.0, seed=3, during=during)
+    # In flight across the restart: each query ends once, in done or an explicit error.
+    assert res.terminal == len(qs) and res.duplicates_terminal == 0
+    assert len(res.outcomes) + sum(res.errors.values()) == len(qs)
+    assert len(res.outcomes) >= len(qs) // 2
+    # New queries route again within 2 s of the restart.
+    assert routed_again.get("s", math.inf) <= 2.0, routed_again
