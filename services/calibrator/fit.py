@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,14 +20,11 @@ import numpy as np
 from scipy.optimize import nnls
 
 from bear import libbea
-
-# β used when nothing was calibrated yet: a nominal mid-size model on one modern GPU
-# (8 ms per step, 40 µs/token); only a placeholder until the first fit replaces it.
-NOMINAL_BETA: tuple[float, float, float, float] = (8e-3, 4e-5, 0.0, 0.0)
+from bear.protocol.messages import Calibration
 
 
 @dataclass(frozen=True)
-class Calibration:
+class Fit:
     beta: tuple[float, float, float, float]
     mape: float  # mean absolute percentage error of eq. 12 on the fitted records
     n: int  # records used
@@ -35,7 +33,7 @@ class Calibration:
         return {"beta": list(self.beta), "mape": self.mape, "n": self.n}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Calibration:
+    def from_json(cls, d: dict[str, Any]) -> Fit:
         beta = d["beta"]
         if not isinstance(beta, list | tuple) or len(beta) != 4:
             raise ValueError("beta must be a list of 4 numbers")
@@ -84,7 +82,7 @@ def mape(pred: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean(np.abs(pred - y) / y)) if len(y) else float("nan")
 
 
-def fit_arrays(x: np.ndarray, y: np.ndarray) -> Calibration:
+def fit_arrays(x: np.ndarray, y: np.ndarray) -> Fit:
     """NNLS on relative residuals; each column is scaled to unit norm for conditioning."""
     if len(y) < 4:
         raise ValueError(f"need at least 4 usable batch records, got {len(y)}")
@@ -95,10 +93,10 @@ def fit_arrays(x: np.ndarray, y: np.ndarray) -> Calibration:
     coef, _ = nnls(a / scale, b)
     beta = coef / scale
     b = [float(v) for v in beta]
-    return Calibration(beta=(b[0], b[1], b[2], b[3]), mape=mape(predict(b, x), y), n=len(y))
+    return Fit(beta=(b[0], b[1], b[2], b[3]), mape=mape(predict(b, x), y), n=len(y))
 
 
-def fit_beta(records: Iterable[dict[str, Any]]) -> Calibration:
+def fit_beta(records: Iterable[dict[str, Any]]) -> Fit:
     """Fit β from bear.batch/1 records (records with a null duration are skipped)."""
     x, y = design_matrix(records)
     return fit_arrays(x, y)
@@ -118,3 +116,27 @@ def prefill_throughput(records: Iterable[dict[str, Any]]) -> float:
     if seconds <= 0:
         raise ValueError("no batch with a prefill chunk and a duration")
     return tokens / seconds
+
+
+def robust_fit(records: list[dict[str, Any]], instance: str = "") -> Calibration:
+    """The calibration that ``bear calibrator`` publishes (and ``bear eval`` uses): β by NNLS
+    after trimming outliers (records whose relative residual is beyond median + 3·1.4826·MAD:
+    GC pauses, preemption storms, co-located noise; at least half is always kept), and θ of
+    eq. 8 over the kept records."""
+    x, y = design_matrix(records)
+    first = fit_arrays(x, y)
+    rel = np.abs(predict(first.beta, x) - y) / y
+    med = float(np.median(rel))
+    mad = float(np.median(np.abs(rel - med)))
+    cut = max(med + 3.0 * 1.4826 * mad, float(np.quantile(rel, 0.5)))
+    keep = rel <= cut
+    if keep.sum() >= 4 and keep.sum() < len(y):
+        cal = fit_arrays(x[keep], y[keep])
+    else:
+        cal = first
+    kept = [r for r, k in zip([r for r in records if usable(r)], keep, strict=True) if k]
+    try:
+        theta: float | None = prefill_throughput(kept)
+    except ValueError:
+        theta = None
+    return Calibration(instance=instance, beta=cal.beta, mape=cal.mape, n=cal.n, theta=theta, updated=time.time())

@@ -2,9 +2,8 @@
 ``bear.batches.<instance>`` over a sliding window and publish the fit to the ``bear_calibration``
 KV bucket that every estimator worker watches.
 
-Robustness: a first NNLS fit (relative residuals, calibration.fit_arrays), then records whose
-relative residual is beyond median + 3·1.4826·MAD are dropped (GC pauses, preemption storms,
-co-located noise) and β is refitted on the rest; at least half of the window is always kept.
+The fit is ``bear.calibrator.fit.robust_fit`` (NNLS with outlier trimming, θ of eq. 8), the same
+that ``bear eval`` calibrates its simulated instances with.
 """
 
 from __future__ import annotations
@@ -12,53 +11,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import time
 from collections import deque
 from typing import Any
 
-import numpy as np
 import structlog
 
-from bear.calibrator.fit import (
-    Calibration,
-    design_matrix,
-    fit_arrays,
-    mape,
-    predict,
-    prefill_throughput,
-    usable,
-)
-from bear.protocol.codec import pack, unpack
+from bear.calibrator.fit import robust_fit
+from bear.protocol.codec import unpack
 from bear.protocol.errors import BearError
+from bear.protocol.messages import Calibration, encode
 from bear.protocol.subjects import Subjects
 from bear.runtime.kv import ensure_kv
 from bear.runtime.service import connect, stop_event
 from bear.runtime.shutdown import cancel_all, close_nats
 
 log = structlog.get_logger("bear.calibrator")
-SCHEMA = "bear.calibration/1"
-
-
-def robust_fit(records: list[dict[str, Any]]) -> tuple[Calibration, float | None]:
-    """(β fit after outlier trimming, θ prefill throughput of the kept records or None)."""
-    x, y = design_matrix(records)
-    first = fit_arrays(x, y)
-    rel = np.abs(predict(first.beta, x) - y) / y
-    med = float(np.median(rel))
-    mad = float(np.median(np.abs(rel - med)))
-    cut = max(med + 3.0 * 1.4826 * mad, float(np.quantile(rel, 0.5)))
-    keep = rel <= cut
-    if keep.sum() >= 4 and keep.sum() < len(y):
-        cal = fit_arrays(x[keep], y[keep])
-        cal = Calibration(beta=cal.beta, mape=mape(predict(cal.beta, x[keep]), y[keep]), n=int(keep.sum()))
-    else:
-        cal = first
-    kept = [r for r, k in zip([r for r in records if usable(r)], keep, strict=True) if k]
-    try:
-        theta: float | None = prefill_throughput(kept)
-    except ValueError:
-        theta = None
-    return cal, theta
 
 
 def valid_record(r: Any) -> bool:
@@ -90,7 +57,7 @@ class OnlineCalibrator:
         self.records: dict[str, deque[dict[str, Any]]] = {}
         self.new: dict[str, int] = {}
         self.malformed = 0
-        self.fits: dict[str, tuple[Calibration, float | None]] = {}
+        self.fits: dict[str, Calibration] = {}
         self._sub: Any = None
         self._task: asyncio.Task[None] | None = None
         self._kv: Any = None
@@ -137,15 +104,13 @@ class OnlineCalibrator:
                 continue
             self.new[instance] = 0
             try:
-                cal, theta = await asyncio.to_thread(robust_fit, list(buf))
+                cal = await asyncio.to_thread(robust_fit, list(buf), instance)
             except ValueError as exc:
                 log.warning("calibration fit failed", instance=instance, error=str(exc))
                 continue
-            self.fits[instance] = (cal, theta)
-            value = {"v": SCHEMA, "instance": instance, "beta": list(cal.beta), "mape": cal.mape, "n": cal.n,
-                     "theta": theta, "updated": time.time()}
+            self.fits[instance] = cal
             try:
-                await self._kv.put(instance, pack(value))
+                await self._kv.put(instance, encode(cal))
                 done.append(instance)
             except Exception as exc:
                 log.warning("calibration publish failed", instance=instance, error=str(exc))
@@ -156,8 +121,8 @@ class OnlineCalibrator:
             await asyncio.sleep(self.refit_s)
             updated = await self.refit_once()
             for inst in updated:
-                cal, theta = self.fits[inst]
-                log.info("beta updated", instance=inst, beta=cal.beta, mape=round(cal.mape, 4), n=cal.n, theta=theta)
+                cal = self.fits[inst]
+                log.info("beta updated", instance=inst, beta=cal.beta, mape=round(cal.mape, 4), n=cal.n, theta=cal.theta)
 
 
 async def run_calibrator(nats_url: str, prefix: str = "bear", **kwargs: Any) -> None:

@@ -27,7 +27,7 @@ def is_terminal(msg: dict[str, Any]) -> bool:
 
 async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1.0, max_tokens: int = 256,
                  lam: float | None = None, query_id: str | None = None, messages: list[dict[str, Any]] | None = None,
-                 prompt_tokens: int | None = None, sim_output_tokens: int | dict[str, int] | None = None,
+                 prompt_tokens: int | None = None,
                  subjects: Subjects | None = None, accept_timeout_s: float = 2.0, idle_timeout_s: float = 30.0,
                  resubmits: int = 1) -> AsyncIterator[dict[str, Any]]:
     from nats.errors import TimeoutError as NatsTimeout
@@ -40,7 +40,7 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
         req["messages"] = messages
     else:
         req["prompt"] = prompt or ""
-    for key, val in (("lam", lam), ("prompt_tokens", prompt_tokens), ("sim_output_tokens", sim_output_tokens)):
+    for key, val in (("lam", lam), ("prompt_tokens", prompt_tokens)):
         if val is not None:
             req[key] = val
     payload = pack(req)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from bear.protocol.codec import pack
+from bear.protocol.messages import Dispatch, encode
 from bear.protocol.subjects import Subjects
 from bear.runtime import aio
 from bear.runtime.shutdown import cancel_all
@@ -28,7 +28,8 @@ async def measure(nats_url: str, *, profile: str = "qwen3-8b-h100", qps: float =
 
     from bear.calibrator.service import OnlineCalibrator
     from bear.estimator.client import EstimatorClient
-    from bear.estimator.worker import EstimatorConfig, EstimatorWorker
+    from bear.estimator.estimate import EstimatorConfig
+    from bear.estimator.worker import EstimatorWorker
     from bear.instance.publisher import InstancePublisher
     from bear.sim.engine import SimEngine
     from bear.sim.profile import load_profile
@@ -62,12 +63,13 @@ async def measure(nats_url: str, *, profile: str = "qwen3-8b-h100", qps: float =
         rid = f"{instance}-q{k}"
         k += 1
         rep = await client.estimate({"id": rid, "prompt_tokens": p, "max_tokens": 2048}, [instance])
-        est = rep["estimates"][0]
+        est = rep.estimates[0]
         reqs.append(sim.submit(rid, p, 2048, o))
-        await nc.publish(subjects.dispatch(instance), pack({"query_id": rid, "request_id": rid, "prompt_tokens": p,
-                                                             "predicted_output_tokens": pred, "t": time.time()}))
-        rows.append({"id": rid, "t": time.time() - t0, "est": est["ttft_s"], "method": est["method"],
-                     "calibrated": worker.store.get(instance).calibration.calibrated})
+        await nc.publish(subjects.dispatch(instance), encode(Dispatch(
+            query_id=rid, request_id=rid, prompt_tokens=p, predicted_output_tokens=pred, max_tokens=2048,
+            t=time.time())))
+        rows.append({"id": rid, "t": time.time() - t0, "est": est.ttft_s, "method": est.method,
+                     "calibrated": worker.store.get(instance).calibrated})
     for req in reqs:  # nobody else reads these events here
         while not req.finished:
             await req.changed.wait()

@@ -8,25 +8,16 @@ import math
 
 from bear import libbea
 from bear.estimator.state import InstanceState
+from bear.protocol.messages import NOMINAL_PROMPT_TOKENS
 
 DEFAULT_K = 25.0  # the paper's measured concurrency (Qwen3-0.6B, one H100) when nothing is known
-DEFAULT_PROMPT = 512.0
+DEFAULT_PROMPT = NOMINAL_PROMPT_TOKENS
 DEFAULT_OUTPUT = 256.0
-
-
-def theta_of(st: InstanceState) -> float:
-    """Prefill tokens/s: calibrated θ, else 1/(β1 + β3·E[P]/2) from β (the prefill per-token cost)."""
-    if st.calibration.theta and st.calibration.theta > 0:
-        return st.calibration.theta
-    b0, b1, _, b3 = st.calibration.beta
-    p = st.mean_prompt or DEFAULT_PROMPT
-    per_token = b1 + b3 * p / 2.0 + b0 / max(p, 1.0)
-    return 1.0 / per_token if per_token > 0 else math.inf
 
 
 def analytic_ttft(st: InstanceState, prompt_tokens: int, now: float) -> float:
     """Eq. 14 (Poisson) or eq. 15 + prefill (when ≥ 20 inter-arrival gaps give c_a²)."""
-    theta = theta_of(st)
+    theta = st.calibration.prefill_tps()
     k = st.mean_running or DEFAULT_K
     if st.max_num_seqs:
         k = min(k, float(st.max_num_seqs))

@@ -1,16 +1,25 @@
-"""Caller side of ``bear.estimate``: one request per query with all its candidates, an absolute
-deadline, a per-try timeout shorter than the budget and one retry (another worker of the queue
-group picks it up), as design.md §7 asks. Used by the router, the benchmark and the tests."""
+"""Caller side of ``bear.estimate``: one request per query with all its candidates (an absolute
+deadline, a per-try timeout and one retry: ``bear.runtime.request``). Used by the router, the
+benchmark and the tests."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from bear.estimator.worker import REQUEST_SCHEMA
-from bear.protocol.codec import pack, unpack_map
+import msgspec
+
 from bear.protocol.deadline import Deadline
-from bear.protocol.errors import BearError, ErrorCode, is_error
+from bear.protocol.errors import BearError, ErrorCode
+from bear.protocol.messages import (
+    EstimateCandidate,
+    EstimateQuery,
+    EstimateReply,
+    EstimateRequest,
+    decode,
+    encode,
+)
 from bear.protocol.subjects import Subjects
+from bear.runtime.request import RequestStats, error_in, request
 
 
 class EstimatorClient:
@@ -20,41 +29,30 @@ class EstimatorClient:
         self.subject = (subjects or Subjects()).estimate
         self.try_timeout_s = try_timeout_s
         self.retries = retries
-        self.timeouts = 0
+        self.stats = RequestStats()
 
-    async def estimate(self, query: dict[str, Any], instances: list[Any], *, budget_s: float = 1.0) -> dict[str, Any]:
-        """The reply map (``estimates`` per instance); raises BearError on error replies or when
-        every try timed out (DEADLINE_EXCEEDED)."""
-        from nats.errors import NoRespondersError
-        from nats.errors import TimeoutError as NatsTimeout
+    @property
+    def timeouts(self) -> int:
+        return self.stats.timeouts
 
-        deadline = Deadline.after(budget_s)
-        payload = pack({"v": REQUEST_SCHEMA, "query": query, "instances": instances, "deadline": deadline.at})
-        last: Exception | None = None
-        for _ in range(self.retries + 1):
-            timeout = deadline.timeout(self.try_timeout_s)
-            if timeout <= 0:
-                break
+    async def estimate(self, query: EstimateQuery | dict[str, Any], instances: list[str | EstimateCandidate], *,
+                       budget_s: float = 1.0, headers: dict[str, str] | None = None) -> EstimateReply:
+        """The reply (``estimates`` per instance); BearError on an error reply or no answer in time."""
+        if isinstance(query, dict):
             try:
-                msg = await self.nc.request(self.subject, payload, timeout=timeout)
-            except (NatsTimeout, TimeoutError) as exc:  # the worker died or is slow: retry
-                self.timeouts += 1
-                last = exc
-                continue
-            except NoRespondersError as exc:
-                last = exc
-                break
-            reply = unpack_map(msg.data)
-            if is_error(reply):
-                err = reply["error"]
-                raise BearError(ErrorCode(err.get("code", "internal")), str(err.get("message", "")))
-            return reply
-        raise BearError(ErrorCode.DEADLINE_EXCEEDED if last is None or not _is_no_responders(last)
-                        else ErrorCode.UNAVAILABLE, f"no estimate within {budget_s}s: {last!r}")
+                query = msgspec.convert(query, EstimateQuery)
+            except msgspec.ValidationError as exc:
+                raise BearError(ErrorCode.BAD_REQUEST, f"query: {exc}") from exc
+        deadline = Deadline.after(budget_s)
+        payload = encode(EstimateRequest(query=query, instances=list(instances), deadline=deadline.at))
+        data = await request(self.nc, self.subject, payload, deadline=deadline, try_timeout_s=self.try_timeout_s,
+                             retries=self.retries, headers=headers, stats=self.stats)
+        return decode_reply(data)
 
 
-def _is_no_responders(exc: Exception) -> bool:
-    from nats.errors import NoRespondersError
-
-    return isinstance(exc, NoRespondersError)
-
+def decode_reply(data: bytes) -> EstimateReply:
+    """An estimate reply, or the BearError of an error reply."""
+    err = error_in(data)
+    if err is not None:
+        raise err
+    return decode(EstimateReply, data)

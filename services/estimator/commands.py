@@ -22,7 +22,8 @@ def _load_json(path: Path) -> Any:
 
 
 def _load_beta(coeffs: Path | None) -> list[float]:
-    from bear.calibrator.fit import NOMINAL_BETA, Calibration
+    from bear.calibrator.fit import Fit
+    from bear.protocol.messages import NOMINAL_BETA
 
     if coeffs is None:
         print("note: no --coeffs given; using the nominal β " + json.dumps(list(NOMINAL_BETA)), file=sys.stderr)
@@ -30,7 +31,7 @@ def _load_beta(coeffs: Path | None) -> list[float]:
     raw = _load_json(coeffs)
     if isinstance(raw, list):
         raw = {"beta": raw}
-    return list(Calibration.from_json(raw).beta)
+    return list(Fit.from_json(raw).beta)
 
 
 def _finite_or_none(x: float) -> float | None:
@@ -149,9 +150,9 @@ def estimator(
         argv.append("--compensate-staleness" if compensate_staleness else "--no-compensate-staleness")
         raise typer.Exit(run_forked(argv, workers, metrics_port or None))
     configure_logging(log_format, log_level)
+    from bear.estimator.estimate import EstimatorConfig
     from bear.estimator.metrics import start_metrics_server
     from bear.estimator.service import run_worker
-    from bear.estimator.worker import EstimatorConfig
 
     start_metrics_server(metrics_port or None)
     cfg = EstimatorConfig(max_age_s=max_age_s, down_after_s=down_after_s, default_output_tokens=default_output_tokens,

@@ -1,31 +1,26 @@
-"""What one estimator worker knows about one instance, fed only from NATS: the newest snapshot
-(kept raw, parsed lazily so a burst of snapshots costs one parse), predicted output lengths of
-the requests the router dispatched there, dispatch-rate statistics for the analytic fallback,
-the calibrated β, and the registry heartbeat."""
+"""What an estimator knows about one instance: the newest snapshot (kept raw and parsed lazily,
+so a burst of snapshots costs one parse), the router's dispatches there (their predicted output
+lengths, the ones the snapshot does not show yet, the rate of prompt tokens), the calibration,
+and the registry heartbeat. Fed by the worker from NATS and by ``bear eval`` from its simulated
+instances, through the same methods."""
 
 from __future__ import annotations
 
 import itertools
 import math
-import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from bear import libbea
-from bear.calibrator.fit import NOMINAL_BETA
+from bear.protocol.messages import NOMINAL_CALIBRATION, Calibration, Dispatch
 
 MAX_LENGTHS_PER_INSTANCE = 50_000  # predicted lengths kept (oldest forgotten first)
+MAX_SEEN_IDS = 50_000  # request ids some snapshot has shown (oldest forgotten first)
+DISPATCH_LOG_S = 60.0  # dispatches kept this long (rate window and "ahead" horizon are shorter)
 EWMA = 0.05
-
-
-@dataclass
-class CalibrationEntry:
-    beta: tuple[float, float, float, float] = NOMINAL_BETA
-    theta: float | None = None  # prefill tokens/s (eq. 8) when the calibrator measured it
-    mape: float = math.nan
-    n: int = 0
-    calibrated: bool = False
 
 
 @dataclass
@@ -34,30 +29,32 @@ class InstanceState:
     raw: bytes | None = None  # newest snapshot, not parsed yet
     raw_received: float = 0.0
     snap: Any = None  # libbea.Snapshot
-    snap_time: float = 0.0  # capture time (the snapshot's own clock)
-    snap_received: float = 0.0  # local receipt time of the parsed snapshot
-    snap_ids: list[str] = field(default_factory=list)
+    snap_time: float = 0.0  # capture time (the instance's clock)
+    snap_received: float = 0.0
+    in_use: int = 0  # replays running on ``snap`` off the event loop: its lengths must not change
     lengths: OrderedDict[str, int] = field(default_factory=OrderedDict)
     lengths_dirty: bool = False
-    arrivals: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    seen: OrderedDict[str, None] = field(default_factory=OrderedDict)  # ids some snapshot has held
+    dispatches: deque[Dispatch] = field(default_factory=deque)  # in time order
     mean_prompt: float | None = None
     mean_output: float | None = None
     mean_running: float | None = None
     max_num_seqs: int | None = None
-    calibration: CalibrationEntry = field(default_factory=CalibrationEntry)
+    calibration: Calibration = NOMINAL_CALIBRATION
+    calibrated: bool = False
     registry_heartbeat: float = 0.0
 
     # ------------------------------------------------------------------ feeds
     def offer_snapshot(self, data: bytes, now: float) -> bool:
-        """Keep only the newest; returns True when an unparsed one was replaced (dropped)."""
+        """Keep only the newest raw snapshot; True when an unparsed one was replaced (dropped)."""
         dropped = self.raw is not None
         self.raw = data
         self.raw_received = now
         return dropped
 
     def ensure_parsed(self) -> bool | None:
-        """Parse the pending snapshot if any: None (nothing pending), True (parsed and kept),
-        False (malformed: dropped, the previous one is kept)."""
+        """Parse the pending raw snapshot if any: None (nothing new), True (installed), False
+        (malformed: dropped, the previous one is kept)."""
         data = self.raw
         if data is None:
             return None
@@ -66,51 +63,88 @@ class InstanceState:
             snap = libbea.Snapshot.from_msgpack(data)
         except ValueError:
             return False
-        if self.snap is not None and snap.seq < self.snap.seq and snap.time < self.snap_time:
-            return None  # reordered older snapshot: ignore
+        return self.install(snap, float(snap.time), self.raw_received)
+
+    def install(self, snap: Any, snap_time: float, received: float) -> bool | None:
+        """Make ``snap`` (captured at ``snap_time``) the current state; None if it is older than
+        the one held (reordered delivery)."""
+        if self.snap is not None and snap.seq < self.snap.seq and snap_time < self.snap_time:
+            return None
         self.snap = snap
-        self.snap_time = float(snap.time)
-        self.snap_received = self.raw_received
-        self.snap_ids = list(snap.request_ids)
+        self.snap_time = snap_time
+        self.snap_received = received
+        for rid in snap.request_ids:
+            self.seen[rid] = None
+        while len(self.seen) > MAX_SEEN_IDS:
+            self.seen.popitem(last=False)
         self.max_num_seqs = int(snap.max_num_seqs)
         r = float(snap.n_running)
         if r > 0:
-            self.mean_running = r if self.mean_running is None else (1 - EWMA) * self.mean_running + EWMA * r
+            self.mean_running = _ewma(self.mean_running, r)
         self.lengths_dirty = True
         return True
 
+    def on_dispatch(self, d: Dispatch) -> None:
+        self.lengths[d.request_id] = d.predicted_output_tokens
+        self.lengths.move_to_end(d.request_id)
+        while len(self.lengths) > MAX_LENGTHS_PER_INSTANCE:
+            self.lengths.popitem(last=False)
+        self.lengths_dirty = True
+        if self.dispatches and d.t < self.dispatches[-1].t:  # clock skew between routers: keep order
+            d = msgspec.structs.replace(d, t=self.dispatches[-1].t)
+        self.dispatches.append(d)
+        while self.dispatches and self.dispatches[0].t < d.t - DISPATCH_LOG_S:
+            self.dispatches.popleft()
+        self.mean_prompt = _ewma(self.mean_prompt, float(d.prompt_tokens))
+        self.mean_output = _ewma(self.mean_output, float(d.predicted_output_tokens))
+
     def apply_lengths(self) -> None:
-        if not self.lengths_dirty or self.snap is None:
+        """Hand the predicted lengths of the snapshot's residents to libbea (once per change, and
+        never while a replay off the loop reads the snapshot)."""
+        if not self.lengths_dirty or self.snap is None or self.in_use:
             return
-        known = {rid: self.lengths[rid] for rid in self.snap_ids if rid in self.lengths}
+        known = {rid: self.lengths[rid] for rid in self.snap.request_ids if rid in self.lengths}
         if known:
             self.snap.set_output_lengths(known)
         self.lengths_dirty = False
 
-    def on_dispatch(self, request_id: str, prompt_tokens: int, predicted_output: int, t: float) -> None:
-        self.lengths[request_id] = predicted_output
-        self.lengths.move_to_end(request_id)
-        while len(self.lengths) > MAX_LENGTHS_PER_INSTANCE:
-            self.lengths.popitem(last=False)
-        self.lengths_dirty = True
-        self.arrivals.append(t)
-        self.mean_prompt = _ewma(self.mean_prompt, float(prompt_tokens))
-        self.mean_output = _ewma(self.mean_output, float(predicted_output))
-
     # ------------------------------------------------------------------ derived
     def age(self, now: float) -> float | None:
-        """Seconds since the parsed snapshot's capture (None: never had one)."""
+        """Seconds since the held snapshot's capture (None: never had one)."""
         if self.snap is None:
             return None
         return max(0.0, now - self.snap_time)
 
+    def ahead(self, grace_s: float) -> list[dict[str, int]]:
+        """Dispatches the snapshot cannot show yet: sent after its capture (less ``grace_s`` for
+        the engine's admission delay and clock skew) and never seen in any snapshot. They queue
+        in front of a new query."""
+        out = []
+        since = self.snap_time - grace_s
+        for d in reversed(self.dispatches):
+            if d.t <= since:
+                break
+            if d.request_id not in self.seen:
+                out.append(d.as_replay_request())
+        out.reverse()
+        return out
+
+    def prompt_token_rate(self, now: float, window_s: float) -> float:
+        """Prompt tokens/s dispatched here over the last ``window_s`` (the expected later arrivals)."""
+        span = min(window_s, max(now, 1e-9))
+        total = 0
+        for d in reversed(self.dispatches):
+            if d.t <= now - span:
+                break
+            total += d.prompt_tokens
+        return total / span
+
     def arrival_stats(self, now: float, window_s: float = 60.0) -> tuple[float, float | None]:
         """(α dispatches/s over the window, squared CV of inter-arrival times or None)."""
-        ts = [t for t in self.arrivals if now - t <= window_s]
+        ts = [d.t for d in self.dispatches if now - d.t <= window_s]
         if len(ts) < 2:
             return 0.0, None
-        span = max(now - ts[0], 1e-6)
-        alpha = len(ts) / span
+        alpha = len(ts) / max(now - ts[0], 1e-6)
         gaps = [b - a for a, b in itertools.pairwise(ts)]
         if len(gaps) < 20:
             return alpha, None
@@ -124,7 +158,7 @@ def _ewma(prev: float | None, x: float) -> float:
 
 
 class StateStore:
-    """All instances one worker knows, created on first mention."""
+    """All instances one estimator knows, created on first mention."""
 
     def __init__(self) -> None:
         self.instances: dict[str, InstanceState] = {}
@@ -132,13 +166,12 @@ class StateStore:
     def get(self, instance: str) -> InstanceState:
         st = self.instances.get(instance)
         if st is None:
-            st = InstanceState(instance)
-            self.instances[instance] = st
+            st = self.instances[instance] = InstanceState(instance)
         return st
 
     def peek(self, instance: str) -> InstanceState | None:
         return self.instances.get(instance)
 
 
-def now() -> float:
-    return time.time()
+def is_finite(x: Any) -> bool:
+    return isinstance(x, float) and math.isfinite(x)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any
 
+import msgspec
 import typer
 
 from bear.protocol.codec import json_safe
@@ -81,7 +82,7 @@ def eval_cmd(
         result = ex.accuracy_result(rate, res, pol)
         plots.accuracy(result, png)
     result = json_safe({"experiment": experiment, "seed": seed, "n_queries": n_queries, **result,
-                     "calibration": {k: v.__dict__ for k, v in s.calibration.items()}})
+                     "calibration": {k: msgspec.to_builtins(v) for k, v in s.calibration.items()}})
     (out / f"{experiment}.json").write_text(json.dumps(result, indent=2))
     if as_json:
         print(json.dumps(result))

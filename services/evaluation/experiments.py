@@ -18,11 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from bear.evaluation.cluster import PAPER_POOL, Calibration, Cluster, InstanceSpec, calibrate_pool
+from bear.estimator.estimate import EstimatorConfig
+from bear.evaluation.cluster import PAPER_POOL, Cluster, InstanceSpec, calibrate_pool
 from bear.evaluation.metrics import summary
 from bear.evaluation.workload import QuerySet, build_queries, default_cache_dir, trained_predictor_dir
 from bear.load.arrivals import Mmpp2, poisson_arrivals
 from bear.load.targets import ttft_target_s
+from bear.protocol.messages import Calibration
 from bear.router.policies import BASELINES, make_policy
 
 RATE_POLICIES = ["bear", *BASELINES, "prefill-throughput"]
@@ -49,7 +51,7 @@ def setup(seed: int, n_queries: int, cache: Path | None = None, n_train: int = 3
     """Predictor trained on synthetic data (seed-disjoint), evaluation and calibration queries,
     per-instance calibration: built once per (seed, n) and cached."""
     cache = cache or default_cache_dir()
-    path = cache / f"eval-setup-v1-{seed}-{n_queries}-{n_train}-{n_calib}.pkl"
+    path = cache / f"eval-setup-v2-{seed}-{n_queries}-{n_train}-{n_calib}.pkl"
     if path.exists():
         with open(path, "rb") as f:
             return pickle.load(f)
@@ -77,7 +79,13 @@ class Cell:
     compensate: bool = True
     use_dispatches: bool = True
     arrival_fill: bool = True
+    max_age_s: float = EstimatorConfig.max_age_s
     lam: float = DEFAULT_LAMBDA
+
+    def estimator(self) -> EstimatorConfig:
+        """The estimator configuration of this cell (the live worker's defaults otherwise)."""
+        return EstimatorConfig(compensate_staleness=self.compensate, use_dispatches=self.use_dispatches,
+                               arrival_fill=self.arrival_fill, max_age_s=self.max_age_s)
 
 
 def arrival_times(s: Setup, cell: Cell) -> np.ndarray:
@@ -90,8 +98,10 @@ def arrival_times(s: Setup, cell: Cell) -> np.ndarray:
 
 def run_cell(s: Setup, cell: Cell) -> dict[str, Any]:
     policy = make_policy(cell.policy, **dict(cell.params))
-    cluster = Cluster(s.specs(), s.calibration, seed=s.seed + 4, delay_s=cell.delay_s, compensate=cell.compensate,
-                      use_dispatches=cell.use_dispatches, arrival_fill=cell.arrival_fill)
+    q = s.queries
+    prices = {m: (float(q.price_in[j]), float(q.price_out[j])) for j, m in enumerate(q.models)}
+    cluster = Cluster(s.specs(), s.calibration, seed=s.seed + 4, delay_s=cell.delay_s, estimator=cell.estimator(),
+                      prices=prices)
     outcomes = cluster.run(s.queries, arrival_times(s, cell), s.targets(), policy, cell.lam)
     return summary(outcomes)
 
@@ -192,13 +202,14 @@ DELAYS = [0.0, 0.025, 0.1, 0.4, 1.0]
 
 
 def staleness_cells(rate: float) -> list[Cell]:
-    return [Cell("bear", rate, delay_s=d, compensate=c) for d in DELAYS for c in (True, False)]
+    # BEA on snapshots up to 1 s old: the fallback age is raised above the largest delay studied.
+    return [Cell("bear", rate, delay_s=d, compensate=c, max_age_s=2.0) for d in DELAYS for c in (True, False)]
 
 
 def staleness_result(rate: float, res: dict[Cell, dict[str, Any]]) -> dict[str, Any]:
     return {"rate": rate, "delays_s": DELAYS,
-            "compensated": [res[Cell("bear", rate, delay_s=d, compensate=True)]["on_time_utility"] for d in DELAYS],
-            "uncompensated": [res[Cell("bear", rate, delay_s=d, compensate=False)]["on_time_utility"] for d in DELAYS]}
+            "compensated": [res[Cell("bear", rate, delay_s=d, compensate=True, max_age_s=2.0)]["on_time_utility"] for d in DELAYS],
+            "uncompensated": [res[Cell("bear", rate, delay_s=d, compensate=False, max_age_s=2.0)]["on_time_utility"] for d in DELAYS]}
 
 
 LAMBDAS = [1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3]

@@ -3,11 +3,10 @@ predictor (``bear.predictor.synth``), Poisson or MMPP-2 arrivals (``bear.load.ar
 targets of paper Appendix A.2 (``bear.load.targets``) — then OnTimeUtility, SLO attainment and
 the routing composition per instance (``bear.evaluation.metrics``).
 
-The synthetic generator gives every query its true quality and output length on every model;
-the true length is sent as ``sim_output_tokens`` (a map per model: sim engines generate exactly
-that many tokens on the model the router picks; real vLLM ignores it) and the realised utility of
-a query is its true quality on the chosen model minus λ·cost of the tokens really used (micro-USD,
-the registry's prices) — what paper eq. 6 averages."""
+The synthetic generator gives every query its true quality on every model; the realised utility
+of a query is its true quality on the chosen model minus λ·cost of the tokens the engine really
+used (micro-USD, the registry's prices) — what paper eq. 6 averages. How long each answer is, is
+the engine's business (a sim engine's own length model, or the real model)."""
 
 from __future__ import annotations
 
@@ -34,7 +33,6 @@ class LoadQuery:
     prompt: str
     prompt_tokens: int
     quality: dict[str, float]
-    output_tokens: dict[str, int]
     target_s: float
 
 
@@ -77,15 +75,13 @@ def make_queries(n: int, seed: int, tasks: tuple[str, ...] | None, models: tuple
         ptoks = int(r0.prompt_tokens or 1)
         out.append(LoadQuery(query_id=f"load-{seed}-{i}-{time.time_ns() % 10**9}", task=r0.task, prompt=r0.prompt,
                              prompt_tokens=ptoks, quality={r.model: r.quality for r in group},
-                             output_tokens={r.model: int(r.output_tokens) for r in group},
                              target_s=float(ttft_target_s(ptoks, rng)[0])))
     return out
 
 
 async def run_load(nc: Any, queries: list[LoadQuery], times: np.ndarray, *, lam: float = 5e-4, max_tokens: int = 4096,
                    on_event: Callable[[str, LoadResult], None] | None = None, subjects: Any = None,
-                   accept_timeout_s: float = 2.0, idle_timeout_s: float = 30.0,
-                   output_override: int | None = None) -> LoadResult:
+                   accept_timeout_s: float = 2.0, idle_timeout_s: float = 30.0) -> LoadResult:
     from bear.client.submit import submit
 
     res = LoadResult()
@@ -93,10 +89,8 @@ async def run_load(nc: Any, queries: list[LoadQuery], times: np.ndarray, *, lam:
 
     async def one(q: LoadQuery) -> None:
         terminal = 0
-        sot = {m: output_override or n for m, n in q.output_tokens.items()}
         async for msg in submit(nc, q.prompt, ttft_target_s=q.target_s, max_tokens=max_tokens, lam=lam,
-                                query_id=q.query_id, prompt_tokens=q.prompt_tokens, sim_output_tokens=sot,
-                                subjects=subjects, accept_timeout_s=accept_timeout_s, idle_timeout_s=idle_timeout_s):
+                                query_id=q.query_id, subjects=subjects, accept_timeout_s=accept_timeout_s, idle_timeout_s=idle_timeout_s):
             v = msg.get("v")
             if v == "bear.done/1":
                 terminal += 1

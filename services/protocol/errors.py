@@ -36,3 +36,11 @@ def error_reply(code: ErrorCode, message: str) -> dict[str, Any]:
 
 def is_error(reply: Any) -> bool:
     return isinstance(reply, dict) and isinstance(reply.get("error"), dict)
+
+
+def error_of(reply: dict[str, Any]) -> BearError:
+    """The ``BearError`` an error reply carries (an unknown code reads as ``internal``)."""
+    err = reply.get("error") or {}
+    code = err.get("code") if isinstance(err, dict) else None
+    known = ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.INTERNAL
+    return BearError(known, str(err.get("message", "")) if isinstance(err, dict) else "")

@@ -35,6 +35,13 @@ class Subjects:
     def dispatch_all(self) -> str:
         return f"{self.prefix}.dispatch.*"
 
+    def outcome(self, instance: str) -> str:
+        return f"{self.prefix}.outcome.{instance}"
+
+    @property
+    def outcome_all(self) -> str:
+        return f"{self.prefix}.outcome.*"
+
     @property
     def predict(self) -> str:
         return f"{self.prefix}.predict"
@@ -54,6 +61,11 @@ class Subjects:
     @property
     def calibration_bucket(self) -> str:
         return f"{self.prefix}_calibration"
+
+    @property
+    def queries_bucket(self) -> str:
+        """Create-only KV bucket of the query ids routers have claimed (deduplication)."""
+        return f"{self.prefix}_queries"
 
     @staticmethod
     def instance_of(subject: str) -> str:

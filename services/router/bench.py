@@ -107,7 +107,7 @@ def run_bench(rate: float, duration: float, seed: int = 0, routers: int = 1) -> 
         async def go() -> Any:
             nc = await nats.connect(stack.url)
             try:
-                return await run_load(nc, queries, times, max_tokens=1, output_override=1)
+                return await run_load(nc, queries, times, max_tokens=1)
             finally:
                 await nc.close()
 

@@ -1,7 +1,7 @@
 """The router (``bear router``): subscribes to ``bear.submit`` in queue group ``bear-router``;
 per query it asks the predictor and the estimator concurrently (deadlines, fallbacks), builds one
-``Candidate`` per healthy instance as the offline evaluation does, lets the policy pick, publishes
-``bear.dispatch.<instance>``, streams the instance's answer to the client's inbox and logs the
+``Candidate`` per healthy instance (``router.candidates``, which ``bear eval`` calls too), lets the
+policy pick, publishes ``bear.dispatch.<instance>``, streams the instance's answer to the client's inbox and logs the
 outcome. Routers share nothing but NATS. Protocol and decisions: docs/router.md."""
 
 from __future__ import annotations
@@ -19,32 +19,23 @@ from typing import Any
 
 import structlog
 
-from bear import libbea
-from bear.calibrator.fit import NOMINAL_BETA
 from bear.estimator.client import EstimatorClient
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.errors import BearError, ErrorCode, error_reply
+from bear.protocol.messages import EstimateQuery, EstimateRow, Outcome, encode
 from bear.protocol.subjects import Subjects
+from bear.router.candidates import LocalLoad, ModelPrediction, build_candidates, dispatch_for
 from bear.router.dedup import Deduplicator
 from bear.router.dispatch import InstanceUnavailable, StreamBroken, request_body, stream_completion
 from bear.router.outcomes import OutcomeLog
 from bear.router.policies import Candidate, Decision, Policy, QueryContext, make_policy
-from bear.router.predict import (
-    ModelPrediction,
-    ask_estimator,
-    ask_predictor,
-    fallback_prediction,
-    prefill_eq8,
-)
+from bear.router.predict import ask_estimator, ask_predictor
 from bear.router.registry import InstanceInfo, Registry
 from bear.runtime.shutdown import cancel_all, close_nats
 
 log = structlog.get_logger("bear.router")
 
 SUBMIT_SCHEMA = "bear.submit/1"
-MUSD = 1e6  # Candidate.cost is in micro-USD, the scale λ = 5e-4 is meant for
-# θ when no calibration exists: 1 / (β1 + β0 / E[P]) with the nominal β and E[P] = 512.
-NOMINAL_THETA = 1.0 / (NOMINAL_BETA[1] + NOMINAL_BETA[0] / 512.0)
 MAX_PROMPT_BYTES = 4 * 1024 * 1024
 
 
@@ -82,7 +73,6 @@ class Query:
     max_tokens: int
     lam: float
     prompt_tokens: int | None
-    sim_output_tokens: int | dict[str, int] | None
 
     @property
     def text(self) -> str:
@@ -120,13 +110,10 @@ def parse_submit(data: bytes, cfg: RouterConfig) -> Query:
     pt = d.get("prompt_tokens")
     if pt is not None and (not isinstance(pt, int) or isinstance(pt, bool) or pt < 0):
         raise BearError(ErrorCode.BAD_REQUEST, "prompt_tokens must be a non-negative integer")
-    sot = d.get("sim_output_tokens")
-    if sot is not None and not (isinstance(sot, int) or isinstance(sot, dict)):
-        raise BearError(ErrorCode.BAD_REQUEST, "sim_output_tokens must be an integer or a map model → integer")
     q = Query(query_id=qid, prompt=prompt, messages=messages,
               ttft_target_s=num("ttft_target_s", cfg.default_ttft_target_s, 0.0),
               max_tokens=int(num("max_tokens", cfg.default_max_tokens, 1)), lam=num("lam", cfg.lam, 0.0),
-              prompt_tokens=pt, sim_output_tokens=sot)
+              prompt_tokens=pt)
     if len(q.text.encode()) > MAX_PROMPT_BYTES:
         raise BearError(ErrorCode.TOO_LARGE, f"prompt larger than {MAX_PROMPT_BYTES} bytes")
     return q
@@ -169,12 +156,11 @@ class RouterService:
         self.policy: Policy = make_policy(self.cfg.policy, **self.cfg.policy_params)
         self.registry = Registry(nc, self.subjects, down_after_s=self.cfg.down_after_s, aliases=self.cfg.aliases)
         self.estimator = EstimatorClient(nc, self.subjects, try_timeout_s=self.cfg.estimate_try_s)
-        self.dedup = Deduplicator(nc, f"{self.subjects.prefix}_queries", ttl_s=self.cfg.dedup_ttl_s,
+        self.dedup = Deduplicator(nc, self.subjects.queries_bucket, ttl_s=self.cfg.dedup_ttl_s,
                                   timeout_s=self.cfg.dedup_timeout_s)
         self.outcomes = OutcomeLog(self.cfg.outcome_log)
         self.m = self.outcomes.m
-        self.local_pending: dict[str, int] = defaultdict(int)  # prompt tokens dispatched, no first token yet
-        self.local_running: dict[str, int] = defaultdict(int)
+        self.local = LocalLoad(defaultdict(int), defaultdict(int))  # in flight here: the eq. 8 fallback
         self._tasks: set[asyncio.Task[None]] = set()
         self._sub: Any = None
         self._session: Any = None
@@ -248,47 +234,13 @@ class RouterService:
         pred = ask_predictor(self.nc, self.subjects.predict, q.text, models, self.cfg.predict_budget_s,
                              try_timeout_s=self.cfg.predict_try_s, prompt_tokens=q.prompt_tokens,
                              query_id=q.query_id)
-        est = ask_estimator(self.estimator, {"id": q.query_id, "prompt_tokens": ptoks, "max_tokens": q.max_tokens},
+        est = ask_estimator(self.estimator, EstimateQuery(id=q.query_id, prompt_tokens=ptoks, max_tokens=q.max_tokens),
                             [i.id for i in insts], self.cfg.estimate_budget_s)
-        (claimed, tc), (preds, tp), (rows, te) = await asyncio.gather(
+        (claimed, tc), (preds, tp), (reply, te) = await asyncio.gather(
             _clocked(self.dedup.claim(q.query_id, self.name)), _clocked(pred), _clocked(est))
-        return Asked(claimed, preds, rows, claim_s=tc - t, predict_s=tp - t, estimate_s=te - t)
-
-    def candidates(self, q: Query, insts: list[InstanceInfo], ptoks: int, preds: dict[str, ModelPrediction] | None,
-                   rows: dict[str, Any] | None) -> tuple[list[Candidate], dict[str, ModelPrediction]]:
-        """One Candidate per instance, built as ``evaluation.cluster.Cluster.candidates`` builds them."""
-        now = time.time()
-        cands, used = [], {}
-        for inst in insts:
-            p = preds.get(inst.predictor_model) if preds else None
-            if p is None:
-                p = fallback_prediction(ptoks, inst.price_in, inst.price_out, self.cfg.default_output_tokens)
-            used[inst.id] = p
-            theta = inst.theta or NOMINAL_THETA
-            c = Candidate(instance=inst.id, model=inst.predictor_model, acc=p.acc, cost=p.cost_usd * MUSD,
-                          out_len=p.out_len, out_p90=p.out_p90, prefill_tps=theta, tpot=inst.tpot,
-                          throughput_rps=inst.throughput_rps(now))
-            p50, p90 = inst.observed_percentiles()
-            c.observed_ttft_p50, c.observed_ttft_p90 = p50, p90
-            row = rows.get(inst.id) if rows else None
-            if row is not None:
-                c.n_running = int(row.get("n_running") or 0)
-                c.n_waiting = int(row.get("n_waiting") or 0)
-                c.pending_prefill_tokens = int(row.get("pending_prefill_tokens") or 0)
-                c.pending_decode_tokens = float(row.get("pending_decode_tokens") or 0)
-                ttft = row.get("ttft_s")
-                c.ttft = float(ttft) if isinstance(ttft, int | float) else math.inf
-                c.ttft_method = str(row.get("method", "none"))
-                if isinstance(row.get("theta"), int | float) and row["theta"] > 0:
-                    c.prefill_tps = float(row["theta"])
-            else:  # estimator absent: eq. 8 over what this router has in flight there
-                c.n_running = self.local_running[inst.id]
-                c.pending_prefill_tokens = self.local_pending[inst.id]
-                c.ttft = prefill_eq8(c.pending_prefill_tokens, ptoks, c.prefill_tps)
-                c.ttft_method = "router-eq8"
-            c.ttft_prefill = libbea.prefill_throughput_ttft(c.pending_prefill_tokens, ptoks, c.prefill_tps)
-            cands.append(c)
-        return cands, used
+        rows = {row.instance: row for row in reply.estimates} if reply is not None else None
+        return Asked(claimed, preds, rows, claim_s=tc - t, predict_s=tp - t, estimate_s=te - t,
+                     estimated_at=reply.at if reply is not None else None)
 
     async def _route(self, q: Query, out: ClientStream, t0: float) -> None:
         insts = self.registry.healthy()
@@ -311,7 +263,9 @@ class RouterService:
         if rows is None:
             fallbacks.append("estimator")
             self.m.fallbacks.labels(kind="estimator").inc()
-        cands, used = self.candidates(q, insts, ptoks, preds, rows)
+        asked.decided_at = time.time()
+        cands, used = build_candidates(ptoks, insts, preds, rows, asked.decided_at,
+                                       default_output_tokens=self.cfg.default_output_tokens, local=self.local)
         ctx = QueryContext(q.query_id, q.ttft_target_s, q.lam, ptoks)
         excluded: set[str] = set()
         attempts: list[dict[str, Any]] = []
@@ -323,11 +277,8 @@ class RouterService:
             inst = self.registry.get(d.candidate.instance)
             p = used[inst.id]
             request_id = f"bear-{uuid.uuid4().hex}"
-            prompt_tokens = p.prompt_tokens if p.source == "predictor" else ptoks
-            predicted_out = int(max(1, round(min(p.out_len, q.max_tokens))))
-            await self.nc.publish(self.subjects.dispatch(inst.id), pack({
-                "query_id": q.query_id, "request_id": request_id, "prompt_tokens": prompt_tokens,
-                "predicted_output_tokens": predicted_out, "t": time.time()}))
+            await self.nc.publish(self.subjects.dispatch(inst.id),
+                                  encode(dispatch_for(q.query_id, request_id, p, q.max_tokens, time.time())))
             decision_s = time.perf_counter() - t0
             if attempt == 1:
                 self.m.decision.observe(decision_s)
@@ -355,22 +306,14 @@ class RouterService:
     async def _stream(self, q: Query, out: ClientStream, inst: InstanceInfo, d: Decision, p: ModelPrediction,
                       request_id: str, ptoks: int, t0: float, decision_s: float, asked: Asked,
                       fallbacks: list[str], cands: list[Candidate], attempt: int) -> None:
-        extra: dict[str, Any] = {}
-        if inst.backend == "sim":
-            if q.prompt_tokens is not None:
-                extra["sim_prompt_tokens"] = max(1, q.prompt_tokens)
-            sot = q.sim_output_tokens
-            if isinstance(sot, dict):
-                sot = sot.get(inst.predictor_model, sot.get(inst.model))
-            if isinstance(sot, int) and sot > 0:
-                extra["sim_output_tokens"] = sot
-        path, body = request_body(inst.model, q.prompt, q.messages, q.max_tokens, extra)
+        path, body = request_body(inst.model, q.prompt, q.messages, q.max_tokens, {})
         first: float | None = None
         usage: dict[str, int] = {}
         finish = None
         seq = 0
-        self.local_pending[inst.id] += ptoks
-        self.local_running[inst.id] += 1
+        local = self.local
+        local.pending_prefill_tokens[inst.id] += ptoks
+        local.running[inst.id] += 1
         pending_open = True
         try:
             async for piece in stream_completion(self._session, inst.base_url, request_id, path, body,
@@ -379,7 +322,7 @@ class RouterService:
                 if piece.text:
                     if first is None:
                         first = time.perf_counter()
-                        self.local_pending[inst.id] -= ptoks
+                        local.pending_prefill_tokens[inst.id] -= ptoks
                         pending_open = False
                     await out.send({"v": "bear.chunk/1", "seq": seq, "text": piece.text})
                     seq += 1
@@ -394,8 +337,8 @@ class RouterService:
             return
         finally:
             if pending_open:
-                self.local_pending[inst.id] -= ptoks
-            self.local_running[inst.id] -= 1
+                local.pending_prefill_tokens[inst.id] -= ptoks
+            local.running[inst.id] -= 1
         end = time.perf_counter()
         if first is None:  # an empty answer: the first (and only) token is the end of the stream
             first = end
@@ -407,9 +350,8 @@ class RouterService:
         on_time = ttft <= q.ttft_target_s
         tpot = (end - first) / (n_out - 1) if n_out > 1 else None
         with contextlib.suppress(Exception):
-            await self.nc.publish(f"{self.subjects.prefix}.outcome.{inst.id}", pack({
-                "v": "bear.outcome/1", "instance": inst.id, "ttft_s": ttft, "tpot_s": tpot, "completed": True,
-                "t": time.time()}))
+            await self.nc.publish(self.subjects.outcome(inst.id), encode(Outcome(
+                instance=inst.id, ttft_s=ttft, tpot_s=tpot, completed=True, t=time.time())))
         predicted = self.policy.latency_estimate(d.candidate)
         await out.finish({"v": "bear.done/1", "instance": inst.id, "model": inst.model,
                           "predictor_model": inst.predictor_model, "ttft_s": ttft, "target_s": q.ttft_target_s,
@@ -423,6 +365,7 @@ class RouterService:
             "predicted_ttft_s": predicted, "ttft_method": d.candidate.ttft_method, "feasible": d.feasible,
             "observed_ttft_s": ttft, "on_time": on_time, "utility": utility,
             "predicted_utility": d.candidate.utility(q.lam), "decision_s": decision_s, "wait_s": asked.wait_s,
+            "decided_at": asked.decided_at, "estimated_at": asked.estimated_at,
             "predict_s": asked.predict_s, "estimate_s": asked.estimate_s, "claim_s": asked.claim_s,
             "fallbacks": fallbacks, "attempt": attempt, "usage": usage, "request_id": request_id,
             "candidates": {c.instance: {
@@ -442,10 +385,12 @@ class Asked:
 
     claimed: bool
     preds: dict[str, ModelPrediction] | None
-    rows: dict[str, Any] | None
+    rows: dict[str, EstimateRow] | None
     claim_s: float
     predict_s: float
     estimate_s: float
+    estimated_at: float | None = None  # the estimator's clock for its rows
+    decided_at: float = 0.0  # this router's clock when it built the candidates
 
     @property
     def wait_s(self) -> float:

@@ -9,6 +9,16 @@ from bear.runtime import aio
 from bear.runtime.logging import LogFormat, configure_logging
 
 
+def _check_lengths(spec: str) -> str:
+    from bear.sim.lengths import OutputLengths
+
+    try:
+        OutputLengths.parse(spec)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    return spec
+
+
 def sim_engine(
     profile: str = typer.Option(..., "--profile", help="Profile name (qwen3-0.6b-h100, qwen3-8b-h100, "
                                 "qwen3-32b-2xh100-tp2) or path of a profile JSON file"),
@@ -20,6 +30,10 @@ def sim_engine(
     seed: int = typer.Option(-1, "--seed", help="Seed of the batch-time noise; -1: random"),
     heartbeat_s: float = typer.Option(0.5, "--heartbeat", help="Idle snapshot re-publication period (s)"),
     min_interval_s: float = typer.Option(0.0, "--snapshot-interval", help="Minimum seconds between snapshots; 0: every step"),
+    output_lengths: str = typer.Option(
+        "lognormal:256:0.8", "--output-lengths", callback=_check_lengths,
+        help="Tokens the simulated model generates: 'max' (never EOS: max_tokens) or "
+             "'lognormal:MEDIAN:SIGMA' (a seeded draw per request, capped by max_tokens)"),
     prefix: Prefix = "bear",
     log_format: LogFormatOpt = LogFormat.console,
     log_level: LogLevelOpt = LogLevel.info,
@@ -30,7 +44,7 @@ def sim_engine(
 
     aio.run(serve(profile, port, instance, nats_url, host=host, prefix=prefix,
                       seed=None if seed < 0 else seed, base_url=base_url or None,
-                      heartbeat_s=heartbeat_s, min_interval_s=min_interval_s))
+                      heartbeat_s=heartbeat_s, min_interval_s=min_interval_s, output_lengths=output_lengths))
 
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from bear import libbea
 from bear.instance.publisher import InstancePublisher
+from bear.sim.lengths import OutputLengths
 from bear.sim.profile import Profile
 from bear.sim.roofline import RooflineModel
 
@@ -73,6 +74,7 @@ class SimEngine:
         publisher: InstancePublisher | None = None,
         *,
         seed: int | None = None,
+        lengths: OutputLengths | None = None,
         max_lag_s: float = 0.05,
         keep_finished: int = 100_000,
     ) -> None:
@@ -81,6 +83,7 @@ class SimEngine:
         self.model_name = profile.model
         self.engine = libbea.Engine(profile.engine_config())
         self.time_model = RooflineModel(profile, seed=seed)
+        self.lengths = lengths or OutputLengths()
         self.publisher = publisher
         self.max_lag_s = max_lag_s
         self.stats = SimStats()

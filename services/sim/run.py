@@ -15,6 +15,7 @@ from bear.instance.record import heartbeat_registry, instance_record
 from bear.protocol.subjects import Subjects
 from bear.runtime.shutdown import cancel_all, close_nats
 from bear.sim.engine import SimEngine
+from bear.sim.lengths import OutputLengths
 from bear.sim.profile import load_profile
 from bear.sim.server import SimApi
 
@@ -23,7 +24,8 @@ log = structlog.get_logger("bear.sim")
 
 async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, host: str = "127.0.0.1",
                 prefix: str = "bear", seed: int | None = None, base_url: str | None = None,
-                heartbeat_s: float = 0.5, min_interval_s: float = 0.0, ready: Any = None) -> None:
+                heartbeat_s: float = 0.5, min_interval_s: float = 0.0, output_lengths: str = "max",
+                ready: Any = None) -> None:
     import nats
     from aiohttp import web
 
@@ -31,7 +33,7 @@ async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, h
     subjects = Subjects(prefix)
     nc = await nats.connect(nats_url, max_reconnect_attempts=-1, name=f"bear-sim-{instance}")
     publisher = InstancePublisher(nc, instance, subjects, heartbeat_s=heartbeat_s, min_interval_s=min_interval_s)
-    sim = SimEngine(profile, instance, publisher, seed=seed)
+    sim = SimEngine(profile, instance, publisher, seed=seed, lengths=OutputLengths.parse(output_lengths, seed))
     runner = web.AppRunner(SimApi(sim).app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

@@ -2,10 +2,10 @@
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE streaming),
 ``GET /v1/models``, ``GET /health`` and ``GET /sim/stats``.
 
-Lengths (docs/sim-engine.md): the prompt length is ``sim_prompt_tokens`` when given, else the
-length of a token-id prompt, else ≈ UTF-8 bytes / 4 (plus a small per-message chat template); the
-true output length is ``sim_output_tokens`` when given (the workload draws it), else ``max_tokens``
-(a model that never emits EOS). The request id is the ``X-Request-Id`` header when present, so the
+Lengths (docs/sim-engine.md): the prompt length is the length of a token-id prompt, else ≈ UTF-8
+bytes / 4 (plus a small per-message chat template); the output length is the engine's own
+(``bear.sim.lengths``: never EOS, or a seeded draw), capped by ``max_tokens``. The text is
+placeholder words. The request id is the ``X-Request-Id`` header when present, so the
 router can name the request in ``bear.dispatch`` the way the instance's snapshots name it.
 """
 
@@ -44,9 +44,6 @@ def text_tokens(text: str) -> int:
 
 
 def prompt_tokens_of(body: dict[str, Any], chat: bool) -> int:
-    explicit = body.get("sim_prompt_tokens")
-    if explicit is not None:
-        return _positive_int(explicit, "sim_prompt_tokens")
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -109,6 +106,8 @@ class SimApi:
                         "object": "model",
                         "created": int(time.time()),
                         "owned_by": "bear-sim",
+                        "description": "simulated instance: vLLM scheduling and roofline timing; the text is "
+                                       "placeholder words",
                         "max_model_len": self.sim.max_model_len,
                     }
                 ],
@@ -138,14 +137,12 @@ class SimApi:
             if raw_max is None:
                 raw_max = body.get("max_tokens")
             max_tokens = room if raw_max is None else min(_positive_int(raw_max, "max_tokens"), room)
-            true_out = body.get("sim_output_tokens")
-            true_out = max_tokens if true_out is None else _positive_int(true_out, "sim_output_tokens")
             priority = body.get("priority", 0)
             if not isinstance(priority, int) or isinstance(priority, bool):
                 raise ApiError(400, "priority must be an integer")
             rid = request.headers.get("X-Request-Id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             try:
-                req = self.sim.submit(rid, ptoks, max_tokens, true_out, priority)
+                req = self.sim.submit(rid, ptoks, max_tokens, self.sim.lengths.tokens(rid, max_tokens), priority)
             except ValueError as exc:
                 raise ApiError(409 if "duplicate" in str(exc) else 400, str(exc)) from exc
         except json.JSONDecodeError:

@@ -149,15 +149,6 @@ class ShmWriter:
         _U64.pack_into(mm, _OFF_COUNT, idx + 1)
         return idx
 
-    def begin_torn_write_for_test(self, data: bytes) -> None:
-        """Leave the next slot half-written (lock odd) — used by tests of the reader's refusal."""
-        idx = self._count
-        off = HEADER_BYTES + (idx % self.slot_count) * self.slot_bytes
-        _SLOT_HEAD.pack_into(self._mm, off, 2 * idx + 1, idx, len(data), 0)
-        self._mm[off + SLOT_HEADER_BYTES : off + SLOT_HEADER_BYTES + len(data) // 2] = data[: len(data) // 2]
-        self._count = idx + 1
-        _U64.pack_into(self._mm, _OFF_COUNT, idx + 1)
-
     def heartbeat(self) -> None:
         _U64.pack_into(self._mm, _OFF_HEARTBEAT, time.time_ns())
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bear.calibrator.fit import Calibration, fit_beta, prefill_throughput
+from bear.calibrator.fit import Fit, fit_beta, prefill_throughput
 
 
 def synthetic_records(beta, n=400, noise=0.0, seed=0):
@@ -48,10 +48,10 @@ def test_too_few_records() -> None:
 
 
 def test_calibration_json_round_trip_and_validation() -> None:
-    c = Calibration(beta=(1.0, 2.0, 3.0, 4.0), mape=0.1, n=5)
-    assert Calibration.from_json(c.to_json()) == c
+    c = Fit(beta=(1.0, 2.0, 3.0, 4.0), mape=0.1, n=5)
+    assert Fit.from_json(c.to_json()) == c
     with pytest.raises(ValueError):
-        Calibration.from_json({"beta": [1, 2, -3, 4]})
+        Fit.from_json({"beta": [1, 2, -3, 4]})
 
 
 def test_prefill_throughput() -> None:

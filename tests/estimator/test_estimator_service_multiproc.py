@@ -56,8 +56,8 @@ async def test_two_workers_share_load_and_survive_a_kill(nats_server) -> None:
             except Exception:
                 await asyncio.sleep(0.1)
                 continue
-            if all(e["method"] == "bea" for e in rep["estimates"]):
-                seen[rep["worker"]] = seen.get(rep["worker"], 0) + 1
+            if all(e.method == "bea" for e in rep.estimates):
+                seen[rep.worker] = seen.get(rep.worker, 0) + 1
         assert len(seen) == 2
 
         # Load with 8 callers; one worker is SIGKILLed in the middle.
@@ -70,7 +70,7 @@ async def test_two_workers_share_load_and_survive_a_kill(nats_server) -> None:
             while time.monotonic() < t_stop:
                 try:
                     rep = await client.estimate({"id": f"c{i}-{n}", "prompt_tokens": 700}, instances, budget_s=1.0)
-                    answered.append(rep["worker"])
+                    answered.append(rep.worker)
                 except Exception as exc:
                     failures.append(exc)
                 n += 1

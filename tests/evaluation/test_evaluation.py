@@ -7,9 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from bear.evaluation.cluster import PAPER_POOL, Calibration, Cluster, InstanceSpec
+from bear.evaluation.cluster import PAPER_POOL, Cluster, InstanceSpec
 from bear.evaluation.metrics import Outcome, composition, on_time_utility, slo_attainment, summary
 from bear.evaluation.workload import QuerySet
+from bear.protocol.messages import Calibration
 from bear.router.policies import make_policy
 
 
@@ -46,9 +47,9 @@ def tiny_queries(n: int, seed: int = 0) -> QuerySet:
 
 def calib() -> dict[str, Calibration]:
     return {
-        "qwen3-0.6b-h100": Calibration((4e-3, 1e-6, 5e-8, 5e-10), 0.03, 180_000, 0.0045, 20.0),
-        "qwen3-8b-h100": Calibration((1e-2, 1.7e-5, 5e-8, 2e-9), 0.03, 32_000, 0.012, 8.0),
-        "qwen3-32b-2xh100-tp2": Calibration((1.8e-2, 4.3e-5, 4e-8, 4.3e-9), 0.03, 15_000, 0.026, 3.0),
+        "qwen3-0.6b-h100": Calibration(beta=(4e-3, 1e-6, 5e-8, 5e-10), mape=0.03, theta=180_000.0),
+        "qwen3-8b-h100": Calibration(beta=(1e-2, 1.7e-5, 5e-8, 2e-9), mape=0.03, theta=32_000.0),
+        "qwen3-32b-2xh100-tp2": Calibration(beta=(1.8e-2, 4.3e-5, 4e-8, 4.3e-9), mape=0.03, theta=15_000.0),
     }
 
 
@@ -90,16 +91,15 @@ def test_stale_snapshots_still_route_every_query() -> None:
 def test_staleness_router_sees_snapshots_at_least_delay_old() -> None:
     specs = [InstanceSpec.from_profile(PAPER_POOL[0])]
     cl = Cluster(specs, calib(), seed=1, delay_s=0.1)
-    cl.arrival = {}
     inst = cl.insts[0]
     for k in range(40):  # keep the engine busy so that it publishes a snapshot per step
-        cl.submit(0, f"r{k}", 500, 50, 50.0, 0.001 * k)
+        cl.submit(0, f"r{k}", 500, 50, 0.001 * k)
         cl.advance_to(0.001 * k)
     cl.advance_to(0.5)
     published = [t for t, _ in inst.snaps]
     assert len(published) > 5
     for t in np.linspace(0.15, 0.5, 30):
-        seen, _ = inst.snapshot_at(t - cl.delay_s)
+        seen, _ = inst.visible(t - cl.delay_s)
         assert seen <= t - cl.delay_s
         newer = [p for p in published if p <= t - cl.delay_s]
         assert seen == max(newer)  # the newest one that is old enough

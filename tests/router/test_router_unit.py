@@ -19,7 +19,7 @@ from bear.protocol.errors import BearError
 from bear.protocol.subjects import Subjects
 from bear.router.dedup import Deduplicator
 from bear.router.dispatch import parse_chunk
-from bear.router.registry import RATE_WINDOW_S, InstanceInfo
+from bear.router.observations import RATE_WINDOW_S, Observations
 from bear.router.service import RouterConfig, RouterService, parse_submit
 from bear.runtime.kv import ensure_kv
 from bear.runtime.nats_server import free_port
@@ -45,27 +45,27 @@ def test_instance_rate_window_and_ttft_percentiles() -> None:
     """The incremental completion rate and cached percentiles equal the direct computation."""
     import numpy as np
 
-    info = InstanceInfo("i")
+    info = Observations()
     ts = [100.0 + 0.5 * k for k in range(300)]  # 150 s of completions, 2 per second
     for t in ts:
-        info.add_completion(t)
+        info.add_outcome(t, None, None, True)
     for now in (120.0, 180.0, 249.5, 260.0, 400.0):
         recent = [t for t in ts if now - t <= RATE_WINDOW_S]  # the former full scan
         want = 0.0 if len(recent) < 2 else len(recent) / max(now - recent[0], 1e-3)
         assert info.throughput_rps(now) == pytest.approx(want), now
     assert info.throughput_rps(400.0) == 0.0 and not info.completions
-    info.add_completion(500.0)
-    info.add_completion(499.0)  # another router's slightly earlier clock: kept in order
+    info.add_outcome(500.0, None, None, True)
+    info.add_outcome(499.0, None, None, True)  # another router's slightly earlier clock: kept in order
     assert list(info.completions) == [500.0, 500.0]
-    assert info.observed_percentiles() == (0.0, 0.0)
+    assert info.percentiles() == (0.0, 0.0)
     rng = np.random.default_rng(0)
     for k in range(250):
-        info.add_observed(float(rng.exponential()))
+        info.add_outcome(600.0, float(rng.exponential()), None, False)
         if k % 37 == 0:
-            p50, p90 = info.observed_percentiles()
+            p50, p90 = info.percentiles()
             xs = np.asarray(info.observed)
             assert (p50, p90) == pytest.approx((np.percentile(xs, 50), np.percentile(xs, 90)))
-    assert info.observed_percentiles() == pytest.approx(tuple(np.percentile(np.asarray(info.observed), [50, 90])))
+    assert info.percentiles() == pytest.approx(tuple(np.percentile(np.asarray(info.observed), [50, 90])))
 
 
 def test_bear_up_rejects_bad_backend_options_before_starting_anything(tmp_path) -> None:

@@ -192,7 +192,7 @@ def _events(body: str) -> list:
 
 async def test_completions_stream_and_usage(api) -> None:
     client, sim = api
-    r = await client.post("/v1/completions", json={"prompt": list(range(300)), "max_tokens": 40, "sim_output_tokens": 12,
+    r = await client.post("/v1/completions", json={"prompt": list(range(300)), "max_tokens": 12,
                                                    "stream": True, "stream_options": {"include_usage": True}},
                           headers={"X-Request-Id": "req-1"})
     assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
@@ -201,7 +201,7 @@ async def test_completions_stream_and_usage(api) -> None:
     chunks = [json.loads(x) for x in ev[:-1]]
     texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
     assert len(texts) == 12 and all(c["id"] == "req-1" for c in chunks)
-    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"  # the default model never emits EOS
     assert chunks[-1]["usage"] == {"prompt_tokens": 300, "completion_tokens": 12, "total_tokens": 312}
     ttft = sim.ttft("req-1")
     assert ttft is not None and 0 < ttft < 1.0
@@ -216,10 +216,26 @@ async def test_chat_completions_stream_and_plain(api) -> None:
     assert sum(1 for c in chunks if c["choices"][0]["delta"].get("content")) == 5
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                        "sim_output_tokens": 3, "sim_prompt_tokens": 777})
+                                                        "max_tokens": 3})
     body = await r.json()
-    assert body["object"] == "chat.completion" and body["usage"]["prompt_tokens"] == 777
+    # ≈ bytes / 4 per message plus the chat template's tokens (3 + 4 per message)
+    assert body["object"] == "chat.completion" and body["usage"]["prompt_tokens"] == 3 + 4 + 1
     assert len(body["choices"][0]["message"]["content"].split()) == 3
+
+
+def test_output_lengths_are_the_engines_own_and_repeat_per_seed() -> None:
+    from bear.sim.lengths import OutputLengths
+
+    assert OutputLengths.parse("max").tokens("a", 77) == 77
+    ln = OutputLengths.parse("lognormal:200:0.8", seed=3)
+    draws = [ln.tokens(f"r{k}", 4096) for k in range(2000)]
+    assert draws == [OutputLengths.parse("lognormal:200:0.8", seed=3).tokens(f"r{k}", 4096) for k in range(2000)]
+    assert draws != [OutputLengths.parse("lognormal:200:0.8", seed=4).tokens(f"r{k}", 4096) for k in range(2000)]
+    assert 170 < float(np.median(draws)) < 230 and min(draws) >= 1
+    assert max(ln.tokens(f"r{k}", 50) for k in range(200)) == 50  # capped by max_tokens
+    for bad in ("", "lognormal:0:1", "lognormal:100", "lognormal:100:-1", "uniform:1:2", "lognormal:x:1"):
+        with pytest.raises(ValueError):
+            OutputLengths.parse(bad)
 
 
 async def test_api_errors(api) -> None:

@@ -21,7 +21,8 @@ PROFILES = ["qwen3-0.6b-h100", "qwen3-8b-h100", "qwen3-32b-2xh100-tp2"]
 
 def start_sim(profile: str, port: int, instance: str, url: str, seed: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "bear", "sim-engine", "--profile", profile, "--port", str(port),
-                             "--instance", instance, "--nats", url, "--seed", str(seed), "--log-level", "warning"],
+                             "--instance", instance, "--nats", url, "--seed", str(seed), "--log-level", "warning",
+                             "--output-lengths", "max"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -44,7 +45,7 @@ async def test_three_sim_engines_keep_up_at_paper_load(nats_server) -> None:
             chunks: list[int] = []
 
             async def one(port: int, p: int, o: int) -> None:
-                body = {"prompt": [1] * p, "max_tokens": 2048, "sim_output_tokens": o, "stream": True}
+                body = {"prompt": [1] * p, "max_tokens": o, "stream": True}  # never EOS: exactly o tokens
                 n = 0
                 async with http.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
                     async for line in r.aiter_lines():

@@ -16,7 +16,8 @@ from harness import VllmServer
 
 from bear.client.submit import submit
 from bear.estimator.client import EstimatorClient
-from bear.estimator.worker import EstimatorConfig, EstimatorWorker
+from bear.estimator.estimate import EstimatorConfig
+from bear.estimator.worker import EstimatorWorker
 from bear.protocol.subjects import Subjects
 from bear.router.service import RouterConfig, RouterService
 from bear.runtime.nats_server import LocalNatsServer

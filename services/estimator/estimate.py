@@ -1,0 +1,188 @@
+"""The estimate of one query at its candidate instances, from what an estimator holds about them
+— no I/O, so the worker (``bear.estimate``) and ``bear eval`` run exactly this.
+
+Per candidate: a snapshot younger than ``max_age_s`` → BEA, the replay of vLLM's scheduler from
+that snapshot with the replay's inputs below; an older one, or none, from an instance that is
+alive (a recent snapshot or registry heartbeat) → the analytic fallback (paper eq. 13-15); else
+down. Every row also carries the load counters of the snapshot held (for the load-based
+policies).
+
+The replay's inputs (``replay_inputs``), assembled in this one place:
+  * the snapshot's age — residents run alone through the steps that start before the query
+    arrives (staleness compensation; not for async-mode snapshots, which carry their in-flight
+    batch);
+  * the router's dispatches that reached the instance after the snapshot and that no snapshot
+    has shown yet — they queue ahead of the query;
+  * the rate of prompt tokens dispatched there recently — the expected later arrivals, which
+    take the budget the query's steps leave over;
+  * β of eq. 12 (the instance's calibration, nominal until the first fit).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from bear import libbea
+from bear.estimator.analytic import analytic_ttft
+from bear.estimator.state import InstanceState, StateStore
+from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateRow
+
+
+@dataclass(frozen=True)
+class EstimatorConfig:
+    max_age_s: float = 1.0  # older snapshots → analytic fallback
+    down_after_s: float = 10.0  # no snapshot and no registry heartbeat for this long → down
+    default_output_tokens: int = 256  # residents the router never announced
+    overrun_fraction: float = 0.5  # residents already past their prediction get this much more
+    compensate_staleness: bool = True  # replay the snapshot's age before inserting the query
+    use_dispatches: bool = True  # queue the router's unseen dispatches ahead of the query
+    arrival_fill: bool = True  # charge the expected later arrivals to the leftover budget
+    dispatch_grace_s: float = 1.0  # a dispatch this much older than the snapshot may still be unseen
+    rate_window_s: float = 10.0  # window of the prompt-token arrival rate
+    executor_residents: int = 512  # replays over more residents run off the event loop
+    # worker only (I/O):
+    default_deadline_s: float = 1.0
+    snapshot_pending_msgs: int = 256
+    worker_name: str = ""
+
+
+@dataclass(frozen=True)
+class ReplayInputs:
+    age_s: float
+    ahead: list[dict[str, int]]
+    arrival_tokens_per_s: float
+    beta: list[float]
+
+
+def replay_inputs(st: InstanceState, now: float, cfg: EstimatorConfig) -> ReplayInputs:
+    """Everything the replay of ``st``'s snapshot needs besides the query (module doc)."""
+    age = st.age(now) or 0.0
+    compensate = cfg.compensate_staleness and not st.snap.async_scheduling
+    return ReplayInputs(
+        age_s=max(0.0, age) if compensate else 0.0,
+        ahead=st.ahead(cfg.dispatch_grace_s) if cfg.use_dispatches else [],
+        arrival_tokens_per_s=st.prompt_token_rate(now, cfg.rate_window_s) if cfg.arrival_fill else 0.0,
+        beta=list(st.calibration.beta),
+    )
+
+
+@dataclass
+class Job:
+    """One BEA replay: the row it fills, the state it reads and the inputs."""
+
+    row: EstimateRow
+    state: InstanceState
+    hit: int
+    prompt_tokens: int
+    inputs: ReplayInputs
+
+
+@dataclass
+class Plan:
+    query: EstimateQuery
+    rows: list[EstimateRow]
+    jobs: list[Job] = field(default_factory=list)
+
+    @property
+    def residents(self) -> int:
+        return sum(j.state.snap.n_running + j.state.snap.n_waiting for j in self.jobs)
+
+
+def plan(query: EstimateQuery, candidates: list[EstimateCandidate], store: StateStore, now: float,
+         cfg: EstimatorConfig, on_parse: Any = None) -> Plan:
+    """Rows for every candidate: analytic and down ones filled in, BEA ones left as jobs.
+    ``on_parse(result)`` sees each lazy snapshot parse (True kept, False malformed)."""
+    p = Plan(query, [])
+    for c in candidates:
+        ptoks = query.prompt_tokens if c.prompt_tokens is None else c.prompt_tokens
+        row = EstimateRow(instance=c.instance)
+        p.rows.append(row)
+        st = store.peek(c.instance)
+        if st is None:
+            continue
+        parsed = st.ensure_parsed()
+        if parsed is not None and on_parse is not None:
+            on_parse(parsed)
+        age = st.age(now)
+        row.age_s = age
+        if age is not None and age <= cfg.max_age_s:
+            st.apply_lengths()
+            inputs = replay_inputs(st, now, cfg)
+            row.ahead = len(inputs.ahead)
+            p.jobs.append(Job(row, st, c.prefix_hit_tokens, ptoks, inputs))
+            continue
+        if not ((age is not None and age <= cfg.down_after_s) or now - st.registry_heartbeat <= cfg.down_after_s):
+            continue
+        row.stale, row.method = True, "analytic"
+        row.status = "no_snapshot" if age is None else "stale"
+        ttft = analytic_ttft(st, ptoks, now)
+        row.ttft_s = ttft if math.isfinite(ttft) else None
+        if not math.isfinite(ttft):
+            row.status = "overloaded"
+        if st.snap is not None:
+            st.apply_lengths()
+            load_counters(row, st, cfg)  # the last known load, aged (``age_s`` says how much)
+    return p
+
+
+def run_jobs(p: Plan, cfg: EstimatorConfig) -> list[tuple[float, int, str]]:
+    """The BEA replays of a plan (libbea only: safe off the event loop while ``in_use`` is held)."""
+    groups: dict[tuple[int, int], list[int]] = {}  # one libbea call per distinct (prompt, hit)
+    for k, j in enumerate(p.jobs):
+        groups.setdefault((j.prompt_tokens, j.hit), []).append(k)
+    out: list[tuple[float, int, str]] = [(math.inf, 0, "error")] * len(p.jobs)
+    q = p.query
+    for (ptoks, hit), ks in groups.items():
+        qd = {"id": q.id, "prompt_tokens": max(1, ptoks), "max_tokens": q.max_tokens,
+              "prefix_hit_tokens": hit, "priority": q.priority}
+        jobs = [p.jobs[k] for k in ks]
+        try:
+            res = libbea.estimate_many(
+                [j.state.snap for j in jobs], qd, [j.inputs.beta for j in jobs],
+                default_output_tokens=cfg.default_output_tokens, overrun_fraction=cfg.overrun_fraction,
+                ages=[j.inputs.age_s for j in jobs], aheads=[j.inputs.ahead for j in jobs],
+                arrival_rates=[j.inputs.arrival_tokens_per_s for j in jobs])
+        except ValueError:  # one bad instance must not sink the others: one at a time
+            res = [_one(j, qd, cfg) for j in jobs]
+        for k, r in zip(ks, res, strict=True):
+            out[k] = r
+    return out
+
+
+def _one(j: Job, qd: dict[str, Any], cfg: EstimatorConfig) -> tuple[float, int, str]:
+    try:
+        r = libbea.estimate(j.state.snap, qd, beta=j.inputs.beta, default_output_tokens=cfg.default_output_tokens,
+                            overrun_fraction=cfg.overrun_fraction, age_s=j.inputs.age_s, ahead=j.inputs.ahead,
+                            arrival_tokens_per_s=j.inputs.arrival_tokens_per_s)
+        return float(r["ttft_s"]), int(r["n_batches"]), str(r["status"])
+    except ValueError:
+        return math.inf, 0, "error"
+
+
+def finish(p: Plan, results: list[tuple[float, int, str]], cfg: EstimatorConfig) -> list[EstimateRow]:
+    for j, (ttft, n_batches, status) in zip(p.jobs, results, strict=True):
+        row = j.row
+        row.method = "bea" if status != "error" else "none"
+        row.status = status
+        row.n_batches = n_batches
+        row.ttft_s = ttft if math.isfinite(ttft) else None
+        load_counters(row, j.state, cfg)
+    return p.rows
+
+
+def estimate(query: EstimateQuery, candidates: list[EstimateCandidate], store: StateStore, now: float,
+             cfg: EstimatorConfig) -> list[EstimateRow]:
+    """Plan, replay and fill in one go (``bear eval``, tests)."""
+    p = plan(query, candidates, store, now, cfg)
+    return finish(p, run_jobs(p, cfg), cfg)
+
+
+def load_counters(row: EstimateRow, st: InstanceState, cfg: EstimatorConfig) -> None:
+    """The held snapshot's load counters, for the load-based policies."""
+    snap = st.snap
+    row.n_running = int(snap.n_running)
+    row.n_waiting = int(snap.n_waiting)
+    row.pending_prefill_tokens = int(snap.pending_prefill_tokens())
+    row.pending_decode_tokens = int(snap.pending_decode_tokens(cfg.default_output_tokens))

@@ -1,0 +1,204 @@
+"""Typed messages of the wire contract (docs/contract.md): one ``msgspec.Struct`` per schema, so
+that a message is defined once and decoding validates it in the same step (types, ranges,
+finiteness). Every struct carries its schema id in ``v`` (a msgspec tag: written on encode,
+optional on decode, refused when it names another schema); unknown fields are ignored, so that a
+newer sender can add fields.
+
+Snapshots (``bear.snapshot/1``) are not here: libbea's bounds-checked parser is their one
+definition, and it builds the replay's state directly from the bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+
+from bear.protocol.codec import MAX_MESSAGE_BYTES
+from bear.protocol.errors import BearError, ErrorCode
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+PosInt = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+# β used when an instance has no calibration yet: a nominal mid-size model on one modern GPU
+# (8 ms per step, 40 µs/token) — a placeholder until the first fit replaces it.
+NOMINAL_BETA: tuple[float, float, float, float] = (8e-3, 4e-5, 0.0, 0.0)
+NOMINAL_PROMPT_TOKENS = 512.0  # E[P] of the θ that a β implies when θ itself was never measured
+
+
+def _finite(*values: float | None) -> None:
+    for v in values:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("numbers must be finite")
+
+
+class Message(msgspec.Struct, kw_only=True, tag_field="v", forbid_unknown_fields=False):
+    """Base of every typed message."""
+
+
+class Dispatch(Message, tag="bear.dispatch/1", kw_only=True):
+    """``bear.dispatch.<instance>``: the router sent a query there (the estimator queues it ahead
+    of later queries until a snapshot shows it, and learns its predicted length)."""
+
+    query_id: str = ""
+    request_id: Id
+    prompt_tokens: NonNegInt = 0
+    predicted_output_tokens: NonNegInt
+    max_tokens: PosInt | None = None  # None: the prediction is the cap
+    t: float
+
+    def __post_init__(self) -> None:
+        _finite(self.t)
+
+    def as_replay_request(self) -> dict[str, int]:
+        """The request as the replay queues it ahead of a new query."""
+        pred = max(1, self.predicted_output_tokens)
+        return {"prompt_tokens": max(1, self.prompt_tokens), "max_tokens": self.max_tokens or pred,
+                "predicted_output": pred}
+
+
+class Calibration(Message, tag="bear.calibration/1", kw_only=True):
+    """``bear_calibration`` KV value: eq. 12's β of one instance, θ of eq. 8, and fit quality."""
+
+    instance: str = ""
+    beta: tuple[float, float, float, float]
+    mape: float = math.nan
+    n: NonNegInt = 0
+    theta: float | None = None  # prefill tokens/s; None: not measured
+    updated: float = 0.0
+
+    def __post_init__(self) -> None:
+        _finite(*self.beta, self.theta, self.updated)
+        if any(b < 0 for b in self.beta):
+            raise ValueError("beta must be non-negative")
+        if self.theta is not None and self.theta <= 0:
+            raise ValueError("theta must be > 0")
+
+    def prefill_tps(self) -> float:
+        """θ of eq. 8: the measured one, else what β implies for a nominal prompt."""
+        return self.theta if self.theta is not None else theta_from_beta(self.beta)
+
+
+def theta_from_beta(beta: tuple[float, float, float, float], prompt_tokens: float = NOMINAL_PROMPT_TOKENS) -> float:
+    """Prefill tokens/s that β implies for one prompt of ``prompt_tokens`` alone in a step:
+    P / (β0 + β1·P + β3·P²/2) — the fallback θ of an instance that was never measured."""
+    b0, b1, _, b3 = beta
+    p = max(prompt_tokens, 1.0)
+    per_token = b0 / p + b1 + b3 * p / 2.0
+    return 1.0 / per_token if per_token > 0 else math.inf
+
+
+NOMINAL_CALIBRATION = Calibration(beta=NOMINAL_BETA)
+
+
+class Prices(msgspec.Struct, kw_only=True):
+    input_per_mtok: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    output_per_mtok: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+
+    def __post_init__(self) -> None:
+        _finite(self.input_per_mtok, self.output_per_mtok)
+
+
+class InstanceRecord(Message, tag="bear.instance/1", kw_only=True):
+    """``bear_instances`` KV value: what a router needs to send an instance queries."""
+
+    id: Id
+    model: str = ""  # the served model name (the OpenAI ``model`` field)
+    base_url: str = ""  # OpenAI base URL, ending in /v1
+    gpu: str = ""
+    prices: Prices = msgspec.field(default_factory=Prices)
+    backend: str = "vllm"  # what serves it (vllm | sim): informational
+    predictor_model: str = ""  # the predictor's name of the model; "" → derived from ``model``
+    heartbeat: float = 0.0
+
+    def __post_init__(self) -> None:
+        _finite(self.heartbeat)
+
+
+class Outcome(Message, tag="bear.outcome/1", kw_only=True):
+    """``bear.outcome.<instance>``: a router finished a query there (observed TTFT and TPOT feed
+    every router's view of the instance)."""
+
+    instance: Id
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    completed: bool = True
+    t: float
+
+    def __post_init__(self) -> None:
+        _finite(self.ttft_s, self.tpot_s, self.t)
+
+
+class EstimateQuery(msgspec.Struct, kw_only=True):
+    id: str = "__query__"
+    prompt_tokens: NonNegInt
+    max_tokens: PosInt = 1
+    priority: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)] = 0
+
+
+class EstimateCandidate(msgspec.Struct, kw_only=True, omit_defaults=True):
+    instance: Id
+    prefix_hit_tokens: NonNegInt = 0
+    prompt_tokens: NonNegInt | None = None  # this instance's count (its tokenizer); None: the query's
+
+
+class EstimateRequest(Message, tag="bear.estimate/1", kw_only=True):
+    """``bear.estimate``: the TTFT of one query at each candidate instance."""
+
+    query: EstimateQuery
+    instances: Annotated[list[Id | EstimateCandidate], msgspec.Meta(min_length=1)]
+    deadline: float | None = None
+
+    def candidates(self) -> list[EstimateCandidate]:
+        return [c if isinstance(c, EstimateCandidate) else EstimateCandidate(instance=c) for c in self.instances]
+
+
+class EstimateRow(msgspec.Struct, kw_only=True, omit_defaults=False):
+    """One instance's answer: the estimate, how it was made, and the load counters it saw."""
+
+    instance: str
+    ttft_s: float | None = None
+    method: str = "none"  # bea | analytic | none
+    status: str = "down"  # ok | stale | no_snapshot | overloaded | unschedulable | down | ...
+    age_s: float | None = None
+    stale: bool = False
+    n_batches: int = 0
+    n_running: int = 0
+    n_waiting: int = 0
+    pending_prefill_tokens: int = 0
+    pending_decode_tokens: int = 0
+    ahead: int = 0  # dispatches queued ahead of the query that the snapshot did not show yet
+
+
+class EstimateReply(Message, tag="bear.estimate.reply/1", kw_only=True):
+    query_id: str = ""
+    worker: str = ""
+    estimates: list[EstimateRow]
+    at: float = 0.0  # the worker's clock the estimates are for (snapshot ages are measured to it)
+    service_s: float | None = None
+
+
+T = TypeVar("T")
+_DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {}
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def decode(kind: type[T], data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> T:
+    """``data`` as a ``kind`` message; ``BearError`` (too_large / bad_request, naming the field)
+    on anything else."""
+    if len(data) > max_bytes:
+        raise BearError(ErrorCode.TOO_LARGE, f"message of {len(data)} bytes exceeds {max_bytes}")
+    dec = _DECODERS.get(kind)
+    if dec is None:
+        dec = _DECODERS[kind] = msgspec.msgpack.Decoder(kind)
+    try:
+        return dec.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise BearError(ErrorCode.BAD_REQUEST, f"{getattr(kind, '__name__', kind)}: {exc}") from exc
+
+
+def encode(msg: Any) -> bytes:
+    """A message (or any msgpack-able value) as msgpack bytes."""
+    return _ENCODER.encode(msg)

@@ -1,0 +1,107 @@
+"""The candidates of one query: one ``Candidate`` per instance, built from plain inputs — the
+predictor's answer per model, the estimator's row per instance, and what the router knows of
+each instance (prices, θ, observed latencies). No I/O: the live router and ``bear eval`` both call
+``build_candidates``, so a policy sees the same fields in both.
+
+Fallbacks, each visible in the candidate:
+  * no prediction for a model (predictor silent or the model unknown to it) → accuracy 0, output
+    length ``default_output_tokens``, cost from the registry prices (the policy then trades only
+    cost against latency);
+  * no estimator row (estimator silent) → eq. 8 over what this router itself has in flight at
+    the instance (method ``router-eq8``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from bear import libbea
+from bear.protocol.messages import Calibration, Dispatch, EstimateRow
+from bear.router.observations import Observations
+from bear.router.policies import Candidate
+
+MUSD = 1e6  # Candidate.cost is in micro-USD (USD per million tokens × tokens): the unit λ = 5e-4 is for
+
+
+@dataclass
+class ModelPrediction:
+    """The predictor's answer for one model (``bear.prediction/1``), or the fallback."""
+
+    acc: float
+    out_len: float
+    out_p90: float
+    prompt_tokens: int
+    cost_usd: float
+    source: str = "predictor"  # predictor | fallback
+
+
+def fallback_prediction(prompt_tokens: int, price_in: float, price_out: float,
+                        default_output_tokens: int) -> ModelPrediction:
+    cost = (prompt_tokens * price_in + default_output_tokens * price_out) / MUSD
+    return ModelPrediction(acc=0.0, out_len=float(default_output_tokens), out_p90=float(default_output_tokens),
+                           prompt_tokens=prompt_tokens, cost_usd=cost, source="fallback")
+
+
+class InstanceView(Protocol):
+    """What the decision needs to know of an instance besides the estimator's row."""
+
+    id: str
+    predictor_model: str
+    price_in: float
+    price_out: float
+    calibration: Calibration
+    obs: Observations
+
+
+@dataclass
+class LocalLoad:
+    """What this router has in flight per instance (the eq. 8 fallback's queue)."""
+
+    pending_prefill_tokens: dict[str, int] = field(default_factory=dict)
+    running: dict[str, int] = field(default_factory=dict)
+
+
+def build_candidates(prompt_tokens: int, insts: Sequence[InstanceView],
+                     preds: Mapping[str, ModelPrediction] | None, rows: Mapping[str, EstimateRow] | None,
+                     now: float, *, default_output_tokens: int,
+                     local: LocalLoad | None = None) -> tuple[list[Candidate], dict[str, ModelPrediction]]:
+    """One Candidate per instance, and the prediction each used (by instance id). Prompt lengths
+    are per model (each has its own tokenizer): the prediction's, else ``prompt_tokens``."""
+    cands: list[Candidate] = []
+    used: dict[str, ModelPrediction] = {}
+    for inst in insts:
+        p = preds.get(inst.predictor_model) if preds else None
+        if p is None:
+            p = fallback_prediction(prompt_tokens, inst.price_in, inst.price_out, default_output_tokens)
+        used[inst.id] = p
+        theta = inst.calibration.prefill_tps()
+        p50, p90 = inst.obs.percentiles()
+        c = Candidate(instance=inst.id, model=inst.predictor_model, acc=p.acc, cost=p.cost_usd * MUSD,
+                      out_len=p.out_len, out_p90=p.out_p90, prefill_tps=theta, tpot=inst.obs.tpot,
+                      throughput_rps=inst.obs.throughput_rps(now), observed_ttft_p50=p50, observed_ttft_p90=p90)
+        row = rows.get(inst.id) if rows is not None else None
+        if row is not None:
+            c.n_running, c.n_waiting = row.n_running, row.n_waiting
+            c.pending_prefill_tokens = row.pending_prefill_tokens
+            c.pending_decode_tokens = float(row.pending_decode_tokens)
+            c.ttft = row.ttft_s if row.ttft_s is not None else math.inf
+            c.ttft_method = row.method
+        elif rows is None:  # estimator absent: eq. 8 over what this router has in flight there
+            local = local or LocalLoad()
+            c.n_running = local.running.get(inst.id, 0)
+            c.pending_prefill_tokens = local.pending_prefill_tokens.get(inst.id, 0)
+            c.ttft = libbea.prefill_throughput_ttft(c.pending_prefill_tokens, p.prompt_tokens, theta)
+            c.ttft_method = "router-eq8"
+        c.ttft_prefill = libbea.prefill_throughput_ttft(c.pending_prefill_tokens, p.prompt_tokens, theta)
+        cands.append(c)
+    return cands, used
+
+
+def dispatch_for(query_id: str, request_id: str, p: ModelPrediction, max_tokens: int, t: float) -> Dispatch:
+    """The ``bear.dispatch`` message of sending the query to an instance, under prediction ``p``."""
+    return Dispatch(query_id=query_id, request_id=request_id, prompt_tokens=p.prompt_tokens,
+                    predicted_output_tokens=int(max(1, round(min(p.out_len, max_tokens)))), max_tokens=max_tokens,
+                    t=t)
