@@ -1,31 +1,24 @@
 """Publish one instance's state on NATS: ``bear.snapshot.<id>`` and ``bear.batches.<id>``.
 
-The one publication path shared by the real-vLLM snapshotter and the simulated instance
-(design.md §2, §3, §6), so that estimators cannot tell them apart.
+The one publication path of the real-vLLM snapshotter and the simulated instance (design.md §2,
+§3, §6), so that estimators cannot tell them apart. The policy (docs/contract.md, "Publication"):
 
-Rules it implements:
+* **Every step.** ``snapshot(d)`` queues the state after a step; ``publish_snapshots()`` (called
+  by ``run()``, or by a caller that reads faster than it publishes) sends them oldest first. The
+  queue is bounded: a caller reads only ``room()`` new steps at a time, so steps are never dropped
+  from the middle of the stream. With ``min_interval_s`` > 0 only the newest pending snapshot is
+  kept and at most one per interval goes out (coalescing; counted).
+* **No stale state.** While NATS is down pending snapshots are dropped (an estimator must not get
+  a burst of old states when it comes back); batch records wait in a bounded drop-oldest buffer.
+* **Idle re-send.** An engine with nothing running or waiting does not step, so its state cannot
+  change: while ``engine_alive()`` holds, its last snapshot is re-sent every ``idle_snapshot_s``
+  with ``time`` refreshed and ``idle: true`` (same ``seq``). An engine that has not stepped at all
+  yet sends ``initial()`` (its empty state). A busy engine that stops stepping gets nothing: its
+  snapshot ages and estimators fall back.
+* **Batch records** go out as msgpack lists of ``bear.batch/1`` every ``batch_flush_s``.
 
-* ``snapshot(d)`` and ``batch(r)`` are synchronous, cheap and never wait on the network: they are
-  called from an engine loop that must not be slowed. A background task (``run()``) does the I/O.
-* Snapshots coalesce: only the newest unsent snapshot is kept (the estimators only want the newest
-  one too). ``min_interval_s`` > 0 additionally rate-limits publication.
-* Idle heartbeat: an engine with no running and no waiting request does not step, so its state
-  cannot change; its last snapshot is re-published every ``heartbeat_s`` with ``time`` refreshed,
-  so that consumers can tell "idle" from "stale". A busy engine that stops stepping gets no
-  heartbeat: its snapshot ages and consumers fall back (estimator docs).
-* Batch records are grouped (a msgpack list of ``bear.batch/1``) and flushed every ``flush_s`` or
-  when ``group_max`` records are buffered; the buffer is bounded (``max_buffered``), oldest dropped
-  and counted.
-
-Usage::
-
-    pub = InstancePublisher(nc, "inst-a")
-    task = asyncio.create_task(pub.run())
-    ...  # in the engine loop, after every step:
-    pub.batch({"seq": s, "duration_s": d, "items": [...]})
-    pub.snapshot(snapshot_dict)       # a bear.snapshot/1 map (instance/v filled in if missing)
-    ...
-    await pub.close()                 # flushes what is buffered
+``snapshot`` and ``batch`` are synchronous and cheap: they are called from engine loops that must
+not wait on the network.
 """
 
 from __future__ import annotations
@@ -34,138 +27,152 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
+import structlog
+
+from bear.instance.metrics import PublisherMetrics
 from bear.protocol.codec import pack
 from bear.protocol.subjects import BATCH_SCHEMA, SNAPSHOT_SCHEMA, Subjects
 
-
-@dataclass
-class PublisherStats:
-    snapshots_published: int = 0
-    snapshots_coalesced: int = 0  # replaced by a newer one before being sent
-    heartbeats: int = 0
-    batch_records_published: int = 0
-    batch_records_dropped: int = 0
-    publish_errors: int = 0
+log = structlog.get_logger("bear.instance")
 
 
 class InstancePublisher:
-    """Background publisher of one instance's snapshots and batch records (see module doc)."""
-
-    def __init__(
-        self,
-        nc: Any,
-        instance: str,
-        subjects: Subjects | None = None,
-        *,
-        min_interval_s: float = 0.0,
-        heartbeat_s: float = 0.5,
-        flush_s: float = 0.1,
-        group_max: int = 64,
-        max_buffered: int = 4096,
-    ) -> None:
-        self.nc = nc
+    def __init__(self, nc: Any, instance: str, subjects: Subjects | None = None, *, min_interval_s: float = 0.0,
+                 idle_snapshot_s: float = 0.5, snapshot_buffer: int = 256, batch_flush_s: float = 0.2,
+                 batch_buffer: int = 4096, metrics: PublisherMetrics | None = None,
+                 engine_alive: Callable[[], bool] = lambda: True,
+                 initial: Callable[[], dict[str, Any] | None] = lambda: None) -> None:
+        self.nc = nc  # None until connected (the snapshotter connects in the background)
         self.instance = instance
         self.subjects = subjects or Subjects()
         self.min_interval_s = min_interval_s
-        self.heartbeat_s = heartbeat_s
-        self.flush_s = flush_s
-        self.group_max = group_max
-        self.stats = PublisherStats()
+        self.idle_snapshot_s = idle_snapshot_s
+        self.snapshot_buffer = snapshot_buffer
+        self.batch_flush_s = batch_flush_s
+        self.metrics = metrics or PublisherMetrics()
+        self.engine_alive = engine_alive
+        self.initial = initial
         self._snap_subject = self.subjects.snapshot(instance)
         self._batch_subject = self.subjects.batches(instance)
-        self._pending_snapshot: dict[str, Any] | None = None
-        self._last_snapshot: dict[str, Any] | None = None
-        self._last_sent = 0.0
-        self._records: deque[dict[str, Any]] = deque(maxlen=max_buffered)
+        self._pending: deque[dict[str, Any]] = deque()
+        self._batches: deque[dict[str, Any]] = deque(maxlen=batch_buffer)
+        self._last: dict[str, Any] | None = None  # the newest snapshot sent (idle re-sends)
+        self._last_sent = 0.0  # monotonic
         self._wake = asyncio.Event()
         self._closed = False
+        self.log = log.bind(instance=instance)
 
     # ------------------------------------------------------------------ engine side (sync, cheap)
+    def room(self) -> int:
+        """How many more snapshots ``snapshot`` takes before the caller must let them go out."""
+        return 1 << 30 if self.min_interval_s > 0 else max(0, self.snapshot_buffer - len(self._pending))
+
     def snapshot(self, snap: dict[str, Any]) -> None:
-        """Offer the newest ``bear.snapshot/1`` map; replaces an unsent older one."""
+        """Queue the state after one step (a ``bear.snapshot/1`` map; ``v``/``instance`` filled in)."""
         snap.setdefault("v", SNAPSHOT_SCHEMA)
         snap.setdefault("instance", self.instance)
-        if self._pending_snapshot is not None:
-            self.stats.snapshots_coalesced += 1
-        self._pending_snapshot = snap
+        if self.min_interval_s > 0 and self._pending:
+            self.metrics.snapshots_dropped.labels("coalesced").inc(len(self._pending))
+            self._pending.clear()
+        self._pending.append(snap)
         self._wake.set()
 
     def batch(self, record: dict[str, Any]) -> None:
         """Queue one ``bear.batch/1`` record (``{seq, duration_s, items}``)."""
         record.setdefault("v", BATCH_SCHEMA)
         record.setdefault("instance", self.instance)
-        if len(self._records) == self._records.maxlen:
-            self.stats.batch_records_dropped += 1  # deque drops the oldest
-        self._records.append(record)
-        if len(self._records) >= self.group_max:
-            self._wake.set()
+        if len(self._batches) == self._batches.maxlen:
+            self.metrics.batches_dropped.inc()  # the deque drops the oldest
+        self._batches.append(record)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
 
     # ------------------------------------------------------------------ I/O side
+    def _connected(self) -> bool:
+        return self.nc is not None and bool(getattr(self.nc, "is_connected", True))
+
+    async def publish_snapshots(self) -> None:
+        """Send the pending snapshots (module doc: every step, or the newest per interval)."""
+        if not self._pending:
+            return
+        if self.min_interval_s and time.monotonic() - self._last_sent < self.min_interval_s:
+            return  # the newest pending one goes out when the interval has passed
+        if self.nc is None:
+            return  # not connected yet: hold them (bounded) — they are fresh, not stale
+        if not self._connected():
+            self.metrics.snapshots_dropped.labels("disconnected").inc(len(self._pending))
+            self._pending.clear()
+            return
+        while self._pending:
+            snap = self._pending.popleft()
+            if await self._send(self._snap_subject, pack(snap)):
+                self._last_sent = time.monotonic()
+                self._last = snap
+                self.metrics.snapshots_published.inc()
+            else:
+                self.metrics.snapshots_dropped.labels("publish_error").inc()
+
+    async def publish_batches(self) -> None:
+        if not self._batches or not self._connected():
+            return  # the bounded buffer drops the oldest while NATS is away
+        items = list(self._batches)
+        self._batches.clear()
+        if await self._send(self._batch_subject, pack(items)):
+            self.metrics.batches_published.inc(len(items))
+        else:
+            self.metrics.batches_dropped.inc(len(items))
+
+    async def resend_idle(self) -> None:
+        """The idle re-send of the module doc (nothing while snapshots are pending)."""
+        if self.idle_snapshot_s <= 0 or self._pending or not self._connected() or not self.engine_alive():
+            return
+        if time.monotonic() - self._last_sent < self.idle_snapshot_s:
+            return
+        last = self._last if self._last is not None else self.initial()
+        if last is None or last.get("running") or last.get("waiting"):
+            return
+        beat = {**last, "v": SNAPSHOT_SCHEMA, "instance": self.instance, "time": time.time(), "idle": True}
+        if await self._send(self._snap_subject, pack(beat)):
+            self._last_sent = time.monotonic()
+            self._last = beat
+            self.metrics.snapshots_published.inc()
+            self.metrics.idle_resends.inc()
+
+    async def _send(self, subject: str, payload: bytes) -> bool:
+        try:
+            await self.nc.publish(subject, payload)
+            return True
+        except Exception as exc:  # a publisher must survive reconnects and closed connections
+            self.log.warning("publish_failed", subject=subject, error=repr(exc))
+            return False
+
     async def run(self) -> None:
-        """Publish until ``close()``; never raises on NATS errors (counted instead)."""
+        """Publish until ``close()``: snapshots as they come, batches every ``batch_flush_s``, idle
+        re-sends; never raises on NATS errors (counted instead)."""
         last_flush = time.monotonic()
+        tick = min(x for x in (self.batch_flush_s, self.idle_snapshot_s or 1.0, 0.1) if x > 0)
         while not self._closed:
-            timeout = self.flush_s
-            if self._pending_snapshot is not None and self.min_interval_s > 0:
-                timeout = min(timeout, max(0.0, self._last_sent + self.min_interval_s - time.monotonic()))
+            timeout = tick
+            if self._pending and self.min_interval_s > 0:
+                timeout = min(timeout, max(1e-3, self._last_sent + self.min_interval_s - time.monotonic()))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=max(timeout, 1e-3))
+                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
             self._wake.clear()
-            await self._send_snapshot_if_due()
-            now = time.monotonic()
-            if len(self._records) >= self.group_max or (self._records and now - last_flush >= self.flush_s):
-                await self._flush_records()
-                last_flush = now
-            await self._heartbeat_if_idle()
+            await self.publish_snapshots()
+            if time.monotonic() - last_flush >= self.batch_flush_s:
+                await self.publish_batches()
+                last_flush = time.monotonic()
+            await self.resend_idle()
 
     async def close(self) -> None:
         """Stop ``run()`` after sending what is pending."""
         self._closed = True
         self._wake.set()
         self.min_interval_s = 0.0
-        await self._send_snapshot_if_due()
-        await self._flush_records()
-
-    async def _publish(self, subject: str, payload: bytes) -> bool:
-        try:
-            await self.nc.publish(subject, payload)
-            return True
-        except Exception:  # a publisher must survive NATS reconnects and closed connections
-            self.stats.publish_errors += 1
-            return False
-
-    async def _send_snapshot_if_due(self) -> None:
-        snap = self._pending_snapshot
-        if snap is None:
-            return
-        if self.min_interval_s > 0 and time.monotonic() - self._last_sent < self.min_interval_s:
-            return
-        self._pending_snapshot = None
-        if await self._publish(self._snap_subject, pack(snap)):
-            self.stats.snapshots_published += 1
-        self._last_snapshot = snap
-        self._last_sent = time.monotonic()
-
-    async def _flush_records(self) -> None:
-        while self._records:
-            group = [self._records.popleft() for _ in range(min(self.group_max, len(self._records)))]
-            if await self._publish(self._batch_subject, pack(group)):
-                self.stats.batch_records_published += len(group)
-
-    async def _heartbeat_if_idle(self) -> None:
-        last = self._last_snapshot
-        if last is None or self._pending_snapshot is not None or self.heartbeat_s <= 0:
-            return
-        if time.monotonic() - self._last_sent < self.heartbeat_s:
-            return
-        if last.get("running") or last.get("waiting"):
-            return  # busy but not stepping: let the snapshot age (consumers fall back)
-        beat = dict(last)
-        beat["time"] = time.time()
-        if await self._publish(self._snap_subject, pack(beat)):
-            self.stats.heartbeats += 1
-        self._last_snapshot = beat
-        self._last_sent = time.monotonic()
+        await self.publish_snapshots()
+        await self.publish_batches()

@@ -111,7 +111,12 @@ class InstanceRecord(Message, tag="bear.instance/1", kw_only=True):
     prices: Prices = msgspec.field(default_factory=Prices)
     backend: str = "vllm"  # what serves it (vllm | sim): informational
     predictor_model: str = ""  # the predictor's name of the model; "" → derived from ``model``
+    status: str = "up"  # starting | up | down (the engine behind it)
     heartbeat: float = 0.0
+    seq: int = -1  # the engine step last published
+    generation: int | None = None  # the engine process generation (snapshotter)
+    vllm_version: str | None = None
+    config: dict[str, int | float | bool | str | None] | None = None  # the engine's scheduler config
 
     def __post_init__(self) -> None:
         _finite(self.heartbeat)

@@ -32,13 +32,15 @@ class InstanceInfo:
     price_in: float = 0.0  # USD per million tokens
     price_out: float = 0.0
     heartbeat: float = 0.0
+    status: str = "up"  # the registry's: starting | up | down
     predictor_model: str = ""  # the model name the predictor knows
     calibration: Calibration = NOMINAL_CALIBRATION  # θ for eq. 8 and SCORE (the calibrator's)
     obs: Observations = field(default_factory=Observations)
     failed_until: float = 0.0  # this router saw a connection failure: avoid until then (monotonic)
 
     def healthy(self, now: float, down_after_s: float) -> bool:
-        return bool(self.base_url) and now - self.heartbeat <= down_after_s and time.monotonic() >= self.failed_until
+        return (bool(self.base_url) and self.status == "up" and now - self.heartbeat <= down_after_s
+                and time.monotonic() >= self.failed_until)
 
 
 def predictor_name(model: str, aliases: dict[str, str]) -> str:
@@ -103,6 +105,7 @@ class Registry:
         info.price_in = rec.prices.input_per_mtok
         info.price_out = rec.prices.output_per_mtok
         info.heartbeat = rec.heartbeat
+        info.status = rec.status
         info.predictor_model = rec.predictor_model or predictor_name(rec.model, self.aliases)
 
     def _on_calibration(self, key: str, value: bytes | None) -> None:

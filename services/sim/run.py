@@ -11,7 +11,7 @@ from typing import Any
 import structlog
 
 from bear.instance.publisher import InstancePublisher
-from bear.instance.record import heartbeat_registry, instance_record
+from bear.instance.record import Registration, instance_record
 from bear.protocol.subjects import Subjects
 from bear.runtime.shutdown import cancel_all, close_nats
 from bear.sim.engine import SimEngine
@@ -32,18 +32,20 @@ async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, h
     profile = load_profile(profile_name)
     subjects = Subjects(prefix)
     nc = await nats.connect(nats_url, max_reconnect_attempts=-1, name=f"bear-sim-{instance}")
-    publisher = InstancePublisher(nc, instance, subjects, heartbeat_s=heartbeat_s, min_interval_s=min_interval_s)
+    publisher = InstancePublisher(nc, instance, subjects, idle_snapshot_s=heartbeat_s, min_interval_s=min_interval_s)
     sim = SimEngine(profile, instance, publisher, seed=seed, lengths=OutputLengths.parse(output_lengths, seed))
+    publisher.initial = lambda: sim.engine.snapshot(instance, profile.model, 0.0)
     runner = web.AppRunner(SimApi(sim).app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     url = base_url or f"http://{host}:{port}/v1"
-    record = instance_record(instance, profile.model, url, gpu=f"{profile.gpu.count}x{profile.gpu.name}",
-                             price_input_per_mtok=profile.prices.get("input_per_mtok", 0.0),
-                             price_output_per_mtok=profile.prices.get("output_per_mtok", 0.0), backend="sim")
+    registration = Registration(nc, instance_record(
+        instance, profile.model, url, gpu=f"{profile.gpu.count}x{profile.gpu.name}", backend="sim",
+        price_input_per_mtok=profile.prices.get("input_per_mtok", 0.0),
+        price_output_per_mtok=profile.prices.get("output_per_mtok", 0.0)), subjects)
     tasks = [asyncio.create_task(publisher.run()), asyncio.create_task(sim.run()),
-             asyncio.create_task(heartbeat_registry(nc, record, subjects))]
+             asyncio.create_task(registration.run())]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -57,6 +59,7 @@ async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, h
     sim.stop()
     await cancel_all(tasks)
     await publisher.close()
+    await registration.close()
     await runner.cleanup()
     await close_nats(nc)
     log.info("sim engine stopped", **sim.stats.as_dict())

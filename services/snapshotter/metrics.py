@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from bear.instance.metrics import PublisherMetrics
+
 _OVERHEAD_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3)
 
 
@@ -25,23 +27,7 @@ class SnapshotterMetrics:
         self.torn_retries = Counter(
             "bear_snapshotter_torn_read_retries", "Reads retried because the writer was mid-write", registry=r
         )
-        self.snapshots_published = Counter(
-            "bear_snapshotter_snapshots_published", "Snapshots published", registry=r
-        )
-        self.snapshots_dropped = Counter(
-            "bear_snapshotter_snapshots_dropped",
-            "Snapshots not published (coalesced, NATS disconnected, or publish failed)",
-            ["reason"],
-            registry=r,
-        )
-        self.batches_published = Counter(
-            "bear_snapshotter_batch_records_published", "bear.batch/1 records published", registry=r
-        )
-        self.batches_dropped = Counter(
-            "bear_snapshotter_batch_records_dropped",
-            "bear.batch/1 records dropped (buffer full or NATS down)",
-            registry=r,
-        )
+        self.publisher = PublisherMetrics(r)  # snapshots and batch records published / dropped
         self.engine_restarts = Counter(
             "bear_snapshotter_engine_generations",
             "Shared-memory regions (engine starts) attached",

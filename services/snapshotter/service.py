@@ -13,16 +13,15 @@ import contextlib
 import gzip
 import json
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import IO, Any
 
 import nats
 import structlog
 from nats.aio.client import Client as NATS
-from nats.js.errors import BucketNotFoundError
 
-from bear.protocol.codec import pack
+from bear.instance.publisher import InstancePublisher
+from bear.instance.record import Registration, instance_record
 from bear.protocol.subjects import SNAPSHOT_SCHEMA, Subjects
 from bear.runtime.shutdown import cancel_all
 from bear.snapshotter.metrics import SnapshotterMetrics
@@ -54,7 +53,6 @@ class SnapshotterConfig:
     stale_after_s: float = 1.0
     on_down: str = "mark"  # "mark" | "delete"
     record_to: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Snapshotter:
@@ -66,7 +64,6 @@ class Snapshotter:
         self.metrics = metrics or SnapshotterMetrics()
         self.subjects = Subjects(cfg.prefix)
         self.nc: NATS | None = None
-        self._kv: Any = None
         self._reader: ShmReader | None = None
         self._meta: dict[str, Any] = {}
         self._builder = BatchBuilder(cfg.instance)
@@ -75,13 +72,17 @@ class Snapshotter:
         self._mismatch_logged = 0
         self._skip_logged = 0.0  # monotonic time of the last steps_skipped warning
         self._meta_logged = False
-        self._batches: deque[dict[str, Any]] = deque(maxlen=cfg.batch_buffer)
-        self._pending: deque[dict[str, Any]] = deque(maxlen=cfg.snapshot_buffer)
-        self._last_publish = 0.0
-        self._last_snap: dict[str, Any] | None = None  # the newest snapshot sent (idle re-sends)
-        self._last_seq = -1
-        self._status = "starting"
-        self._status_dirty = True
+        self.publisher = InstancePublisher(
+            None, cfg.instance, self.subjects, min_interval_s=cfg.min_interval_s,
+            idle_snapshot_s=cfg.idle_snapshot_s, snapshot_buffer=cfg.snapshot_buffer,
+            batch_flush_s=cfg.batch_flush_s, batch_buffer=cfg.batch_buffer, metrics=self.metrics.publisher,
+            engine_alive=self._engine_alive, initial=self._empty_snapshot)
+        self.registration = Registration(
+            None, instance_record(cfg.instance, cfg.model, cfg.base_url, gpu=cfg.gpu,
+                                  price_input_per_mtok=cfg.price_input_per_mtok,
+                                  price_output_per_mtok=cfg.price_output_per_mtok),
+            self.subjects, heartbeat_s=cfg.heartbeat_s, on_down=cfg.on_down)
+        self.registration.update(status="starting")
         self._stop = asyncio.Event()
         self._record: IO[str] | None = None
         self._bad_logged = False
@@ -98,14 +99,15 @@ class Snapshotter:
         tasks = [
             asyncio.create_task(self._connect_loop(), name="nats"),
             asyncio.create_task(self._read_loop(), name="read"),
-            asyncio.create_task(self._batch_loop(), name="batches"),
-            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self.publisher.run(), name="publish"),
+            asyncio.create_task(self.registration.run(), name="registry"),
         ]
         try:
             await self._stop.wait()
         finally:
             await cancel_all(tasks)
-            await self._final_status()
+            await self.publisher.close()
+            await self.registration.close()
             if self._record is not None:
                 self._record.close()
             if self.nc is not None and not self.nc.is_closed:
@@ -136,7 +138,7 @@ class Snapshotter:
                     error_cb=self._on_error,
                 )
                 self.log.info("nats_connected", url=self.cfg.nats_url)
-                self._status_dirty = True
+                self.publisher.nc = self.registration.nc = self.nc
             except Exception as exc:
                 self.log.warning("nats_connect_failed", error=str(exc), retry_s=delay)
                 await asyncio.sleep(delay)
@@ -147,8 +149,7 @@ class Snapshotter:
 
     async def _on_reconnected(self) -> None:
         self.log.info("nats_reconnected")
-        self._kv = None
-        self._status_dirty = True
+        self.registration.reconnected()
 
     async def _on_error(self, exc: Exception) -> None:
         self.log.debug("nats_error", error=str(exc))
@@ -156,74 +157,23 @@ class Snapshotter:
     def _connected(self) -> bool:
         return self.nc is not None and self.nc.is_connected
 
-    async def _kv_bucket(self) -> Any:
-        if self._kv is None and self.nc is not None:
-            js = self.nc.jetstream(timeout=1.0)
-            bucket = self.subjects.instances_bucket
-            try:
-                self._kv = await js.key_value(bucket)
-            except BucketNotFoundError:
-                self._kv = await js.create_key_value(bucket=bucket, history=1)
-        return self._kv
+    def _engine_alive(self) -> bool:
+        r = self._reader
+        return r is not None and self._writer_dead(r) is None
 
-    # ---- registry ---------------------------------------------------------------------------------
-    def registry_entry(self) -> dict[str, Any]:
-        cfg = self.cfg
-        return {
-            "v": INSTANCE_SCHEMA,
-            "id": cfg.instance,
-            "model": cfg.model,
-            "base_url": cfg.base_url,
-            "gpu": cfg.gpu,
-            "prices": {
-                "input_per_mtok": cfg.price_input_per_mtok,
-                "output_per_mtok": cfg.price_output_per_mtok,
-            },
-            "status": self._status,
-            "heartbeat": time.time(),
-            "seq": self._last_seq,
-            "generation": self._reader.generation if self._reader is not None else None,
-            "vllm_version": self._meta.get("vllm_version"),
-            "config": self._meta.get("config"),
-            **cfg.extra,
-        }
-
-    async def _put_status(self) -> None:
-        if not self._connected():
-            return
-        kv = await self._kv_bucket()
-        if self._status == "down" and self.cfg.on_down == "delete":
-            await kv.delete(self.cfg.instance)
-        else:
-            await kv.put(self.cfg.instance, pack(self.registry_entry()))
-        self._status_dirty = False
-
-    async def _heartbeat_loop(self) -> None:
-        last = 0.0
-        while True:
-            now = time.monotonic()
-            if self._status_dirty or now - last >= self.cfg.heartbeat_s:
-                try:
-                    await asyncio.wait_for(self._put_status(), 1.0)
-                    last = now
-                except Exception as exc:
-                    self._kv = None
-                    self.log.warning("registry_put_failed", error=repr(exc))
-            await asyncio.sleep(0.05)
-
-    async def _final_status(self) -> None:
-        if self._status == "up":
-            self._status = "down"
-            try:
-                await asyncio.wait_for(self._put_status(), 1.0)
-            except Exception as exc:
-                self.log.warning("registry_final_put_failed", error=repr(exc))
+    def _empty_snapshot(self) -> dict[str, Any] | None:
+        """The state of an engine that has not stepped yet: every block free but vLLM's null block."""
+        n_blocks = int(self._meta.get("config", {}).get("num_gpu_blocks") or 0)
+        if self._reader is None or self._reader.count > 0 or n_blocks <= 0:
+            return None  # steps exist but none was published yet, or no engine config to build from
+        return {"schema": SNAPSHOT_SCHEMA, "v": SNAPSHOT_SCHEMA, "instance": self.cfg.instance,
+                "model": self.cfg.model, "seq": 0, "config": self._meta.get("config", {}),
+                "free_blocks": n_blocks - 1, "running": [], "waiting": [], "inflight": None}
 
     def _set_status(self, status: str, **why: Any) -> None:
-        if status != self._status:
+        if status != self.registration.record.status:
             self.log.info("instance_status", status=status, **why)
-            self._status = status
-            self._status_dirty = True
+            self.registration.update(status=status)
             self.metrics.engine_up.set(1 if status == "up" else 0)
 
     # ---- ring --------------------------------------------------------------------------------------
@@ -240,9 +190,9 @@ class Snapshotter:
         self._decoder = StepDecoder()
         self._resync_asked = 0.0
         self._meta_logged = False
-        self._last_seq = -1
-        self._last_snap = None
         self._bad_logged = False
+        self.registration.update(seq=-1, generation=reader.generation, vllm_version=self._meta.get("vllm_version"),
+                                 config=self._meta.get("config"))
         self.metrics.engine_restarts.inc()
         self.log.info("engine_attached", pid=reader.pid, generation=reader.generation,
                       vllm_version=self._meta.get("vllm_version"))  # fmt: skip
@@ -277,7 +227,6 @@ class Snapshotter:
                 continue
             self._set_status("up")
             await self._drain_and_publish(r)
-            await self._idle_snapshot(r)
             await asyncio.sleep(self.cfg.poll_interval_s)
 
     def _ask_full(self, r: ShmReader, why: str) -> None:
@@ -296,11 +245,12 @@ class Snapshotter:
         the bounded publish buffer has room for: a reader that fell behind leaves the rest in the
         ring (itself bounded; what it overwrites is counted as skipped) instead of dropping
         snapshots from the middle of the stream."""
+        pub = self.publisher
         while True:
-            room = 4096 if self.cfg.min_interval_s > 0 else self.cfg.snapshot_buffer - len(self._pending)
+            room = min(pub.room(), 4096)
             more = room > 0 and self._drain(r, limit=room) == room  # a full read: the ring may hold more
-            await self._publish_snapshot()
-            if not more or self._pending:  # unpublished (not connected, coalescing): the ring keeps the rest
+            await pub.publish_snapshots()
+            if not more or pub.pending:  # unpublished (not connected, coalescing): the ring keeps the rest
                 return
             await asyncio.sleep(0)  # catching up must not starve the heartbeat and batch loops
 
@@ -349,97 +299,11 @@ class Snapshotter:
                 first = not self._meta_logged
                 self._meta_logged = True
                 self._record.write(json.dumps({"meta": self._meta, "step": step} if first else step) + "\n")
-            self._last_seq = step["seq"]
+            self.registration.note(seq=step["seq"])
             snap = to_snapshot(
                 step, self._meta.get("config", {}), instance=self.cfg.instance, model=self.cfg.model
             )
-            snap["v"] = snap["schema"]
-            if self.cfg.min_interval_s > 0:
-                if self._pending:
-                    m.snapshots_dropped.labels("coalesced").inc()
-                self._pending.clear()
-            self._pending.append(snap)  # never full here: _drain_and_publish reads only what fits
+            self.publisher.snapshot(snap)  # never full here: _drain_and_publish reads only what fits
             for b in self._builder.feed(step):
-                if len(self._batches) == self._batches.maxlen:
-                    m.batches_dropped.inc()
-                self._batches.append(b)
+                self.publisher.batch(b)
         return len(res.records)
-
-    async def _publish_snapshot(self) -> None:
-        """Publish pending snapshots oldest first (every step), or only the newest one per
-        ``min_interval_s`` when coalescing."""
-        if not self._pending:
-            return
-        now = time.monotonic()
-        if self.cfg.min_interval_s and now - self._last_publish < self.cfg.min_interval_s:
-            return  # keep the newest pending: it goes out when the interval has passed
-        if self.nc is None:
-            return  # not connected yet: hold (bounded) — they are fresh, not stale
-        if not self._connected():
-            self.metrics.snapshots_dropped.labels("disconnected").inc(len(self._pending))
-            self._pending.clear()
-            return
-        assert self.nc is not None
-        subject = self.subjects.snapshot(self.cfg.instance)
-        while self._pending:
-            snap = self._pending.popleft()
-            try:
-                await self.nc.publish(subject, pack(snap))
-            except Exception as exc:
-                self.metrics.snapshots_dropped.labels("publish_error").inc()
-                self.log.warning("snapshot_publish_failed", error=repr(exc))
-                continue
-            self._last_publish = now
-            self._last_snap = snap
-            self.metrics.snapshots_published.inc()
-
-    async def _idle_snapshot(self, r: ShmReader) -> None:
-        """An idle engine (nothing running or waiting) does not step, so the plugin writes nothing
-        and its state cannot change: re-send the last snapshot every ``idle_snapshot_s`` with
-        ``time`` refreshed and ``idle: true`` (same ``seq``: not a new step), so that estimators tell idle from stale (the rule of
-        ``bear.instance.publisher.InstancePublisher``). Called only while the plugin's own heartbeat
-        is fresh (the engine is alive). An engine that has not stepped at all since it started gets
-        an empty snapshot (every block free but vLLM's null block). A busy engine that stops
-        stepping gets nothing: its snapshot ages and the estimator falls back."""
-        if self.cfg.idle_snapshot_s <= 0 or self._pending or not self._connected():
-            return
-        now = time.monotonic()
-        if now - self._last_publish < self.cfg.idle_snapshot_s:
-            return
-        last = self._last_snap
-        if last is None:
-            n_blocks = int(self._meta.get("config", {}).get("num_gpu_blocks") or 0)
-            if r.count > 0 or n_blocks <= 0:
-                return  # steps exist but none was published yet, or no engine config to build from
-            last = {"schema": SNAPSHOT_SCHEMA, "v": SNAPSHOT_SCHEMA, "instance": self.cfg.instance,
-                    "model": self.cfg.model, "seq": 0, "config": self._meta.get("config", {}),
-                    "free_blocks": n_blocks - 1, "running": [], "waiting": [], "inflight": None}  # fmt: skip
-        elif last.get("running") or last.get("waiting"):
-            return
-        beat = {**last, "time": time.time(), "idle": True}
-        assert self.nc is not None
-        try:
-            await self.nc.publish(self.subjects.snapshot(self.cfg.instance), pack(beat))
-        except Exception as exc:
-            self.log.warning("snapshot_publish_failed", error=repr(exc))
-            return
-        self._last_publish = now
-        self._last_snap = beat
-        self.metrics.snapshots_published.inc()
-
-    async def _batch_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.batch_flush_s)
-            if not self._batches:
-                continue
-            if not self._connected():
-                continue  # the bounded buffer drops the oldest while we wait
-            assert self.nc is not None
-            items = list(self._batches)
-            self._batches.clear()
-            try:
-                await self.nc.publish(self.subjects.batches(self.cfg.instance), pack(items))
-                self.metrics.batches_published.inc(len(items))
-            except Exception as exc:
-                self.metrics.batches_dropped.inc(len(items))
-                self.log.warning("batch_publish_failed", error=repr(exc))

@@ -14,6 +14,7 @@ import math
 import time
 from typing import Any
 
+import msgspec
 import nats
 import numpy as np
 import pytest
@@ -154,8 +155,7 @@ async def test_live_router_and_offline_evaluation_decide_alike(nats_server, tmp_
         for k, inst in enumerate(MODELS):
             rec = instance_record(inst, MODELS[inst], f"http://127.0.0.1:{fakes.port}/v1",
                                   price_input_per_mtok=PRICES[inst][0], price_output_per_mtok=PRICES[inst][1])
-            rec["heartbeat"] = now + 3600  # alive for the whole test
-            await kv_inst.put(inst, pack(rec))
+            await kv_inst.put(inst, encode(msgspec.structs.replace(rec, heartbeat=now + 3600)))  # alive throughout
             cals[inst] = Calibration(instance=inst, beta=BETAS[inst], mape=0.05, n=500,
                                      theta=None if k == 0 else 20_000.0 / (k + 1))  # one θ derived from β
             await kv_cal.put(inst, encode(cals[inst]))

@@ -8,6 +8,7 @@ import asyncio
 import json
 import math
 
+import msgspec
 import nats
 import pytest
 from aiohttp import web
@@ -16,6 +17,7 @@ from bear.client.submit import submit
 from bear.instance.record import instance_record
 from bear.protocol.codec import pack
 from bear.protocol.errors import BearError
+from bear.protocol.messages import encode
 from bear.protocol.subjects import Subjects
 from bear.router.dedup import Deduplicator
 from bear.router.dispatch import parse_chunk
@@ -153,8 +155,7 @@ async def register(nc, inst: str, model: str, port: int, price_out: float) -> No
     kv = await ensure_kv(nc.jetstream(), S.instances_bucket)
     rec = instance_record(inst, model, f"http://127.0.0.1:{port}/v1", price_input_per_mtok=0.1,
                           price_output_per_mtok=price_out, backend="vllm")
-    rec["heartbeat"] = time.time()
-    await kv.put(inst, pack(rec))
+    await kv.put(inst, encode(msgspec.structs.replace(rec, heartbeat=time.time())))
 
 
 async def collect(nc, **kw) -> list[dict]:

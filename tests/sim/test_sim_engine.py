@@ -285,7 +285,7 @@ async def test_sim_publishes_snapshots_and_batches(nats_server) -> None:
 
     await nc.subscribe(subjects.snapshot("pub-a"), cb=on_snap)
     await nc.subscribe(subjects.batches("pub-a"), cb=on_batches)
-    pub = InstancePublisher(nc, "pub-a", subjects, heartbeat_s=0.2, flush_s=0.05)
+    pub = InstancePublisher(nc, "pub-a", subjects, idle_snapshot_s=0.2, batch_flush_s=0.05)
     sim = SimEngine(load_profile("qwen3-0.6b-h100"), "pub-a", pub, seed=2)
     tasks = [asyncio.create_task(pub.run()), asyncio.create_task(sim.run())]
     reqs = [sim.submit(f"p{k}", 200 + 50 * k, 20, 5 + k) for k in range(4)]
@@ -305,7 +305,7 @@ async def test_sim_publishes_snapshots_and_batches(nats_server) -> None:
     parsed = [libbea.Snapshot.from_msgpack(b) for b in snaps]
     assert parsed[0].n_running == 0 and n_busy >= 3
     assert any(s.n_running > 0 for s in parsed)
-    assert len(snaps) > n_busy and pub.stats.heartbeats >= 1
+    assert len(snaps) > n_busy and pub.metrics.idle_resends._value.get() >= 1
     last = msgpack.unpackb(snaps[-1])
     assert last["v"] == "bear.snapshot/1" and last["instance"] == "pub-a" and abs(last["time"] - time.time()) < 0.5
     records = [r for g in groups for r in g]

@@ -141,7 +141,7 @@ async def test_nats_restart_resumes_publishing_and_never_stalls_the_engine(
     reader = ShmReader(shm_name)
     try:
         await asyncio.sleep(0.5)
-        published0 = service.metrics.snapshots_published._value.get()  # type: ignore[attr-defined]
+        published0 = service.metrics.publisher.snapshots_published._value.get()  # type: ignore[attr-defined]
         assert published0 > 20
         nats_server.stop()
         count0 = reader.count
@@ -277,7 +277,7 @@ async def test_a_reader_behind_publishes_every_step_through_a_small_buffer(
             await asyncio.sleep(0.05)
         await nc.flush()
         assert seqs == list(range(600))
-        dropped = svc.metrics.snapshots_dropped
+        dropped = svc.metrics.publisher.snapshots_dropped
         assert all(dropped.labels(why)._value.get() == 0  # type: ignore[attr-defined]
                    for why in ("coalesced", "disconnected", "publish_error"))  # fmt: skip
     finally:

@@ -149,7 +149,7 @@ async def test_every_step_published_and_replayed(
     last = steps[-1]["seq"]
     assert len(steps) == last + 1, f"{last + 1 - len(steps)} steps lost before the snapshotter read them"
     assert mirror["verified"] >= len(steps) - 1 - mirror["records"].get("check", 0), mirror
-    dropped = {why: svc.metrics.snapshots_dropped.labels(why)._value.get()  # type: ignore[attr-defined]
+    dropped = {why: svc.metrics.publisher.snapshots_dropped.labels(why)._value.get()  # type: ignore[attr-defined]
                for why in ("coalesced", "disconnected", "publish_error")}  # fmt: skip
     assert not any(dropped.values()), dropped
     seqs = [s["seq"] for s in snaps if not s.get("idle")]  # idle re-sends repeat the last step
