@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
-import json
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
@@ -11,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from bear.protocol.jsonl import read_jsonl
 from bear.runtime.nats_server import LocalNatsServer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -18,9 +17,7 @@ TRACES = REPO / "tests" / "data" / "vllm-cpu-traces"  # recorded from vLLM (CPU 
 
 
 def load_jsonl(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return list(read_jsonl(path))
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,6 @@ lets the few longest batches dominate. The features come from libbea itself
 
 from __future__ import annotations
 
-import gzip
-import json
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -20,6 +18,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from bear import libbea
+from bear.protocol.jsonl import read_jsonl
 from bear.protocol.messages import Calibration
 
 
@@ -46,12 +45,7 @@ class Fit:
 def read_records(paths: Iterable[str | Path]) -> Iterator[dict[str, Any]]:
     """bear.batch/1 records from JSONL files (``.gz`` accepted), one object per line."""
     for p in paths:
-        path = Path(p)
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt") as f:
-            for line in f:
-                if line.strip():
-                    yield json.loads(line)
+        yield from read_jsonl(p)
 
 
 def design_row(record: dict[str, Any]) -> tuple[float, float, float, float]:

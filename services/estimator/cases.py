@@ -6,8 +6,6 @@ batch sequence vLLM actually ran until the request's first token, and the engine
 
 from __future__ import annotations
 
-import gzip
-import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,15 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from bear import libbea
+from bear.protocol.jsonl import read_jsonl
 
 
 def read_cases(path: str | Path) -> Iterator[dict[str, Any]]:
-    p = Path(path)
-    opener = gzip.open if p.suffix == ".gz" else open
-    with opener(p, "rt") as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
+    """Replay cases, one per line (the format of tests/data/vllm-cpu-traces/cases.jsonl.gz)."""
+    yield from read_jsonl(path)
 
 
 @dataclass

@@ -151,8 +151,8 @@ def estimator(
         raise typer.Exit(run_forked(argv, workers, metrics_port or None))
     configure_logging(log_format, log_level)
     from bear.estimator.estimate import EstimatorConfig
-    from bear.estimator.metrics import start_metrics_server
     from bear.estimator.service import run_worker
+    from bear.runtime.metrics import start_metrics_server
 
     start_metrics_server(metrics_port or None)
     cfg = EstimatorConfig(max_age_s=max_age_s, down_after_s=down_after_s, default_output_tokens=default_output_tokens,

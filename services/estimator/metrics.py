@@ -30,10 +30,3 @@ def metrics() -> Any:
         dispatch_malformed=Counter("bear_estimator_dispatch_malformed_total", "Malformed dispatch messages dropped"),
         calibration_updates=Counter("bear_estimator_calibration_updates_total", "β updates received"),
     )
-
-
-def start_metrics_server(port: int | None) -> None:
-    if port:
-        from prometheus_client import start_http_server
-
-        start_http_server(port)

@@ -55,8 +55,8 @@ def router(
 ) -> None:
     """Route queries from bear.submit: predictor + estimator → policy → instance, streaming back."""
     configure_logging(log_format, log_level)
-    from bear.router.outcomes import start_metrics_server
     from bear.router.service import RouterConfig, serve
+    from bear.runtime.metrics import start_metrics_server
 
     cfg = RouterConfig(policy=policy, policy_params=_params(param), lam=lam, predict_budget_s=predict_budget,
                        predict_try_s=predict_budget / 2, estimate_budget_s=estimate_budget,

@@ -31,6 +31,7 @@ from bear.router.outcomes import OutcomeLog
 from bear.router.policies import Candidate, Decision, Policy, QueryContext, make_policy
 from bear.router.predict import ask_estimator, ask_predictor
 from bear.router.registry import InstanceInfo, Registry
+from bear.runtime.service import connect, stop_event
 from bear.runtime.shutdown import cancel_all, close_nats
 
 log = structlog.get_logger("bear.router")
@@ -408,19 +409,10 @@ def _finite(x: float) -> float | None:
 
 async def serve(nats_url: str, cfg: RouterConfig, prefix: str = "bear", ready: Any = None) -> None:
     """Process main of ``bear router``: runs until SIGINT/SIGTERM, then drains."""
-    import signal
-
-    import nats
-
-    nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
-                            name=f"bear-router-{os.getpid()}")
+    nc = await connect(nats_url, f"bear-router-{os.getpid()}")
     router = RouterService(nc, cfg, Subjects(prefix))
     await router.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+    stop = stop_event()
     if ready is not None:
         ready.set()
     await stop.wait()

@@ -4,8 +4,6 @@ loop and HTTP server, shut down cleanly on SIGINT/SIGTERM."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
 from typing import Any
 
 import structlog
@@ -13,6 +11,7 @@ import structlog
 from bear.instance.publisher import InstancePublisher
 from bear.instance.record import Registration, instance_record
 from bear.protocol.subjects import Subjects
+from bear.runtime.service import connect, stop_event
 from bear.runtime.shutdown import cancel_all, close_nats
 from bear.sim.engine import SimEngine
 from bear.sim.lengths import OutputLengths
@@ -26,12 +25,11 @@ async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, h
                 prefix: str = "bear", seed: int | None = None, base_url: str | None = None,
                 heartbeat_s: float = 0.5, min_interval_s: float = 0.0, output_lengths: str = "max",
                 ready: Any = None) -> None:
-    import nats
     from aiohttp import web
 
     profile = load_profile(profile_name)
     subjects = Subjects(prefix)
-    nc = await nats.connect(nats_url, max_reconnect_attempts=-1, name=f"bear-sim-{instance}")
+    nc = await connect(nats_url, f"bear-sim-{instance}")
     publisher = InstancePublisher(nc, instance, subjects, idle_snapshot_s=heartbeat_s, min_interval_s=min_interval_s)
     sim = SimEngine(profile, instance, publisher, seed=seed, lengths=OutputLengths.parse(output_lengths, seed))
     publisher.initial = lambda: sim.engine.snapshot(instance, profile.model, 0.0)
@@ -46,11 +44,7 @@ async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, h
         price_output_per_mtok=profile.prices.get("output_per_mtok", 0.0)), subjects)
     tasks = [asyncio.create_task(publisher.run()), asyncio.create_task(sim.run()),
              asyncio.create_task(registration.run())]
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+    stop = stop_event()
     log.info("sim engine serving", instance=instance, profile=profile.name, model=profile.model, url=url,
              kv_blocks=profile.num_gpu_blocks)
     if ready is not None:

@@ -13,28 +13,21 @@ end of the update of that last step (engine clock).
 
 from __future__ import annotations
 
-import gzip
-import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bear.protocol.jsonl import read_jsonl, write_jsonl
 from bear.snapshotter.records import batches_of, context_before, request_map, to_snapshot
 
 
 def read_steps(path: str | Path) -> Iterator[tuple[dict[str, Any] | None, dict[str, Any]]]:
     """(meta or None, step) from a step log; meta comes with each engine generation's step 0."""
-    p = Path(path)
-    opener = gzip.open if p.suffix == ".gz" else open
-    with opener(p, "rt") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            obj = json.loads(line)
-            if "meta" in obj:
-                yield obj["meta"], obj["step"]
-            else:
-                yield None, obj
+    for obj in read_jsonl(path):
+        if "meta" in obj:
+            yield obj["meta"], obj["step"]
+        else:
+            yield None, obj
 
 
 def generations(path: str | Path) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
@@ -170,10 +163,6 @@ def record_run(
             cases.extend(build_cases(meta, steps, trace=trace))
             batches.extend(batches_of(steps, trace))
     cpath, bpath = out / "cases.jsonl.gz", out / f"batches_{trace}.jsonl.gz"
-    with gzip.open(cpath, "wt") as f:
-        for c in cases:
-            f.write(json.dumps(c) + "\n")
-    with gzip.open(bpath, "wt") as f:
-        for b in batches:
-            f.write(json.dumps(b) + "\n")
+    write_jsonl(cpath, cases)
+    write_jsonl(bpath, batches)
     return cpath, bpath, len(cases), len(batches)

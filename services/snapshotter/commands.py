@@ -71,9 +71,9 @@ def snapshotter(
     )  # fmt: skip
     metrics = SnapshotterMetrics()
     if metrics_port:
-        from prometheus_client import start_http_server
+        from bear.runtime.metrics import start_metrics_server
 
-        start_http_server(metrics_port, registry=metrics.registry)
+        start_metrics_server(metrics_port, registry=metrics.registry)
 
     async def main() -> None:
         svc = Snapshotter(cfg, metrics)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gzip
 import json
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from nats.aio.client import Client as NATS
 
 from bear.instance.publisher import InstancePublisher
 from bear.instance.record import Registration, instance_record
+from bear.protocol.jsonl import open_text
 from bear.protocol.subjects import SNAPSHOT_SCHEMA, Subjects
 from bear.runtime.shutdown import cancel_all
 from bear.snapshotter.metrics import SnapshotterMetrics
@@ -94,8 +94,7 @@ class Snapshotter:
 
     async def run(self) -> None:
         if self.cfg.record_to:
-            opener = gzip.open if self.cfg.record_to.endswith(".gz") else open
-            self._record = opener(self.cfg.record_to, "at")  # type: ignore[assignment]
+            self._record = open_text(self.cfg.record_to, "at")
         tasks = [
             asyncio.create_task(self._connect_loop(), name="nats"),
             asyncio.create_task(self._read_loop(), name="read"),
