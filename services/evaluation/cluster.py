@@ -29,8 +29,8 @@ from bear import libbea
 from bear.calibrator.fit import robust_fit
 from bear.estimator.estimate import EstimatorConfig, estimate
 from bear.estimator.state import StateStore
-from bear.evaluation.metrics import Outcome
 from bear.evaluation.workload import QuerySet
+from bear.load.metrics import Outcome
 from bear.protocol.messages import Calibration, EstimateCandidate, EstimateQuery
 from bear.router.candidates import ModelPrediction, build_candidates, dispatch_for
 from bear.router.policies import Policy, QueryContext

@@ -20,10 +20,11 @@ import numpy as np
 
 from bear.estimator.estimate import EstimatorConfig
 from bear.evaluation.cluster import PAPER_POOL, Cluster, InstanceSpec, calibrate_pool
-from bear.evaluation.metrics import summary
-from bear.evaluation.workload import QuerySet, build_queries, default_cache_dir, trained_predictor_dir
+from bear.evaluation.workload import QuerySet, build_queries
 from bear.load.arrivals import Mmpp2, poisson_arrivals
+from bear.load.metrics import summary
 from bear.load.targets import ttft_target_s
+from bear.predictor.synth import default_cache_dir, trained_predictor_dir
 from bear.protocol.messages import Calibration
 from bear.router.policies import BASELINES, make_policy
 

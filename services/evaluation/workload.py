@@ -4,7 +4,6 @@ and shared by every policy and rate."""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,23 +36,6 @@ class QuerySet:
     def true_utility(self, i: int, j: int, lam: float) -> float:
         cost = self.prompt_tokens[i, j] * self.price_in[j] + self.true_output[i, j] * self.price_out[j]
         return float(self.true_quality[i, j] - lam * cost)
-
-
-def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "bear"
-
-
-def trained_predictor_dir(n_train: int, seed: int, cache: Path | None = None) -> Path:
-    """Train (once, cached) the predictor on synthetic data disjoint from the evaluation queries."""
-    from bear.predictor.synth import generate
-    from bear.predictor.train import train
-
-    key = hashlib.sha1(f"synth-v1-{n_train}-{seed}".encode()).hexdigest()[:10]
-    out = (cache or default_cache_dir()) / f"eval-predictor-{key}"
-    if not (out / "meta.json").exists():
-        records = list(generate(n_train, seed=seed))
-        train(records, out)
-    return out
 
 
 def build_queries(n: int, seed: int, predictor_dir: Path) -> QuerySet:

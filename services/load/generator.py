@@ -1,7 +1,7 @@
 """``bear load``: an open-loop workload through the client — the synthetic task mix of the
 predictor (``bear.predictor.synth``), Poisson or MMPP-2 arrivals (``bear.load.arrivals``), TTFT
 targets of paper Appendix A.2 (``bear.load.targets``) — then OnTimeUtility, SLO attainment and
-the routing composition per instance (``bear.evaluation.metrics``).
+the routing composition per instance (``bear.load.metrics``).
 
 The synthetic generator gives every query its true quality on every model; the realised utility
 of a query is its true quality on the chosen model minus λ·cost of the tokens the engine really
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from bear.evaluation.metrics import Outcome, summary
+from bear.load.metrics import Outcome, summary
 
 PRICES = {  # USD per million tokens (paper Table 1), by predictor model name
     "Qwen3-0.6B": (0.044, 0.173), "Qwen3-8B": (0.072, 0.287), "Qwen3-32B": (0.287, 0.640)}

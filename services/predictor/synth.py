@@ -19,9 +19,11 @@ and the model. Every record carries ``synthetic: true``.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -216,3 +218,19 @@ def generate(n_queries: int, seed: int = 0, models: tuple[str, ...] | None = Non
                 query_id=f"synth-{seed}-{i}",
                 synthetic=True,
             )
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "bear"
+
+
+def trained_predictor_dir(n_train: int, seed: int, cache: Path | None = None) -> Path:
+    """Train (once, cached) the predictor on synthetic data disjoint from the evaluation queries."""
+    from bear.predictor.train import train
+
+    key = hashlib.sha1(f"synth-v1-{n_train}-{seed}".encode()).hexdigest()[:10]
+    out = (cache or default_cache_dir()) / f"eval-predictor-{key}"
+    if not (out / "meta.json").exists():
+        records = list(generate(n_train, seed=seed))
+        train(records, out)
+    return out

@@ -1,15 +1,12 @@
-"""``bear router`` (the routing service) and ``bear bench router``. Heavy imports stay inside the
-command functions."""
+"""``bear router``: the routing service. Heavy imports stay inside the command function."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 
 from bear.options import DEFAULT_NATS, LogFormatOpt, LogLevel, LogLevelOpt, MetricsPort, NatsUrl, Prefix
-from bear.protocol.codec import json_safe
 from bear.runtime import aio
 from bear.runtime.logging import LogFormat, configure_logging
 
@@ -68,28 +65,5 @@ def router(
 
 
 
-def bench_router(
-    rate: float = typer.Option(200.0, "--rate", help="Queries per second (Poisson)"),
-    duration: float = typer.Option(10.0, "--duration", help="Seconds of load"),
-    routers: int = typer.Option(1, "--routers", min=1, help="Router processes (one queue group)"),
-    out: Path | None = typer.Option(None, "--out", help="Write the result JSON here"),
-) -> None:
-    """Decision overhead (submit received → dispatch sent) at a given rate, on a local stack."""
-    from rich.console import Console
-
-    from bear.router.bench import run_bench
-
-    res = run_bench(rate, duration, routers=routers)
-    Console().print_json(json.dumps(json_safe(res)))
-    if out is not None:
-        out.write_text(json.dumps(json_safe(res), indent=2))
-
-
-
-
 def register(app: typer.Typer) -> None:
     app.command("router")(router)
-
-
-def register_bench(bench: typer.Typer) -> None:
-    bench.command("router")(bench_router)

@@ -108,5 +108,26 @@ def up_cmd(
 
 
 
+def bench_router(
+    rate: float = typer.Option(200.0, "--rate", help="Queries per second (Poisson)"),
+    duration: float = typer.Option(10.0, "--duration", help="Seconds of load"),
+    routers: int = typer.Option(1, "--routers", min=1, help="Router processes (one queue group)"),
+    out: Path | None = typer.Option(None, "--out", help="Write the result JSON here"),
+) -> None:
+    """Decision overhead (submit received → dispatch sent) at a given rate, on a local stack."""
+    from rich.console import Console
+
+    from bear.stack.router_bench import run_bench
+
+    res = run_bench(rate, duration, routers=routers)
+    Console().print_json(json.dumps(json_safe(res)))
+    if out is not None:
+        out.write_text(json.dumps(json_safe(res), indent=2))
+
+
 def register(app: typer.Typer) -> None:
     app.command("up")(up_cmd)
+
+
+def register_bench(bench: typer.Typer) -> None:
+    bench.command("router")(bench_router)

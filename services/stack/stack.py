@@ -188,7 +188,7 @@ class Stack:
             self.nats = LocalNatsServer().start()
             self.url = self.nats.url
         if cfg.predictor_dir is None:
-            from bear.evaluation.workload import trained_predictor_dir
+            from bear.predictor.synth import trained_predictor_dir
 
             cfg.predictor_dir = trained_predictor_dir(cfg.n_train, cfg.train_seed)
         self.plan()

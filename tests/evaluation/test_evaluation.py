@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from bear.evaluation.cluster import PAPER_POOL, Cluster, InstanceSpec
-from bear.evaluation.metrics import Outcome, composition, on_time_utility, slo_attainment, summary
 from bear.evaluation.workload import QuerySet
+from bear.load.metrics import Outcome, composition, on_time_utility, slo_attainment, summary
 from bear.protocol.messages import Calibration
 from bear.router.policies import make_policy
 

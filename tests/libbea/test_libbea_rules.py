@@ -1,4 +1,4 @@
-"""Each scheduling rule of vllm-scheduler-replay.md §15 on small hand-worked states."""
+"""Each scheduling rule of docs/replay-rules.md §15 on small hand-worked states."""
 
 from __future__ import annotations
 
