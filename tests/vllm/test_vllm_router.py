@@ -58,10 +58,10 @@ async def test_router_over_two_real_vllm_instances(vllm_py: str, tiny_model: Pat
             for _ in range(100):
                 reply = await est.estimate({"id": "warm", "prompt_tokens": 10, "max_tokens": 4}, ["vllm-0", "vllm-1"],
                                            budget_s=1.0)
-                if all(r["method"] == "bea" for r in reply["estimates"]):
+                if all(r.method == "bea" for r in reply.estimates):
                     break
                 await asyncio.sleep(0.1)
-            assert [r["method"] for r in reply["estimates"]] == ["bea", "bea"], reply
+            assert [r.method for r in reply.estimates] == ["bea", "bea"], reply
 
             async def one(i: int) -> list[dict]:
                 return [m async for m in submit(nc, f"query {i}: " + "word " * (20 + 10 * (i % 12)), ttft_target_s=5.0,
