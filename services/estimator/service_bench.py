@@ -62,9 +62,9 @@ async def _client(url: str, seconds: float, concurrency: int, instances: list[st
                 errors += 1
                 continue
             rtts.append(time.perf_counter() - t0)
-            service.append(float(rep.get("service_s", 0.0)))
-            for e in rep["estimates"]:
-                methods[e["method"]] = methods.get(e["method"], 0) + 1
+            service.append(float(rep.service_s or 0.0))
+            for e in rep.estimates:
+                methods[e.method] = methods.get(e.method, 0) + 1
 
     t_start = time.perf_counter()
     await asyncio.gather(*(loop() for _ in range(concurrency)))
@@ -141,7 +141,7 @@ async def _run(url: str, seconds: float, concurrency: int, n_instances: int, res
     while True:  # warm up until the worker(s) answer with BEA for every instance
         try:
             rep = await cli.estimate({"prompt_tokens": 100, "max_tokens": 10}, instances)
-            if all(e["method"] == "bea" for e in rep["estimates"]):
+            if all(e.method == "bea" for e in rep.estimates):
                 break
         except Exception:
             if time.time() > t_end:
