@@ -14,12 +14,14 @@ import math
 from collections import deque
 from typing import Any
 
+import msgspec
+import numpy as np
 import structlog
 
-from bear.calibrator.fit import robust_fit
+from bear.calibrator.fit import DEFAULT_OBJECTIVE, OBJECTIVES, robust_fit
 from bear.protocol.codec import unpack
 from bear.protocol.errors import BearError
-from bear.protocol.messages import Calibration, encode
+from bear.protocol.messages import Calibration, Outcome, decode, encode
 from bear.protocol.subjects import Subjects
 from bear.runtime.kv import ensure_kv
 from bear.runtime.service import connect, stop_event
@@ -48,8 +50,13 @@ def valid_record(r: Any) -> bool:
 
 class OnlineCalibrator:
     def __init__(self, nc: Any, subjects: Subjects | None = None, *, window: int = 2000, min_records: int = 50,
-                 refit_s: float = 5.0) -> None:
+                 refit_s: float = 5.0, objective: str = DEFAULT_OBJECTIVE, ttft_window: int = 500) -> None:
+        if objective not in OBJECTIVES:
+            raise ValueError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")
         self.nc = nc
+        self.objective = objective
+        self.ttft: dict[str, deque[tuple[float, float]]] = {}  # (predicted, observed) BEA TTFTs
+        self.ttft_window = ttft_window
         self.subjects = subjects or Subjects()
         self.window = window
         self.min_records = min_records
@@ -58,20 +65,21 @@ class OnlineCalibrator:
         self.new: dict[str, int] = {}
         self.malformed = 0
         self.fits: dict[str, Calibration] = {}
-        self._sub: Any = None
+        self._subs: list[Any] = []
         self._task: asyncio.Task[None] | None = None
         self._kv: Any = None
 
     async def start(self) -> None:
         self._kv = await ensure_kv(self.nc.jetstream(), self.subjects.calibration_bucket)
-        self._sub = await self.nc.subscribe(self.subjects.batches_all, cb=self._on_batches)
+        self._subs.append(await self.nc.subscribe(self.subjects.batches_all, cb=self._on_batches))
+        self._subs.append(await self.nc.subscribe(self.subjects.outcome_all, cb=self._on_outcome))
         self._task = asyncio.create_task(self._loop())
         log.info("calibrator started", window=self.window, refit_s=self.refit_s)
 
     async def stop(self) -> None:
-        if self._sub is not None:
+        for sub in self._subs:
             with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+                await sub.unsubscribe()
         if self._task is not None:
             await cancel_all([self._task])
 
@@ -96,6 +104,24 @@ class OnlineCalibrator:
                 buf.append(r)
                 self.new[instance] = self.new.get(instance, 0) + 1
 
+    async def _on_outcome(self, msg: Any) -> None:
+        """A finished query: its BEA-predicted and observed TTFT, for the instance's TTFT error."""
+        try:
+            o = decode(Outcome, msg.data)
+        except BearError:
+            return
+        if o.method == "bea" and o.predicted_ttft_s is not None and o.ttft_s is not None and o.ttft_s > 0:
+            buf = self.ttft.setdefault(o.instance, deque(maxlen=self.ttft_window))
+            buf.append((o.predicted_ttft_s, o.ttft_s))
+
+    def ttft_error(self, instance: str) -> tuple[float | None, float | None, int]:
+        """(MAPE, median relative error, n) of the recent BEA TTFTs at ``instance``."""
+        pairs = self.ttft.get(instance)
+        if not pairs:
+            return None, None, 0
+        rel = np.array([(p - o) / o for p, o in pairs])
+        return float(np.mean(np.abs(rel))), float(np.median(rel)), len(rel)
+
     async def refit_once(self) -> list[str]:
         """Refit every instance with enough new records; returns the instances updated."""
         done = []
@@ -104,10 +130,12 @@ class OnlineCalibrator:
                 continue
             self.new[instance] = 0
             try:
-                cal = await asyncio.to_thread(robust_fit, list(buf), instance)
+                cal = await asyncio.to_thread(robust_fit, list(buf), instance, self.objective)
             except ValueError as exc:
                 log.warning("calibration fit failed", instance=instance, error=str(exc))
                 continue
+            mape_t, bias_t, n_t = self.ttft_error(instance)
+            cal = msgspec.structs.replace(cal, ttft_mape=mape_t, ttft_bias=bias_t, ttft_n=n_t)
             self.fits[instance] = cal
             try:
                 await self._kv.put(instance, encode(cal))
@@ -122,7 +150,8 @@ class OnlineCalibrator:
             updated = await self.refit_once()
             for inst in updated:
                 cal = self.fits[inst]
-                log.info("beta updated", instance=inst, beta=cal.beta, mape=round(cal.mape, 4), n=cal.n, theta=cal.theta)
+                log.info("beta updated", instance=inst, beta=cal.beta, mape=round(cal.mape, 4), n=cal.n, theta=cal.theta,
+                         ttft_mape=cal.ttft_mape, ttft_n=cal.ttft_n)
 
 
 async def run_calibrator(nats_url: str, prefix: str = "bear", **kwargs: Any) -> None:

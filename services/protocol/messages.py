@@ -67,10 +67,14 @@ class Calibration(Message, tag="bear.calibration/1", kw_only=True):
     mape: float = math.nan
     n: NonNegInt = 0
     theta: float | None = None  # prefill tokens/s; None: not measured
+    objective: str = "absolute"  # what the fit minimised (bear.calibrator.fit.OBJECTIVES)
+    ttft_mape: float | None = None  # recent BEA TTFT error against observed first tokens (outcomes)
+    ttft_bias: float | None = None  # their median relative error (negative: predictions too low)
+    ttft_n: NonNegInt = 0
     updated: float = 0.0
 
     def __post_init__(self) -> None:
-        _finite(*self.beta, self.theta, self.updated)
+        _finite(*self.beta, self.theta, self.updated, self.ttft_mape, self.ttft_bias)
         if any(b < 0 for b in self.beta):
             raise ValueError("beta must be non-negative")
         if self.theta is not None and self.theta <= 0:
@@ -124,16 +128,19 @@ class InstanceRecord(Message, tag="bear.instance/1", kw_only=True):
 
 class Outcome(Message, tag="bear.outcome/1", kw_only=True):
     """``bear.outcome.<instance>``: a router finished a query there (observed TTFT and TPOT feed
-    every router's view of the instance)."""
+    every router's view of the instance; the predicted TTFT beside the observed one tells the
+    calibrator how good its estimates are)."""
 
     instance: Id
     ttft_s: float | None = None
     tpot_s: float | None = None
+    predicted_ttft_s: float | None = None
+    method: str = "none"  # how predicted_ttft_s was made (bea | analytic | router-eq8 | none)
     completed: bool = True
     t: float
 
     def __post_init__(self) -> None:
-        _finite(self.ttft_s, self.tpot_s, self.t)
+        _finite(self.ttft_s, self.tpot_s, self.predicted_ttft_s, self.t)
 
 
 class EstimateQuery(msgspec.Struct, kw_only=True):

@@ -352,7 +352,8 @@ class RouterService:
         tpot = (end - first) / (n_out - 1) if n_out > 1 else None
         with contextlib.suppress(Exception):
             await self.nc.publish(self.subjects.outcome(inst.id), encode(Outcome(
-                instance=inst.id, ttft_s=ttft, tpot_s=tpot, completed=True, t=time.time())))
+                instance=inst.id, ttft_s=ttft, tpot_s=tpot, predicted_ttft_s=_finite(d.candidate.ttft),
+                method=d.candidate.ttft_method, completed=True, t=time.time())))
         predicted = self.policy.latency_estimate(d.candidate)
         await out.finish({"v": "bear.done/1", "instance": inst.id, "model": inst.model,
                           "predictor_model": inst.predictor_model, "ttft_s": ttft, "target_s": q.ttft_target_s,
