@@ -31,6 +31,7 @@ from bear.protocol.codec import pack, unpack_map
 from bear.protocol.deadline import Deadline
 from bear.protocol.errors import BearError, ErrorCode, error_reply
 from bear.protocol.subjects import Subjects
+from bear.runtime.service import connect, stop_event
 from bear.runtime.shutdown import close_nats
 
 log = structlog.get_logger(__name__)
@@ -224,29 +225,20 @@ class PredictorService:
 
 
 async def serve(nats_url: str, predictor: Predictor, limits: ServiceLimits, prefix: str = "bear",
-                metrics_port: int | None = None, ready: asyncio.Event | None = None) -> None:
-    """Run until SIGINT/SIGTERM."""
-    import signal
-
-    import nats
-
+                metrics_port: int | None = None) -> None:
+    """Run until SIGINT/SIGTERM (the shared service harness: ``bear.runtime.service``)."""
     if metrics_port is not None:
         from prometheus_client import start_http_server
 
         start_http_server(metrics_port)
-    nc = await nats.connect(nats_url, name="bear-predictor", max_reconnect_attempts=-1)
+    stop = stop_event()
+    nc = await connect(nats_url, "bear-predictor")
     svc = PredictorService(predictor, Subjects(prefix), limits)
     await svc.start(nc)
     # Everything allocated so far (modules, the boosters, numpy) lives as long as the process: keep
     # it out of the cyclic GC, so that a full collection (measured ~0.1 s over the ~66k objects of a
     # loaded predictor on a busy host, 0.1 ms after the freeze) never stalls a request.
     gc.freeze()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    if ready is not None:
-        ready.set()
     await stop.wait()
     log.info("predictor_stopping")
     await svc.stop()
