@@ -99,7 +99,7 @@ class Predictor:
             self.forest = NativeForest.build(self.boosters, probe)
         except ForestUnsupported as exc:
             log.warning("native_forest_unsupported", model_dir=str(model_dir), reason=str(exc),
-                        fallback="LightGBM Booster.predict, ~10x slower per request")
+                        fallback="LightGBM Booster.predict per head (slower per request)")
 
     @property
     def models(self) -> list[str]:

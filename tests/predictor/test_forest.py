@@ -107,20 +107,32 @@ def test_forest_refuses_what_it_does_not_implement(params: dict[str, Any], reaso
 
 
 class _Tampered(lgb.Booster):
-    """A booster whose model text says one leaf is worth a little more than its trees say."""
+    """A booster whose model text is not what its trees are: ``edit`` changes the text."""
+
+    edit: Any = None
 
     def model_to_string(self, *args: Any, **kwargs: Any) -> str:
-        text = super().model_to_string(*args, **kwargs)
-        head, sep, rest = text.partition("\nleaf_value=")
-        first, _, others = rest.partition(" ")
-        return head + sep + repr(float(first) + 1e-9) + " " + others
+        return type(self).edit(super().model_to_string(*args, **kwargs))
 
 
-def test_probe_catches_a_forest_that_disagrees_with_lightgbm() -> None:
+def _leaf_plus_1e9(text: str) -> str:
+    head, sep, rest = text.partition("\nleaf_value=")
+    first, _, others = rest.partition(" ")
+    return head + sep + repr(float(first) + 1e-9) + " " + others
+
+
+def _child_out_of_range(text: str) -> str:
+    return text.replace("\nleft_child=", "\nleft_child=99 ", 1)
+
+
+@pytest.mark.parametrize(("edit", "reason"), [(_leaf_plus_1e9, "differ from LightGBM's on probe rows"),
+                                               (_child_out_of_range, "unreadable tree")])
+def test_forest_refuses_a_text_that_is_not_what_lightgbm_evaluates(edit: Any, reason: str) -> None:
+    """The load-time probe (a leaf a little off) and the tree checks (a child index out of range)."""
     good = _train({"objective": "regression"})
     assert NativeForest.build({"h": good}).names == ["h"]
-    tampered = _Tampered(model_str=good.model_to_string())
-    with pytest.raises(ForestUnsupported, match="differ from LightGBM"):
+    tampered = type("Tampered", (_Tampered,), {"edit": staticmethod(edit)})(model_str=good.model_to_string())
+    with pytest.raises(ForestUnsupported, match=reason):
         NativeForest.build({"good": good, "h": tampered})
 
 
