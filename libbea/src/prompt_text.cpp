@@ -1,10 +1,13 @@
-// See bea/prompt_text.h. The reference is the pure-Python implementation kept in
-// tests/test_predictor_native.py; the tests compare both on thousands of prompts.
+// See bea/prompt_text.h. tests/predictor/data/prompt_golden.jsonl.gz holds the outputs these
+// functions must give (recorded from the numpy/regex implementation they replaced).
 #include "bea/prompt_text.h"
+
+#include "bea/prompt_unicode.h"
 
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <iterator>
 #include <stdexcept>
 
 #if defined(__SSE2__)
@@ -19,7 +22,7 @@ namespace {
 constexpr uint64_t kP = 1000003ULL;
 constexpr uint64_t kMix = 0x9E3779B97F4A7C15ULL;
 
-// Byte classes of text.py: word = ASCII letters/digits and every byte >= 0x80; space = the six
+// Byte classes of the pieces: word = ASCII letters/digits and every byte >= 0x80; space = the six
 // ASCII whitespace bytes 9-13 and 32; punct = everything else (one piece per byte).
 enum : uint8_t { kSpace = 1, kWord = 2, kEnd = 4 };
 
@@ -39,20 +42,29 @@ constexpr std::array<uint8_t, 256> kClass = make_classes();
 inline uint8_t cls(uint8_t b) { return kClass[b]; }
 inline uint8_t lower_ascii(uint8_t b) { return (b >= 'A' && b <= 'Z') ? static_cast<uint8_t>(b + 32) : b; }
 
-// Python str whitespace (str.isspace / regex \s) restricted to ASCII: 9-13, 28-31, 32.
+// Classes of an indicator_text byte (one code point). Python's \s (str.isspace) on ASCII: 9-13,
+// 28-31, 32.
 inline bool py_space(char c) {
   const auto b = static_cast<unsigned char>(c);
-  return (b >= 9 && b <= 13) || (b >= 28 && b <= 32);
+  return (b >= 9 && b <= 13) || (b >= 28 && b <= 32) || b == kSpaceCp;
 }
-// Python regex \w on ASCII: letters, digits, underscore.
+// \d: a decimal digit of any script; its value.
+inline bool is_digit(char c) {
+  const auto b = static_cast<unsigned char>(c);
+  return (b >= '0' && b <= '9') || (b >= kDigitCp && b < kDigitCp + 10);
+}
+inline int digit_value(char c) {
+  const auto b = static_cast<unsigned char>(c);
+  return b >= kDigitCp ? b - kDigitCp : b - '0';
+}
+// \w: letters, digits and numbers of any script, underscore.
 inline bool py_word(char c) {
   const auto b = static_cast<unsigned char>(c);
-  return (b >= '0' && b <= '9') || (b >= 'a' && b <= 'z') || (b >= 'A' && b <= 'Z') || b == '_';
+  return (b >= 'a' && b <= 'z') || (b >= 'A' && b <= 'Z') || b == '_' || b == kWordCp || is_digit(c);
 }
 inline bool lower_letter(char c) { return c >= 'a' && c <= 'z'; }
-inline bool digit(char c) { return c >= '0' && c <= '9'; }
 
-// The whitespace bytes that text.py's ``_cut`` does not split at: space, newline, tab.
+// The whitespace bytes the hash window is cut at: space, newline, tab.
 inline bool cut_space(uint8_t b) { return b == ' ' || b == '\n' || b == '\t'; }
 
 }  // namespace
@@ -244,6 +256,114 @@ PieceCounts hashed_features(const uint8_t* data, size_t n, double* out) {
   return r;
 }
 
+// ---- indicator text --------------------------------------------------------------------------
+
+namespace {
+
+inline bool continuation(uint8_t b) { return (b & 0xC0) == 0x80; }
+
+// The byte after the code point that starts at i (the next byte that is not a continuation).
+inline size_t next_cp(const uint8_t* data, size_t n, size_t i) {
+  ++i;
+  while (i < n && continuation(data[i])) ++i;
+  return i;
+}
+
+// The code point of the bytes [i, j) if they are its UTF-8 encoding (shortest form, at most
+// U+10FFFF, surrogates allowed), else -1.
+int32_t decode(const uint8_t* p, size_t len) {
+  const uint8_t b = p[0];
+  int32_t cp;
+  size_t want;
+  int32_t min;
+  if (b >= 0xC0 && b < 0xE0) {
+    cp = b & 0x1F, want = 2, min = 0x80;
+  } else if (b >= 0xE0 && b < 0xF0) {
+    cp = b & 0x0F, want = 3, min = 0x800;
+  } else if (b >= 0xF0 && b < 0xF8) {
+    cp = b & 0x07, want = 4, min = 0x10000;
+  } else {
+    return -1;
+  }
+  if (len != want) return -1;
+  for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (p[k] & 0x3F);
+  return (cp < min || cp > 0x10FFFF) ? -1 : cp;
+}
+
+template <size_t N>
+bool in_list(const uint32_t (&list)[N], uint32_t cp) {
+  return std::binary_search(list, list + N, cp);
+}
+
+// Python's re class of a non-ASCII code point (cp < 0: not UTF-8).
+uint8_t cp_class(int32_t cp) {
+  namespace u = unicode;
+  if (cp < 0) return kOtherCp;
+  const auto c = static_cast<uint32_t>(cp);
+  if (in_list(u::kSpaces, c)) return kSpaceCp;
+  const uint32_t* z = std::upper_bound(std::begin(u::kDigitZeros), std::end(u::kDigitZeros), c);
+  if (z != std::begin(u::kDigitZeros) && c - z[-1] < 10) return static_cast<uint8_t>(kDigitCp + (c - z[-1]));
+  const auto* r = std::upper_bound(std::begin(u::kWordRanges), std::end(u::kWordRanges), c,
+                                   [](uint32_t v, const uint32_t(&range)[2]) { return v < range[0]; });
+  if (r != std::begin(u::kWordRanges) && c <= r[-1][1]) return kWordCp;
+  return kOtherCp;
+}
+
+// Appends the lower-cased classes of the code points of data[lo, hi). Python's str.lower keeps
+// the class of every non-ASCII code point except two that lower-case to ASCII: U+0130 (to 'i' and
+// U+0307 COMBINING DOT ABOVE, not \w) and U+212A KELVIN SIGN (to 'k'). (Its other context rule,
+// the final sigma, maps a letter to a letter.)
+void append_lowered(const uint8_t* data, size_t lo, size_t hi, std::string& out) {
+  for (size_t i = lo; i < hi;) {
+    const uint8_t b = data[i];
+    if (b < 0x80) {
+      out.push_back(static_cast<char>(lower_ascii(b)));
+      ++i;
+      continue;
+    }
+    const size_t j = next_cp(data, hi, i);
+    const int32_t cp = decode(data + i, j - i);
+    if (cp == 0x130) {
+      out.push_back('i');
+      out.push_back(static_cast<char>(kOtherCp));
+    } else if (cp == 0x212A) {
+      out.push_back('k');
+    } else {
+      out.push_back(static_cast<char>(cp_class(cp)));
+    }
+    i = j;
+  }
+}
+
+}  // namespace
+
+int64_t count_code_points(const uint8_t* data, size_t n) {
+  int64_t c = (n > 0 && continuation(data[0])) ? 1 : 0;  // leading continuation bytes: one
+  for (size_t i = 0; i < n; ++i) c += continuation(data[i]) ? 0 : 1;
+  return c;
+}
+
+std::string indicator_text(const uint8_t* data, size_t n) {
+  // End of the first kIndicatorSpan code points and start of the last kIndicatorSpan.
+  size_t head = 0;
+  for (size_t k = 0; k < kIndicatorSpan && head < n; ++k) head = next_cp(data, n, head);
+  size_t tail = n;
+  for (size_t k = 0; k < kIndicatorSpan && tail > 0; ++k) {
+    --tail;
+    while (tail > 0 && continuation(data[tail])) --tail;
+  }
+  std::string out;
+  out.reserve(2 * kIndicatorSpan + 2);
+  if (tail <= head) {  // at most 2 * kIndicatorSpan code points: all of them
+    append_lowered(data, 0, n, out);
+  } else {
+    append_lowered(data, 0, head, out);
+    out.push_back('\n');
+    append_lowered(data, tail, n, out);
+  }
+  return out;
+}
+
 // ---- indicators -------------------------------------------------------------------------------
 
 Indicators::Indicators(std::vector<IndicatorSpec> flags, LimitSpec limit, std::vector<std::string> question_words)
@@ -331,7 +451,7 @@ double Indicators::limit(std::string_view low) const {
       while (k < n && py_space(low[k])) ++k;
       if (k == s1) continue;  // \s+
       const size_t d0 = k;
-      while (k < n && digit(low[k])) ++k;
+      while (k < n && is_digit(low[k])) ++k;
       const size_t ndig = k - d0;
       // \d{1,5} then \s+: the whole digit run must be 1..5 long (a shorter prefix is followed by
       // a digit, never by whitespace).
@@ -348,7 +468,7 @@ double Indicators::limit(std::string_view low) const {
         const bool without_s = e2 == n || !py_word(low[e2]);
         if (!with_s && !without_s) continue;
         double number = 0.0;
-        for (size_t d = d0; d < d0 + ndig; ++d) number = number * 10.0 + static_cast<double>(low[d] - '0');
+        for (size_t d = d0; d < d0 + ndig; ++d) number = number * 10.0 + static_cast<double>(digit_value(low[d]));
         return std::log1p(number * limit_.factors[u]);
       }
     }
@@ -356,10 +476,7 @@ double Indicators::limit(std::string_view low) const {
   return 0.0;
 }
 
-bool Indicators::evaluate(std::string_view low, double* out) const {
-  for (char c : low) {
-    if (static_cast<unsigned char>(c) >= 128) return false;
-  }
+void Indicators::evaluate(std::string_view low, double* out) const {
   const size_t n = low.size();
   uint64_t bits = 0;
   // Words: [a-z]+ runs looked up among the keywords with the same first letter.
@@ -382,7 +499,9 @@ bool Indicators::evaluate(std::string_view low, double* out) const {
   // Phrases: substring tests, one pass over the start positions.
   if (phrase_flags_ & ~bits) {
     for (size_t i = 0; i < n; ++i) {
-      for (const Entry& e : phrases_[static_cast<unsigned char>(low[i])]) {
+      const auto c = static_cast<unsigned char>(low[i]);
+      if (c >= 128) continue;  // a non-ASCII class: phrases are ASCII
+      for (const Entry& e : phrases_[c]) {
         if ((e.bits & ~bits) && low.compare(i, e.text.size(), e.text) == 0) bits |= e.bits;
       }
     }
@@ -392,7 +511,6 @@ bool Indicators::evaluate(std::string_view low, double* out) const {
     const bool on = flags_[k].question ? is_question(low) : ((bits >> k) & 1U) != 0;
     out[1 + k] = on ? 1.0 : 0.0;
   }
-  return true;
 }
 
 }  // namespace prompt

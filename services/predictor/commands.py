@@ -113,10 +113,10 @@ def train_cmd(
     if len(m_test.quality) == 0:
         log.warning("no_test_records", hint="use --test-fraction > 0 for a report")
         return
-    heads = Predictor(out).heads
-    report = evaluate(heads, m_test)
+    predictor = Predictor(out)
+    report = evaluate(predictor, m_test)
     (out / "report.json").write_text(json.dumps(report, indent=2))
-    plot(heads, m_test, out / "report.png")
+    plot(predictor, m_test, out / "report.png")
     _print_report(Console(), report)
     log.info("trained", out=str(out), report=str(out / "report.json"), plot=str(out / "report.png"))
 

@@ -226,9 +226,10 @@ class PredictorService:
 
 
 async def serve(nats_url: str, predictor: Predictor, limits: ServiceLimits, prefix: str = "bear",
-                metrics_port: int | None = None, ready: asyncio.Event | None = None) -> None:
-    """Run until SIGINT/SIGTERM."""
+                metrics_port: int | None = None) -> None:
+    """Run until SIGINT/SIGTERM (the shared service harness: ``bear.runtime.service``)."""
     start_metrics_server(metrics_port)
+    stop = stop_event()
     nc = await connect(nats_url, "bear-predictor")
     svc = PredictorService(predictor, Subjects(prefix), limits)
     await svc.start(nc)
@@ -236,9 +237,6 @@ async def serve(nats_url: str, predictor: Predictor, limits: ServiceLimits, pref
     # it out of the cyclic GC, so that a full collection (measured ~0.1 s over the ~66k objects of a
     # loaded predictor on a busy host, 0.1 ms after the freeze) never stalls a request.
     gc.freeze()
-    stop = stop_event()
-    if ready is not None:
-        ready.set()
     await stop.wait()
     log.info("predictor_stopping")
     await svc.stop()

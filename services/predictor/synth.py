@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from bear.predictor.dataset import Record
-from bear.predictor.text import count_pieces
+from bear.predictor.features import analyse
 
 TASKS = ("alpaca", "hotpotqa", "govreport", "writingprompts")
 
@@ -203,7 +203,7 @@ def generate(n_queries: int, seed: int = 0, models: tuple[str, ...] | None = Non
     for i in range(n_queries):
         task = tasks[i % len(tasks)]
         q = _GENERATORS[task](rng, w)
-        n_tok, _ = count_pieces(np.frombuffer(q.prompt.encode(), dtype=np.uint8))
+        n_tok = analyse(q.prompt).n_pieces  # the fallback token count
         for m in models:
             base = TABLE2[task][m]
             qual = base - _SLOPE[m] * (q.difficulty - _DIFF_CENTRE[task]) + rng.normal(0.0, _Q_SIGMA)
