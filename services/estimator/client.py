@@ -24,9 +24,9 @@ from bear.runtime.request import RequestStats, error_in, request
 
 class EstimatorClient:
     def __init__(self, nc: Any, subjects: Subjects | None = None, *, try_timeout_s: float = 0.25,
-                 retries: int = 1) -> None:
+                 retries: int = 1, subject: str | None = None) -> None:
         self.nc = nc
-        self.subject = (subjects or Subjects()).estimate
+        self.subject = subject or (subjects or Subjects()).estimate  # a shard's subject when sharded
         self.try_timeout_s = try_timeout_s
         self.retries = retries
         self.stats = RequestStats()

@@ -135,18 +135,25 @@ def estimator(
     with_calibrator: bool = typer.Option(
         False, "--with-calibrator", help="Also run the online β calibrator in this process (single worker only)"
     ),
+    shards: int = typer.Option(1, "--shards", min=1, help="Estimator shards of the deployment (the routers' "
+                               "--estimator-shards); 1: every worker serves every instance"),
+    shard: int = typer.Option(0, "--shard", min=0, help="The shard these workers serve, 0 … shards − 1: they follow "
+                              "only the registered instances whose id hashes to it"),
     prefix: Prefix = "bear",
     metrics_port: int = typer.Option(0, "--metrics-port", help="Prometheus port (worker i uses port+i); 0: off"),
     log_format: LogFormatOpt = LogFormat.console,
     log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
     """Serve bear.estimate: BEA TTFT per candidate instance from the newest snapshots."""
+    if shard >= shards:
+        raise typer.BadParameter(f"--shard {shard} must be below --shards {shards}")
     if workers > 1:
         from bear.estimator.service import run_forked
 
         argv = ["--nats", nats_url, "--max-age", str(max_age_s), "--down-after", str(down_after_s),
                 "--default-output-tokens", str(default_output_tokens), "--overrun-fraction", str(overrun_fraction),
-                "--prefix", prefix, "--log-format", str(log_format), "--log-level", log_level]
+                "--prefix", prefix, "--log-format", str(log_format), "--log-level", log_level,
+                "--shards", str(shards), "--shard", str(shard)]
         argv.append("--compensate-staleness" if compensate_staleness else "--no-compensate-staleness")
         raise typer.Exit(run_forked(argv, workers, metrics_port or None))
     configure_logging(log_format, log_level)
@@ -156,7 +163,8 @@ def estimator(
 
     start_metrics_server(metrics_port or None)
     cfg = EstimatorConfig(max_age_s=max_age_s, down_after_s=down_after_s, default_output_tokens=default_output_tokens,
-                          overrun_fraction=overrun_fraction, compensate_staleness=compensate_staleness)
+                          overrun_fraction=overrun_fraction, compensate_staleness=compensate_staleness,
+                          shards=shards, shard=shard)
     aio.run(run_worker(nats_url, cfg, prefix, with_calibrator))
 
 

@@ -43,6 +43,8 @@ class EstimatorConfig:
     rate_window_s: float = 10.0  # window of the prompt-token arrival rate
     executor_residents: int = 512  # replays over more residents run off the event loop
     # worker only (I/O):
+    shards: int = 1  # estimator shards of the deployment (1: every worker serves every instance)
+    shard: int = 0  # the shard this worker serves (0 … shards − 1)
     default_deadline_s: float = 1.0
     snapshot_pending_msgs: int = 256
     worker_name: str = ""

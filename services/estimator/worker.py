@@ -53,43 +53,56 @@ class EstimatorWorker:
         self.handled = 0
         self._service: Any = None
         self._subs: list[Any] = []
+        self._owned: dict[str, list[Any]] = {}  # sharded: the subscriptions of each instance owned
         self._tasks: list[asyncio.Task[None]] = []
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def sharded(self) -> bool:
+        return self.cfg.shards > 1
+
+    def owns(self, instance: str) -> bool:
+        return Subjects.shard_of(instance, self.cfg.shards) == self.cfg.shard
+
+    async def _follow(self, snapshots: str, dispatches: str) -> list[Any]:
+        """Subscribe to the snapshots and dispatches of one instance (or of all: ``*``)."""
+        return [
+            await self.nc.subscribe(snapshots, cb=self._on_snapshot, pending_msgs_limit=self.cfg.snapshot_pending_msgs,
+                                    pending_bytes_limit=64 * 1024 * 1024),
+            await self.nc.subscribe(dispatches, cb=self._on_dispatch),
+        ]
+
     async def start(self) -> None:
         from nats.micro import add_service
 
-        self._subs.append(
-            await self.nc.subscribe(
-                self.subjects.snapshot_all,
-                cb=self._on_snapshot,
-                pending_msgs_limit=self.cfg.snapshot_pending_msgs,
-                pending_bytes_limit=64 * 1024 * 1024,
-            )
-        )
-        self._subs.append(await self.nc.subscribe(self.subjects.dispatch_all, cb=self._on_dispatch))
+        if not 0 <= self.cfg.shard < max(1, self.cfg.shards):
+            raise ValueError(f"shard {self.cfg.shard} is not in 0..{self.cfg.shards - 1}")
+        if not self.sharded:
+            self._subs += await self._follow(self.subjects.snapshot_all, self.subjects.dispatch_all)
         js = self.nc.jetstream()
         for bucket, handler in (
             (self.subjects.calibration_bucket, self._on_calibration),
             (self.subjects.instances_bucket, self._on_registry),
         ):
             self._tasks.append(asyncio.create_task(watch_kv(js, bucket, handler, retry_s=1.0, log=log)))
+        subject = self.subjects.estimate_shard(self.cfg.shard, self.cfg.shards)
         self._service = await add_service(
             self.nc,
             name="bear-estimator",
             version="0.1.0",
             description="BEA TTFT estimates per candidate instance",
-            queue_group="bear-estimator",
+            queue_group=f"bear-estimator-{self.cfg.shard}" if self.sharded else "bear-estimator",
         )
-        await self._service.add_endpoint(name="estimate", subject=self.subjects.estimate, handler=self._handle)
+        await self._service.add_endpoint(name="estimate", subject=subject, handler=self._handle)
         await self.nc.flush()
-        log.info("estimator worker started", worker=self.name, subject=self.subjects.estimate)
+        log.info("estimator worker started", worker=self.name, subject=subject,
+                 shard=f"{self.cfg.shard}/{self.cfg.shards}")
 
     async def stop(self) -> None:
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()
-        for s in self._subs:
+        for s in [*self._subs, *(x for subs in self._owned.values() for x in subs)]:
             with contextlib.suppress(Exception):
                 await s.unsubscribe()
         await cancel_all(self._tasks)
@@ -126,7 +139,19 @@ class EstimatorWorker:
         try:
             self.store.get(key).registry_heartbeat = decode(InstanceRecord, value).heartbeat
         except BearError:
-            pass
+            return
+        if self.sharded and self.owns(key) and key not in self._owned:
+            self._owned[key] = []  # claimed now; the subscriptions follow on the loop
+            self._tasks.append(asyncio.create_task(self._own(key)))
+
+    async def _own(self, instance: str) -> None:
+        """Follow one more instance of this shard (learnt from the registry)."""
+        try:
+            self._owned[instance] = await self._follow(self.subjects.snapshot(instance),
+                                                       self.subjects.dispatch(instance))
+        except Exception as exc:  # NATS away: the next registry update tries again
+            self._owned.pop(instance, None)
+            log.warning("cannot follow instance", instance=instance, error=repr(exc))
 
     # ------------------------------------------------------------------ requests
     async def _handle(self, req: Any) -> None:

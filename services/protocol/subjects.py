@@ -50,6 +50,10 @@ class Subjects:
     def estimate(self) -> str:
         return f"{self.prefix}.estimate"
 
+    def estimate_shard(self, shard: int, shards: int) -> str:
+        """The estimate subject of one shard (``bear.estimate`` when the pool is not sharded)."""
+        return self.estimate if shards <= 1 else f"{self.prefix}.estimate.{shard}"
+
     @property
     def submit(self) -> str:
         return f"{self.prefix}.submit"
@@ -66,6 +70,17 @@ class Subjects:
     def queries_bucket(self) -> str:
         """Create-only KV bucket of the query ids routers have claimed (deduplication)."""
         return f"{self.prefix}_queries"
+
+    @staticmethod
+    def shard_of(instance: str, shards: int) -> int:
+        """The estimator shard that owns ``instance``: FNV-1a (32 bit) of its id modulo the number
+        of shards — stable across processes and versions, so routers and workers agree."""
+        if shards <= 1:
+            return 0
+        h = 0x811C9DC5
+        for byte in instance.encode():
+            h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
+        return h % shards
 
     @staticmethod
     def instance_of(subject: str) -> str:

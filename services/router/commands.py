@@ -41,6 +41,8 @@ def router(
     default_output_tokens: int = typer.Option(
         256, "--default-output-tokens", help="Output length assumed when the predictor does not answer"),
     max_inflight: int = typer.Option(4096, "--max-inflight", help="Queries in progress before `overloaded`"),
+    estimator_shards: int = typer.Option(1, "--estimator-shards", min=1,
+                                         help="Estimator shards of the deployment (the workers' --shards)"),
     down_after: float = typer.Option(10.0, "--down-after", help="Registry heartbeat older than this (s): down"),
     model_alias: list[str] = typer.Option(
         [], "--model-alias", help="SERVED=PREDICTOR model name mapping (default: last path part); repeatable"),
@@ -59,6 +61,7 @@ def router(
                        predict_try_s=predict_budget / 2, estimate_budget_s=estimate_budget,
                        estimate_try_s=estimate_budget / 2, default_output_tokens=default_output_tokens,
                        max_inflight=max_inflight, down_after_s=down_after, outcome_log=outcome_log,
+                       estimator_shards=estimator_shards,
                        aliases=_aliases(model_alias))
     start_metrics_server(metrics_port or None)
     aio.run(serve(nats_url, cfg, prefix))

@@ -51,6 +51,7 @@ class RouterConfig:
     predict_try_s: float = 0.1
     estimate_budget_s: float = 0.2
     estimate_try_s: float = 0.1
+    estimator_shards: int = 1  # estimator shards of the deployment (each its own queue group)
     default_output_tokens: int = 256  # fallback prediction of the output length
     max_inflight: int = 4096
     down_after_s: float = 10.0
@@ -156,7 +157,9 @@ class RouterService:
         self.name = self.cfg.name or f"{os.uname().nodename}:{os.getpid()}:{id(self) & 0xFFFF:x}"
         self.policy: Policy = make_policy(self.cfg.policy, **self.cfg.policy_params)
         self.registry = Registry(nc, self.subjects, down_after_s=self.cfg.down_after_s, aliases=self.cfg.aliases)
-        self.estimator = EstimatorClient(nc, self.subjects, try_timeout_s=self.cfg.estimate_try_s)
+        shards = max(1, self.cfg.estimator_shards)
+        self.estimators = [EstimatorClient(nc, self.subjects, try_timeout_s=self.cfg.estimate_try_s,
+                                           subject=self.subjects.estimate_shard(k, shards)) for k in range(shards)]
         self.dedup = Deduplicator(nc, self.subjects.queries_bucket, ttl_s=self.cfg.dedup_ttl_s,
                                   timeout_s=self.cfg.dedup_timeout_s)
         self.outcomes = OutcomeLog(self.cfg.outcome_log)
@@ -235,7 +238,7 @@ class RouterService:
         pred = ask_predictor(self.nc, self.subjects.predict, q.text, models, self.cfg.predict_budget_s,
                              try_timeout_s=self.cfg.predict_try_s, prompt_tokens=q.prompt_tokens,
                              query_id=q.query_id)
-        est = ask_estimator(self.estimator, EstimateQuery(id=q.query_id, prompt_tokens=ptoks, max_tokens=q.max_tokens),
+        est = ask_estimator(self.estimators, EstimateQuery(id=q.query_id, prompt_tokens=ptoks, max_tokens=q.max_tokens),
                             [i.id for i in insts], self.cfg.estimate_budget_s)
         (claimed, tc), (preds, tp), (reply, te) = await asyncio.gather(
             _clocked(self.dedup.claim(q.query_id, self.name)), _clocked(pred), _clocked(est))
