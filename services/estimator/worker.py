@@ -84,7 +84,7 @@ class EstimatorWorker:
             (self.subjects.calibration_bucket, self._on_calibration),
             (self.subjects.instances_bucket, self._on_registry),
         ):
-            self._tasks.append(asyncio.create_task(watch_kv(js, bucket, handler, retry_s=1.0, log=log)))
+            self._tasks.append(asyncio.create_task(watch_kv(js, bucket, handler, retry_s=1.0, log=log, nc=self.nc)))
         subject = self.subjects.estimate_shard(self.cfg.shard, self.cfg.shards)
         self._service = await add_service(
             self.nc,

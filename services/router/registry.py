@@ -77,9 +77,10 @@ class Registry:
     async def start(self) -> None:
         js = self.nc.jetstream()
         self._tasks.append(asyncio.create_task(watch_kv(
-            js, self.subjects.instances_bucket, self._on_instance, on_loaded=self.loaded.set, retry_s=0.5, log=log)))
+            js, self.subjects.instances_bucket, self._on_instance, on_loaded=self.loaded.set, retry_s=0.5, log=log,
+            nc=self.nc)))
         self._tasks.append(asyncio.create_task(watch_kv(
-            js, self.subjects.calibration_bucket, self._on_calibration, retry_s=0.5, log=log)))
+            js, self.subjects.calibration_bucket, self._on_calibration, retry_s=0.5, log=log, nc=self.nc)))
         self._sub = await self.nc.subscribe(self.subjects.outcome_all, cb=self._on_outcome,
                                             pending_msgs_limit=65536)
 

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+from nats.errors import TimeoutError as NatsTimeout
 
 
 async def ensure_kv(js: Any, bucket: str) -> Any:
@@ -18,24 +23,63 @@ async def ensure_kv(js: Any, bucket: str) -> Any:
         return await js.create_key_value(KeyValueConfig(bucket=bucket, history=1))
 
 
-async def watch_kv(js: Any, bucket: str, handler: Any, *, on_loaded: Any = None, retry_s: float = 1.0,
-                   log: Any = None) -> None:
-    """Follow every key of a KV bucket (created if missing) forever: ``handler(key, value)`` per
-    update, value None on delete/purge; ``on_loaded()`` once the initial values are through (after
-    each (re)watch). Errors re-watch after ``retry_s``; cancellation stops it."""
+@dataclass
+class WatchStats:
+    """What a KV watch went through (for metrics and tests)."""
+
+    entries: int = 0
+    rejected: int = 0  # entries whose handler raised: counted and skipped
+    rewatches: int = 0
+
+
+async def watch_kv(js: Any, bucket: str, handler: Callable[[str, bytes | None], None], *,
+                   on_loaded: Callable[[], None] | None = None, retry_s: float = 1.0, log: Any = None,
+                   nc: Any = None, poll_s: float = 0.5, stats: WatchStats | None = None) -> None:
+    """Follow every key of a KV bucket (created if missing) until cancelled: ``handler(key,
+    value)`` per update (value None on delete/purge), ``on_loaded()`` once the initial values are
+    through, after every (re)watch.
+
+    It survives anything one entry or the broker does: an entry whose handler raises is counted
+    and skipped (one bad key never wedges the watch); a failed watch is stopped before the next
+    one starts (no consumer left behind); and with ``nc`` given, a reconnect of that connection
+    starts a fresh watch within ``poll_s`` — the old consumer may not exist on the restarted
+    server, and the initial values bring the view up to date at once."""
+    stats = stats if stats is not None else WatchStats()
     while True:
+        watcher = None
         try:
             kv = await ensure_kv(js, bucket)
             watcher = await kv.watchall()
-            async for entry in watcher:
+            reconnects = _reconnects(nc)
+            while _reconnects(nc) == reconnects:
+                try:
+                    entry = await watcher.updates(timeout=poll_s)
+                except (TimeoutError, NatsTimeout):
+                    continue
                 if entry is None:  # end of the initial values
                     if on_loaded is not None:
                         on_loaded()
                     continue
-                handler(entry.key, None if entry.operation in ("DEL", "PURGE") else entry.value)
+                stats.entries += 1
+                try:
+                    handler(entry.key, None if entry.operation in ("DEL", "PURGE") else entry.value)
+                except Exception as exc:
+                    stats.rejected += 1
+                    if log is not None:
+                        log.warning("kv entry rejected", bucket=bucket, key=entry.key, error=repr(exc)[:200])
+            stats.rewatches += 1  # the connection came back: watch afresh
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            stats.rewatches += 1
             if log is not None:
                 log.warning("kv watch failed; retrying", bucket=bucket, error=str(exc))
             await asyncio.sleep(retry_s)
+        finally:
+            if watcher is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(watcher.stop(), 1.0)
+
+
+def _reconnects(nc: Any) -> int:
+    return int(nc.stats.get("reconnects", 0)) if nc is not None else 0
