@@ -85,6 +85,7 @@ def mape(pred: np.ndarray, y: np.ndarray) -> float:
 # Row weights of each objective, as a power of the observed duration: minimise Σ (w·(x·β − y))².
 OBJECTIVES: dict[str, float] = {"absolute": 0.0, "sqrt": -0.5, "relative": -1.0}
 DEFAULT_OBJECTIVE = "absolute"
+MAX_FIT_MAPE = 1.0  # a fit that misses its records by more than this on average describes nothing
 
 
 def fit_arrays(x: np.ndarray, y: np.ndarray, objective: str = DEFAULT_OBJECTIVE) -> Fit:
@@ -143,6 +144,8 @@ def robust_fit(records: list[dict[str, Any]], instance: str = "", objective: str
         cal = fit_arrays(x[keep], y[keep], objective)
     else:
         cal = first
+    if not cal.mape <= MAX_FIT_MAPE:
+        raise ValueError(f"the fit misses its own records by {cal.mape:.0%} on average: not published")
     kept = [r for r, k in zip([r for r in records if usable(r)], keep, strict=True) if k]
     try:
         theta: float | None = prefill_throughput(kept)

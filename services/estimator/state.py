@@ -18,6 +18,7 @@ from bear import libbea
 from bear.protocol.messages import NOMINAL_CALIBRATION, Calibration, Dispatch
 
 MAX_LENGTHS_PER_INSTANCE = 50_000  # predicted lengths kept (oldest forgotten first)
+MAX_CLOCK_SKEW_S = 2.0  # a snapshot stamped further in the future than this is refused
 MAX_SEEN_IDS = 50_000  # request ids some snapshot has shown (oldest forgotten first)
 DISPATCH_LOG_S = 60.0  # dispatches kept this long (rate window and "ahead" horizon are shorter)
 EWMA = 0.05
@@ -54,26 +55,30 @@ class InstanceState:
 
     def ensure_parsed(self) -> bool | None:
         """Parse the pending raw snapshot if any: None (nothing new), True (installed), False
-        (malformed: dropped, the previous one is kept)."""
+        (refused: malformed, or stamped in the future; the previous one is kept)."""
         data = self.raw
         if data is None:
             return None
         self.raw = None
         try:
             snap = libbea.Snapshot.from_msgpack(data)
+            ids = snap.request_ids  # ValueError (UnicodeDecodeError) on ids that are not UTF-8
         except ValueError:
             return False
-        return self.install(snap, float(snap.time), self.raw_received)
+        t = float(snap.time)
+        if t > self.raw_received + MAX_CLOCK_SKEW_S:
+            return False  # a future time would outlive every real snapshot after it
+        return self.install(snap, t, self.raw_received, ids)
 
-    def install(self, snap: Any, snap_time: float, received: float) -> bool | None:
+    def install(self, snap: Any, snap_time: float, received: float, ids: list[str] | None = None) -> bool | None:
         """Make ``snap`` (captured at ``snap_time``) the current state; None if it is older than
-        the one held (reordered delivery)."""
+        the one held in both step and time (reordered delivery)."""
         if self.snap is not None and snap.seq < self.snap.seq and snap_time < self.snap_time:
             return None
         self.snap = snap
         self.snap_time = snap_time
         self.snap_received = received
-        for rid in snap.request_ids:
+        for rid in snap.request_ids if ids is None else ids:
             self.seen[rid] = None
         while len(self.seen) > MAX_SEEN_IDS:
             self.seen.popitem(last=False)
@@ -158,16 +163,28 @@ def _ewma(prev: float | None, x: float) -> float:
 
 
 class StateStore:
-    """All instances one estimator knows, created on first mention."""
+    """All instances one estimator knows, created on first mention and bounded in number: past
+    ``max_instances`` the one mentioned least recently is forgotten (a flood of snapshots for
+    made-up instance ids cannot grow the worker without bound)."""
 
-    def __init__(self) -> None:
-        self.instances: dict[str, InstanceState] = {}
+    def __init__(self, max_instances: int = 4096) -> None:
+        self.instances: OrderedDict[str, InstanceState] = OrderedDict()
+        self.max_instances = max_instances
+        self.evicted = 0
 
     def get(self, instance: str) -> InstanceState:
         st = self.instances.get(instance)
         if st is None:
             st = self.instances[instance] = InstanceState(instance)
+            while len(self.instances) > self.max_instances:
+                self.instances.popitem(last=False)
+                self.evicted += 1
+        else:
+            self.instances.move_to_end(instance)
         return st
+
+    def forget(self, instance: str) -> None:
+        self.instances.pop(instance, None)
 
     def peek(self, instance: str) -> InstanceState | None:
         return self.instances.get(instance)

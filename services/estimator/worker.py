@@ -133,8 +133,10 @@ class EstimatorWorker:
             log.warning("malformed calibration entry dropped", instance=key, error=exc.message)
 
     def _on_registry(self, key: str, value: bytes | None) -> None:
-        if value is None:
-            self.store.get(key).registry_heartbeat = 0.0
+        if value is None:  # deregistered: forget it (and stop following it, when sharded)
+            self.store.forget(key)
+            for sub in self._owned.pop(key, None) or ():
+                self._tasks.append(asyncio.create_task(sub.unsubscribe()))
             return
         try:
             self.store.get(key).registry_heartbeat = decode(InstanceRecord, value).heartbeat

@@ -79,6 +79,12 @@ class Calibration(Message, tag="bear.calibration/1", kw_only=True):
             raise ValueError("beta must be non-negative")
         if self.theta is not None and self.theta <= 0:
             raise ValueError("theta must be > 0")
+        # A model no engine could have: a one-token decode step (context 1k) or a 1k-token prefill
+        # predicted below 10 µs or beyond a minute (a β of zeros, a forged or degenerate fit).
+        b0, b1, b2, b3 = self.beta
+        for t in (b0 + b1 + b2 * 1000.0, b0 + 1000.0 * b1 + b3 * 1000.0 * 1001.0 / 2.0):
+            if not 1e-5 <= t <= 60.0:
+                raise ValueError(f"beta predicts {t:.3g} s for a plain step: not a plausible engine")
 
     def prefill_tps(self) -> float:
         """θ of eq. 8: the measured one, else what β implies for a nominal prompt."""
