@@ -6,7 +6,11 @@ one terminal ``bear.done/1`` or ``bear.error/1``.
 No answer within ``accept_timeout_s`` (no router, or the submission was lost in a NATS restart)
 → the same ``query_id`` is resubmitted (routers deduplicate ids, so it never runs twice); still
 nothing, or a stream silent for ``idle_timeout_s`` → a client-made ``bear.error/1`` (``client:
-true``), so the caller always gets a terminal message."""
+true``), so the caller always gets a terminal message.
+
+A caller that stops before the router's terminal message (closes or cancels the iterator, or the
+client gave up on a silent stream) publishes ``bear.cancel/1`` on ``<prefix>.cancel``: the router
+serving the query aborts the engine's generation (docs/router.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from typing import Any
 
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.errors import BearError, ErrorCode, error_reply
-from bear.protocol.subjects import Subjects
+from bear.protocol.subjects import CANCEL_SCHEMA, Subjects
 
 TERMINAL = ("bear.done/1", "bear.error/1")
 
@@ -29,7 +33,11 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
                  lam: float | None = None, query_id: str | None = None, messages: list[dict[str, Any]] | None = None,
                  prompt_tokens: int | None = None, sim_output_tokens: int | dict[str, int] | None = None,
                  subjects: Subjects | None = None, accept_timeout_s: float = 2.0, idle_timeout_s: float = 30.0,
-                 resubmits: int = 1) -> AsyncIterator[dict[str, Any]]:
+                 resubmits: int = 1, model: str | None = None, sampling: dict[str, Any] | None = None,
+                 headers: dict[str, str] | None = None) -> AsyncIterator[dict[str, Any]]:
+    """``model``: only that model's instances are candidates (served or predictor name);
+    ``sampling``: engine sampling fields (``bear.protocol.sampling``); ``headers``: NATS headers of
+    the submission (the trace context)."""
     from nats.errors import TimeoutError as NatsTimeout
 
     subjects = subjects or Subjects()
@@ -40,14 +48,16 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
         req["messages"] = messages
     else:
         req["prompt"] = prompt or ""
-    for key, val in (("lam", lam), ("prompt_tokens", prompt_tokens), ("sim_output_tokens", sim_output_tokens)):
+    for key, val in (("lam", lam), ("prompt_tokens", prompt_tokens), ("sim_output_tokens", sim_output_tokens),
+                     ("model", model), ("sampling", sampling or None)):
         if val is not None:
             req[key] = val
     payload = pack(req)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
+    answered = False  # the router's terminal message arrived: nothing to cancel
     try:
-        await nc.publish(subjects.submit, payload, reply=inbox)
+        await nc.publish(subjects.submit, payload, reply=inbox, headers=headers)
         heard = False
         left = resubmits
         duplicate = False
@@ -58,7 +68,7 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
                 if not heard and left > 0:
                     left -= 1
                     try:
-                        await nc.publish(subjects.submit, payload, reply=inbox)
+                        await nc.publish(subjects.submit, payload, reply=inbox, headers=headers)
                     except Exception:
                         pass
                     continue
@@ -79,11 +89,23 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
                 duplicate = True
                 continue
             heard = True
+            answered = is_terminal(d)
             yield d
-            if is_terminal(d):
+            if answered:
                 return
     finally:
         try:
             await sub.unsubscribe()
         except Exception:
             pass
+        if not answered:
+            await cancel(nc, qid, subjects)
+
+
+async def cancel(nc: Any, query_id: str, subjects: Subjects | None = None) -> None:
+    """Tell the routers that nobody waits for ``query_id`` any more (best effort: with NATS down the
+    generation runs to its end)."""
+    try:
+        await nc.publish((subjects or Subjects()).cancel, pack({"v": CANCEL_SCHEMA, "query_id": query_id}))
+    except Exception:
+        pass

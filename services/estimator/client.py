@@ -22,9 +22,10 @@ class EstimatorClient:
         self.retries = retries
         self.timeouts = 0
 
-    async def estimate(self, query: dict[str, Any], instances: list[Any], *, budget_s: float = 1.0) -> dict[str, Any]:
+    async def estimate(self, query: dict[str, Any], instances: list[Any], *, budget_s: float = 1.0,
+                       headers: dict[str, str] | None = None) -> dict[str, Any]:
         """The reply map (``estimates`` per instance); raises BearError on error replies or when
-        every try timed out (DEADLINE_EXCEEDED)."""
+        every try timed out (DEADLINE_EXCEEDED). ``headers``: NATS headers (the trace context)."""
         from nats.errors import NoRespondersError
         from nats.errors import TimeoutError as NatsTimeout
 
@@ -36,7 +37,7 @@ class EstimatorClient:
             if timeout <= 0:
                 break
             try:
-                msg = await self.nc.request(self.subject, payload, timeout=timeout)
+                msg = await self.nc.request(self.subject, payload, timeout=timeout, headers=headers)
             except (NatsTimeout, TimeoutError) as exc:  # the worker died or is slow: retry
                 self.timeouts += 1
                 last = exc

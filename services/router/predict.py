@@ -35,8 +35,8 @@ class ModelPrediction:
 
 
 async def ask_predictor(nc: Any, subject: str, prompt: str, models: list[str], budget_s: float, *,
-                        try_timeout_s: float, prompt_tokens: int | None = None,
-                        query_id: str = "") -> dict[str, ModelPrediction] | None:
+                        try_timeout_s: float, prompt_tokens: int | None = None, query_id: str = "",
+                        headers: dict[str, str] | None = None) -> dict[str, ModelPrediction] | None:
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
 
@@ -51,7 +51,7 @@ async def ask_predictor(nc: Any, subject: str, prompt: str, models: list[str], b
         if timeout <= 0.0:
             return None
         try:
-            msg = await nc.request(subject, payload, timeout=timeout)
+            msg = await nc.request(subject, payload, timeout=timeout, headers=headers)
         except (NatsTimeout, TimeoutError):
             continue
         except NoRespondersError:
@@ -86,10 +86,11 @@ def fallback_prediction(prompt_tokens: int, price_in: float, price_out: float,
                            prompt_tokens=prompt_tokens, cost_usd=cost, source="fallback")
 
 
-async def ask_estimator(client: Any, query: dict[str, Any], instances: list[str], budget_s: float) -> dict[str, Any] | None:
+async def ask_estimator(client: Any, query: dict[str, Any], instances: list[str], budget_s: float,
+                        headers: dict[str, str] | None = None) -> dict[str, Any] | None:
     """Rows by instance, or None when the estimator gave no answer in time."""
     try:
-        reply = await client.estimate(query, instances, budget_s=budget_s)
+        reply = await client.estimate(query, instances, budget_s=budget_s, headers=headers)
     except BearError:
         return None
     except Exception:

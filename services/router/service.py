@@ -12,7 +12,7 @@ import math
 import os
 import time
 import uuid
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,8 @@ from bear.calibrator.fit import NOMINAL_BETA
 from bear.estimator.client import EstimatorClient
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.errors import BearError, ErrorCode, error_reply
-from bear.protocol.subjects import Subjects
+from bear.protocol.sampling import check_sampling
+from bear.protocol.subjects import CANCEL_SCHEMA, Subjects
 from bear.router.dedup import Deduplicator
 from bear.router.dispatch import InstanceUnavailable, StreamBroken, request_body, stream_completion
 from bear.router.outcomes import OutcomeLog
@@ -37,6 +38,7 @@ from bear.router.predict import (
     prefill_eq8,
 )
 from bear.router.registry import InstanceInfo, Registry
+from bear.runtime import tracing
 from bear.runtime.shutdown import cancel_all, close_nats
 
 log = structlog.get_logger("bear.router")
@@ -46,6 +48,8 @@ MUSD = 1e6  # Candidate.cost is in micro-USD, the scale λ = 5e-4 is meant for
 # θ when no calibration exists: 1 / (β1 + β0 / E[P]) with the nominal β and E[P] = 512.
 NOMINAL_THETA = 1.0 / (NOMINAL_BETA[1] + NOMINAL_BETA[0] / 512.0)
 MAX_PROMPT_BYTES = 4 * 1024 * 1024
+CANCEL_MEMORY = 4096  # ids of cancelled queries remembered (a cancel may overtake its submission)
+CANCEL_MEMORY_S = 60.0
 
 
 @dataclass
@@ -83,6 +87,10 @@ class Query:
     lam: float
     prompt_tokens: int | None
     sim_output_tokens: int | dict[str, int] | None
+    model: str | None = None  # only this model's instances are candidates (served or predictor name)
+    sampling: dict[str, Any] = field(default_factory=dict)  # engine sampling fields, validated
+    trace: dict[str, str] | None = None  # trace-context headers for the calls this query makes
+    served_by: str | None = None  # the instance it was last dispatched to
 
     @property
     def text(self) -> str:
@@ -123,10 +131,13 @@ def parse_submit(data: bytes, cfg: RouterConfig) -> Query:
     sot = d.get("sim_output_tokens")
     if sot is not None and not (isinstance(sot, int) or isinstance(sot, dict)):
         raise BearError(ErrorCode.BAD_REQUEST, "sim_output_tokens must be an integer or a map model → integer")
+    model = d.get("model")
+    if model is not None and (not isinstance(model, str) or not model or len(model) > 256):
+        raise BearError(ErrorCode.BAD_REQUEST, "model must be a non-empty string (≤ 256 chars)")
     q = Query(query_id=qid, prompt=prompt, messages=messages,
               ttft_target_s=num("ttft_target_s", cfg.default_ttft_target_s, 0.0),
               max_tokens=int(num("max_tokens", cfg.default_max_tokens, 1)), lam=num("lam", cfg.lam, 0.0),
-              prompt_tokens=pt, sim_output_tokens=sot)
+              prompt_tokens=pt, sim_output_tokens=sot, model=model, sampling=check_sampling(d.get("sampling")))
     if len(q.text.encode()) > MAX_PROMPT_BYTES:
         raise BearError(ErrorCode.TOO_LARGE, f"prompt larger than {MAX_PROMPT_BYTES} bytes")
     return q
@@ -176,7 +187,10 @@ class RouterService:
         self.local_pending: dict[str, int] = defaultdict(int)  # prompt tokens dispatched, no first token yet
         self.local_running: dict[str, int] = defaultdict(int)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._by_query: dict[str, asyncio.Task[None]] = {}  # query_id → the task serving it here
+        self._cancelled: OrderedDict[str, float] = OrderedDict()  # recently cancelled ids → monotonic time
         self._sub: Any = None
+        self._cancel_sub: Any = None
         self._session: Any = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -187,6 +201,8 @@ class RouterService:
         await self.registry.start()
         self._sub = await self.nc.subscribe(self.subjects.submit, queue="bear-router", cb=self._on_submit,
                                             pending_msgs_limit=65536)
+        # every router hears every cancel (no queue group): only the one serving the query acts
+        self._cancel_sub = await self.nc.subscribe(self.subjects.cancel, cb=self._on_cancel, pending_msgs_limit=65536)
         await self.nc.flush()
         log.info("router started", router=self.name, policy=self.policy.name, subject=self.subjects.submit)
 
@@ -195,6 +211,9 @@ class RouterService:
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
+        if self._cancel_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._cancel_sub.unsubscribe()
         if self._tasks:
             _, pending = await asyncio.wait(list(self._tasks), timeout=drain_s)
             await cancel_all(pending)
@@ -212,13 +231,38 @@ class RouterService:
             await ClientStream(self.nc, msg.reply, "").error(ErrorCode.OVERLOADED, "router at max_inflight")
             self.m.queries.labels(status="overloaded").inc()
             return
-        task = asyncio.create_task(self._serve(msg.data, msg.reply, t0))
+        task = asyncio.create_task(self._serve(msg.data, msg.reply, t0, msg.headers))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, data: bytes, inbox: str, t0: float) -> None:
+    async def _on_cancel(self, msg: Any) -> None:
+        """``bear.cancel/1``: abort the query if this router serves it, and remember the id for a
+        while (the cancel may overtake its own submission, which is then not started)."""
+        try:
+            d = unpack_map(msg.data)
+        except BearError:
+            return
+        qid = d.get("query_id")
+        if d.get("v") != CANCEL_SCHEMA or not isinstance(qid, str):
+            return
+        now = time.monotonic()
+        self._cancelled[qid] = now
+        self._cancelled.move_to_end(qid)
+        while self._cancelled and (len(self._cancelled) > CANCEL_MEMORY
+                                   or now - next(iter(self._cancelled.values())) > CANCEL_MEMORY_S):
+            self._cancelled.popitem(last=False)
+        task = self._by_query.get(qid)
+        if task is not None:
+            task.cancel()
+
+    def _record_cancelled(self, q: Query, **extra: Any) -> None:
+        self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "cancelled", "policy": self.policy.name,
+                              "router": self.name, "target_s": q.ttft_target_s, **extra})
+
+    async def _serve(self, data: bytes, inbox: str, t0: float, headers: dict[str, str] | None = None) -> None:
         out = ClientStream(self.nc, inbox, "")
         self.m.inflight.inc()
+        q: Query | None = None
         try:
             try:
                 q = parse_submit(data, self.cfg)
@@ -227,8 +271,20 @@ class RouterService:
                 self.m.queries.labels(status="bad_request").inc()
                 return
             out.query_id = q.query_id
-            await self._route(q, out, t0)
+            if q.query_id in self._cancelled:  # the client gave up before it got here
+                out.finished = True
+                self._record_cancelled(q)
+                return
+            self._by_query.setdefault(q.query_id, asyncio.current_task())  # type: ignore[arg-type]
+            with tracing.child("router.query", headers, kind="server", query_id=q.query_id) as span:
+                q.trace = span.headers
+                await self._route(q, out, t0)
         except asyncio.CancelledError:
+            if q is not None and q.query_id in self._cancelled:  # the client cancelled: nobody to answer
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                out.finished = True
+                self._record_cancelled(q, instance=q.served_by)
+                return
             await out.error(ErrorCode.UNAVAILABLE, "router shutting down")
             raise
         except Exception as exc:
@@ -237,6 +293,8 @@ class RouterService:
             self.m.queries.labels(status="internal").inc()
         finally:
             self.m.inflight.dec()
+            if q is not None and self._by_query.get(q.query_id) is asyncio.current_task():
+                del self._by_query[q.query_id]
             if not out.finished:  # defensive: every accepted query ends in done or error
                 await out.error(ErrorCode.INTERNAL, "no terminal message")
 
@@ -245,11 +303,12 @@ class RouterService:
         each clocked where it finished."""
         models = sorted({i.predictor_model for i in insts})
         t = time.perf_counter()
-        pred = ask_predictor(self.nc, self.subjects.predict, q.text, models, self.cfg.predict_budget_s,
-                             try_timeout_s=self.cfg.predict_try_s, prompt_tokens=q.prompt_tokens,
-                             query_id=q.query_id)
-        est = ask_estimator(self.estimator, {"id": q.query_id, "prompt_tokens": ptoks, "max_tokens": q.max_tokens},
-                            [i.id for i in insts], self.cfg.estimate_budget_s)
+        pred = _traced("router.predict", q.trace, lambda h: ask_predictor(
+            self.nc, self.subjects.predict, q.text, models, self.cfg.predict_budget_s,
+            try_timeout_s=self.cfg.predict_try_s, prompt_tokens=q.prompt_tokens, query_id=q.query_id, headers=h))
+        est = _traced("router.estimate", q.trace, lambda h: ask_estimator(
+            self.estimator, {"id": q.query_id, "prompt_tokens": ptoks, "max_tokens": q.max_tokens},
+            [i.id for i in insts], self.cfg.estimate_budget_s, headers=h))
         (claimed, tc), (preds, tp), (rows, te) = await asyncio.gather(
             _clocked(self.dedup.claim(q.query_id, self.name)), _clocked(pred), _clocked(est))
         return Asked(claimed, preds, rows, claim_s=tc - t, predict_s=tp - t, estimate_s=te - t)
@@ -292,8 +351,15 @@ class RouterService:
 
     async def _route(self, q: Query, out: ClientStream, t0: float) -> None:
         insts = self.registry.healthy()
+        if q.model is not None:
+            insts = [i for i in insts if q.model in (i.model, i.predictor_model)]
+            if not insts and not any(q.model in (i.model, i.predictor_model) for i in self.registry.instances.values()):
+                await out.error(ErrorCode.NOT_FOUND, f"no instance serves model {q.model!r}")
+                self.m.queries.labels(status="not_found").inc()
+                return
         if not insts:
-            await out.error(ErrorCode.UNAVAILABLE, "no healthy instance registered")
+            what = "" if q.model is None else f" of model {q.model!r}"
+            await out.error(ErrorCode.UNAVAILABLE, f"no healthy instance{what} registered")
             self.m.queries.labels(status="unavailable").inc()
             return
         ptoks = q.token_estimate()
@@ -328,6 +394,7 @@ class RouterService:
             await self.nc.publish(self.subjects.dispatch(inst.id), pack({
                 "query_id": q.query_id, "request_id": request_id, "prompt_tokens": prompt_tokens,
                 "predicted_output_tokens": predicted_out, "t": time.time()}))
+            q.served_by = inst.id
             decision_s = time.perf_counter() - t0
             if attempt == 1:
                 self.m.decision.observe(decision_s)
@@ -343,19 +410,26 @@ class RouterService:
                                    cands, attempt)
                 return
             except InstanceUnavailable as exc:
-                inst.failed_until = time.monotonic() + self.cfg.fail_backoff_s
+                if not exc.rejected:  # an instance that refused this request is not down for others
+                    inst.failed_until = time.monotonic() + self.cfg.fail_backoff_s
                 excluded.add(inst.id)
-                attempts.append({"instance": inst.id, "error": str(exc)})
+                attempts.append({"instance": inst.id, "error": str(exc), "status": exc.status})
                 log.warning("instance unavailable; trying another", instance=inst.id, query_id=q.query_id,
                             error=str(exc))
-        await out.error(ErrorCode.UNAVAILABLE, f"no instance answered: {attempts}")
-        self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "unavailable",
+        if attempts and all(InstanceUnavailable.rejects(a["status"]) for a in attempts):
+            # every instance tried said the request itself is wrong (too long, a bad field): the client's error
+            await out.error(ErrorCode.BAD_REQUEST, f"the instance rejected the request: {attempts[-1]['error']}")
+            status = "bad_request"
+        else:
+            await out.error(ErrorCode.UNAVAILABLE, f"no instance answered: {attempts}")
+            status = "unavailable"
+        self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": status,
                               "policy": self.policy.name, "attempts": attempts, "target_s": q.ttft_target_s})
 
     async def _stream(self, q: Query, out: ClientStream, inst: InstanceInfo, d: Decision, p: ModelPrediction,
                       request_id: str, ptoks: int, t0: float, decision_s: float, asked: Asked,
                       fallbacks: list[str], cands: list[Candidate], attempt: int) -> None:
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(q.sampling)
         if inst.backend == "sim":
             if q.prompt_tokens is not None:
                 extra["sim_prompt_tokens"] = max(1, q.prompt_tokens)
@@ -372,30 +446,35 @@ class RouterService:
         self.local_pending[inst.id] += ptoks
         self.local_running[inst.id] += 1
         pending_open = True
-        try:
-            async for piece in stream_completion(self._session, inst.base_url, request_id, path, body,
-                                                 connect_timeout_s=self.cfg.connect_timeout_s,
-                                                 idle_timeout_s=self.cfg.idle_timeout_s):
-                if piece.text:
-                    if first is None:
-                        first = time.perf_counter()
-                        self.local_pending[inst.id] -= ptoks
-                        pending_open = False
-                    await out.send({"v": "bear.chunk/1", "seq": seq, "text": piece.text})
-                    seq += 1
-                if piece.usage:
-                    usage = piece.usage
-                if piece.finish_reason:
-                    finish = piece.finish_reason
-        except StreamBroken as exc:
-            await out.error(ErrorCode.UNAVAILABLE, f"instance stream failed mid-answer: {exc}", instance=inst.id)
-            self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "broken",
-                                  "instance": inst.id, "policy": self.policy.name, "target_s": q.ttft_target_s})
-            return
-        finally:
-            if pending_open:
-                self.local_pending[inst.id] -= ptoks
-            self.local_running[inst.id] -= 1
+        with tracing.child("router.engine", q.trace, kind="client", instance=inst.id, model=inst.model,
+                           request_id=request_id, attempt=attempt, ttft_method=d.candidate.ttft_method,
+                           predicted_ttft_s=_finite(self.policy.latency_estimate(d.candidate))) as span:
+            try:
+                async for piece in stream_completion(self._session, inst.base_url, request_id, path, body,
+                                                     connect_timeout_s=self.cfg.connect_timeout_s,
+                                                     idle_timeout_s=self.cfg.idle_timeout_s, headers=span.headers):
+                    if piece.text:
+                        if first is None:
+                            first = time.perf_counter()
+                            self.local_pending[inst.id] -= ptoks
+                            pending_open = False
+                            span.event("first_token")
+                        await out.send({"v": "bear.chunk/1", "seq": seq, "text": piece.text})
+                        seq += 1
+                    if piece.usage:
+                        usage = piece.usage
+                    if piece.finish_reason:
+                        finish = piece.finish_reason
+            except StreamBroken as exc:
+                span.error(str(exc))
+                await out.error(ErrorCode.UNAVAILABLE, f"instance stream failed mid-answer: {exc}", instance=inst.id)
+                self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "broken",
+                                      "instance": inst.id, "policy": self.policy.name, "target_s": q.ttft_target_s})
+                return
+            finally:
+                if pending_open:
+                    self.local_pending[inst.id] -= ptoks
+                self.local_running[inst.id] -= 1
         end = time.perf_counter()
         if first is None:  # an empty answer: the first (and only) token is the end of the stream
             first = end
@@ -457,6 +536,19 @@ async def _clocked(aw: Any) -> tuple[Any, float]:
     return await aw, time.perf_counter()
 
 
+def _traced(name: str, parent: dict[str, str] | None, call: Any) -> Any:
+    """``call(headers)`` — the awaitable of a request to another service — inside a client span
+    ``name`` when tracing is on; otherwise the call itself, handed the query's trace context."""
+    if not tracing.enabled():
+        return call(parent)
+
+    async def run() -> Any:
+        with tracing.child(name, parent, kind="client") as span:
+            return await call(span.headers)
+
+    return run()
+
+
 def _finite(x: float) -> float | None:
     return x if isinstance(x, float) and math.isfinite(x) else None
 
@@ -481,4 +573,5 @@ async def serve(nats_url: str, cfg: RouterConfig, prefix: str = "bear", ready: A
     await stop.wait()
     await router.stop()
     await close_nats(nc)
+    tracing.shutdown()
     log.info("router stopped", router=router.name)

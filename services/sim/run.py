@@ -32,7 +32,7 @@ async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, h
     nc = await nats.connect(nats_url, max_reconnect_attempts=-1, name=f"bear-sim-{instance}")
     publisher = InstancePublisher(nc, instance, subjects, heartbeat_s=heartbeat_s, min_interval_s=min_interval_s)
     sim = SimEngine(profile, instance, publisher, seed=seed)
-    runner = web.AppRunner(SimApi(sim).app(), access_log=None)
+    runner = SimApi(sim).runner()
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
