@@ -14,6 +14,7 @@ serving the query aborts the engine's generation (docs/router.md)."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -29,15 +30,55 @@ def is_terminal(msg: dict[str, Any]) -> bool:
     return msg.get("v") in TERMINAL
 
 
+class Inboxes:
+    """Reply inboxes for many submissions under one wildcard subscription (``<prefix>.<n>``), for
+    a process that submits all the time (the gateway): no SUB/UNSUB round of protocol lines per
+    query, and each reply reaches its waiter through one queue instead of nats-py's task per
+    ``next_msg``."""
+
+    def __init__(self, nc: Any) -> None:
+        self.nc = nc
+        self.prefix = nc.new_inbox()
+        self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._n = 0
+        self._sub: Any = None
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(self.prefix + ".*", cb=self._on_msg, pending_msgs_limit=1 << 20)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:
+                pass
+
+    async def _on_msg(self, msg: Any) -> None:
+        q = self._queues.get(msg.subject)
+        if q is not None:  # else: the submission is over (late or duplicate replies)
+            q.put_nowait(msg)
+
+    def open(self) -> tuple[str, asyncio.Queue[Any]]:
+        self._n += 1
+        inbox = f"{self.prefix}.{self._n}"
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[inbox] = q
+        return inbox, q
+
+    def close(self, inbox: str) -> None:
+        self._queues.pop(inbox, None)
+
+
 async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1.0, max_tokens: int = 256,
                  lam: float | None = None, query_id: str | None = None, messages: list[dict[str, Any]] | None = None,
                  prompt_tokens: int | None = None, sim_output_tokens: int | dict[str, int] | None = None,
                  subjects: Subjects | None = None, accept_timeout_s: float = 2.0, idle_timeout_s: float = 30.0,
                  resubmits: int = 1, model: str | None = None, sampling: dict[str, Any] | None = None,
-                 headers: dict[str, str] | None = None) -> AsyncIterator[dict[str, Any]]:
+                 headers: dict[str, str] | None = None, inboxes: Inboxes | None = None) -> AsyncIterator[dict[str, Any]]:
     """``model``: only that model's instances are candidates (served or predictor name);
     ``sampling``: engine sampling fields (``bear.protocol.sampling``); ``headers``: NATS headers of
-    the submission (the trace context)."""
+    the submission (the trace context); ``inboxes``: a shared reply subscription (else one of its
+    own per call)."""
     from nats.errors import TimeoutError as NatsTimeout
 
     subjects = subjects or Subjects()
@@ -53,8 +94,18 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
         if val is not None:
             req[key] = val
     payload = pack(req)
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
+    if inboxes is not None:
+        inbox, queue = inboxes.open()
+
+        async def next_msg(within_s: float) -> Any:
+            async with asyncio.timeout(within_s):
+                return await queue.get()
+    else:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+
+        async def next_msg(within_s: float) -> Any:
+            return await sub.next_msg(timeout=within_s)
     answered = False  # the router's terminal message arrived: nothing to cancel
     try:
         await nc.publish(subjects.submit, payload, reply=inbox, headers=headers)
@@ -63,7 +114,7 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
         duplicate = False
         while True:
             try:
-                msg = await sub.next_msg(timeout=idle_timeout_s if heard else accept_timeout_s)
+                msg = await next_msg(idle_timeout_s if heard else accept_timeout_s)
             except (NatsTimeout, TimeoutError):
                 if not heard and left > 0:
                     left -= 1
@@ -94,10 +145,13 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
             if answered:
                 return
     finally:
-        try:
-            await sub.unsubscribe()
-        except Exception:
-            pass
+        if inboxes is not None:
+            inboxes.close(inbox)
+        else:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
         if not answered:
             await cancel(nc, qid, subjects)
 

@@ -188,10 +188,10 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
 
 
 def _check_supported(req: msgspec.Struct) -> None:
-    for name in req.__struct_fields__:
-        rule = UNSUPPORTED.get(name)
-        if rule is not None and not rule[0](getattr(req, name)):
-            raise ApiError(400, f"{name}: {rule[1]}", param=name)
+    for name in _RULED[type(req)]:
+        v = getattr(req, name)
+        if v is not None and not UNSUPPORTED[name][0](v):  # None: not asked for, always fine
+            raise ApiError(400, f"{name}: {UNSUPPORTED[name][1]}", param=name)
 
 
 def _float_header(headers: Mapping[str, str], name: str, lo: float, strict: bool) -> float | None:
@@ -258,6 +258,9 @@ def _common(req: _Common, chat: bool, headers: Mapping[str, str], d: Defaults, m
                       stream=bool(req.stream), include_usage=bool(opts and opts.include_usage),
                       max_tokens=max_tokens or default_max, ttft_target_s=ttft_s, lam=lam,
                       sampling=sampling_of(req))
+
+
+_RULED = {t: tuple(f for f in t.__struct_fields__ if f in UNSUPPORTED) for t in (ChatRequest, CompletionRequest)}
 
 
 def parse_chat(body: bytes, headers: Mapping[str, str], d: Defaults) -> Submission:

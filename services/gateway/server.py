@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from bear.client.submit import submit
+from bear.client.submit import Inboxes, submit
 from bear.gateway.auth import ApiKeys
 from bear.gateway.metrics import metrics
 from bear.gateway.openai_types import Defaults, Submission, parse_chat, parse_completion
@@ -42,6 +42,7 @@ from bear.runtime import tracing
 
 log = structlog.get_logger("bear.gateway")
 
+ENDPOINTS = ("chat", "completions")
 NATS_HEADROOM = 64 * 1024  # room for the submission's other fields within NATS's max_payload
 
 
@@ -79,7 +80,10 @@ class Gateway:
         self.keys = keys
         self.subjects = Subjects(self.cfg.prefix)
         self.registry = Registry(nc, self.subjects, down_after_s=self.cfg.down_after_s)
+        self.inboxes = Inboxes(nc)
         self.m = metrics()
+        self._ttfb = {e: self.m.ttfb.labels(endpoint=e) for e in ENDPOINTS}  # label lookups once, not per request
+        self._counted: dict[tuple[str, str], Any] = {}
         self.inflight = 0
         self.started = int(time.time())
         self._runner: web.AppRunner | None = None
@@ -97,6 +101,7 @@ class Gateway:
 
     async def start(self) -> None:
         await self.registry.start(observe=False)
+        await self.inboxes.start()
         # handler_cancellation: a client that disconnects cancels its handler (and so its generation)
         self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
                                      shutdown_timeout=self.cfg.drain_s, keepalive_timeout=75.0)
@@ -107,6 +112,7 @@ class Gateway:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()  # stops listening, lets requests in progress end (drain_s)
+        await self.inboxes.stop()
         await self.registry.stop()
 
     @property
@@ -198,7 +204,10 @@ class Gateway:
             if counted:
                 self.inflight -= 1
                 self.m.inflight.dec()
-            self.m.requests.labels(endpoint=endpoint, status=status).inc()
+            counter = self._counted.get((endpoint, status))
+            if counter is None:
+                counter = self._counted[endpoint, status] = self.m.requests.labels(endpoint=endpoint, status=status)
+            counter.inc()
 
     async def _answer(self, request: web.Request, sub: Submission, span: tracing.Span, t0: float,
                       endpoint: str) -> web.StreamResponse:
@@ -207,7 +216,8 @@ class Gateway:
         it = submit(self.nc, sub.prompt, messages=sub.messages, ttft_target_s=sub.ttft_target_s,
                     max_tokens=sub.max_tokens, lam=sub.lam, query_id=qid, model=sub.route_model,
                     sampling=sub.sampling, headers=span.headers, subjects=self.subjects,
-                    accept_timeout_s=self.cfg.accept_timeout_s, idle_timeout_s=self.cfg.idle_timeout_s)
+                    accept_timeout_s=self.cfg.accept_timeout_s, idle_timeout_s=self.cfg.idle_timeout_s,
+                    inboxes=self.inboxes)
         routed: dict[str, Any] | None = None
         resp: web.StreamResponse | None = None
         answer: Answer | None = None
@@ -301,7 +311,7 @@ class Gateway:
 
     def _first_byte(self, endpoint: str, t0: float, own: float, t_msg: float, span: tracing.Span) -> None:
         now = time.perf_counter()
-        self.m.ttfb.labels(endpoint=endpoint).observe(now - t0)
+        self._ttfb[endpoint].observe(now - t0)
         self.m.overhead.observe(own + (now - t_msg))
         span.event("first_byte")
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from bear.gateway.openai_types import ChatRequest, CompletionRequest, Defaults
 from bear.gateway.server import GatewayConfig
+
 from gateway_helpers import KEY, ThreadedPool
 
 BOUND_S = 5.0  # every answer, good or bad, within this

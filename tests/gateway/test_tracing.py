@@ -13,6 +13,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from bear.runtime import tracing
 from bear.runtime.nats_server import free_port
+
 from gateway_helpers import KEY, ThreadedPool
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
