@@ -9,7 +9,12 @@ router's own ``ttft_s`` (submission received → first token, from its ``done``)
 gateway = p50 (p99) of TTFB through the gateway − p50 (p99) through NATS. Because the router's and
 the engine's time varies much more than the hop costs, it also reports the same difference of the
 *residual* TTFB − ``ttft_s`` (client → router plus router → client, per request): the routing and
-the engine cancel out, which is the sharper measure of the hop."""
+the engine cancel out, which is the sharper measure of the hop.
+
+The floor under any HTTP hop on the host is measured in the same run: the same client against a
+bare aiohttp process that answers each POST with one SSE event, at the gateway path's rate (two
+process wake-ups per request, as the gateway adds). The gateway's own processing time (its
+``bear_gateway_overhead_seconds``, mean) is read from its /metrics."""
 
 from __future__ import annotations
 
@@ -23,19 +28,97 @@ from typing import Any
 
 import numpy as np
 
+from bear.router.bench import _cpu_s
+from bear.router.bench import _pct as pct_ms
 from bear.runtime import aio
 
 PROMPTS = ("Explain KV caching briefly.", "What is the capital of France?", "Write a haiku about routers.",
            "Summarize the plot of Hamlet in two sentences.", "List three prime numbers.")
 WARMUP = 40
+ECHO = """
+import sys
+from aiohttp import web
+from bear.runtime import aio
+
+async def main(port):
+    async def handle(request):
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"delta":{"content":"x"}}]}\\n\\ndata: [DONE]\\n\\n')
+        return resp
+    app = web.Application()
+    app.router.add_post("/echo", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    import asyncio
+    await asyncio.Event().wait()
+
+aio.run(main(int(sys.argv[1])))
+"""
+
+
+async def http_echo_floor(rate: float, n: int, seed: int) -> dict[str, float]:
+    """Time to the first SSE event from a bare aiohttp process, requests at Poisson times of ``rate``."""
+    import subprocess
+    import sys
+
+    import aiohttp
+
+    from bear.runtime.nats_server import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", ECHO, str(port)])  # noqa: ASYNC220 — starts in ms, before timing
+    rng = np.random.default_rng(seed)
+    url = f"http://127.0.0.1:{port}/echo"
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            for _ in range(200):  # until it listens
+                try:
+                    async with s.post(url, json={}) as r:
+                        await r.read()
+                    break
+                except aiohttp.ClientError:
+                    await asyncio.sleep(0.05)
+            out: list[float] = []
+
+            async def one() -> None:
+                t = time.perf_counter()
+                async with s.post(url, json={"model": "bear", "messages": [{"role": "user", "content": "x"}]}) as r:
+                    await r.content.readline()
+                    out.append(time.perf_counter() - t)
+                    await r.read()
+
+            tasks = []
+            for _ in range(n):
+                await asyncio.sleep(float(rng.exponential(1.0 / rate)))
+                tasks.append(asyncio.create_task(one()))
+            await asyncio.gather(*tasks)
+        return _pct(out)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def gateway_own_overhead(gateway_url: str) -> tuple[float, int]:
+    """(sum, count) of the gateway's bear_gateway_overhead_seconds."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.get(gateway_url.removesuffix("/v1") + "/metrics") as r:
+        text = await r.text()
+    vals = {}
+    for line in text.splitlines():
+        for k in ("bear_gateway_overhead_seconds_sum", "bear_gateway_overhead_seconds_count"):
+            if line.startswith(k + " "):
+                vals[k] = float(line.split()[1])
+    return vals.get("bear_gateway_overhead_seconds_sum", 0.0), int(vals.get("bear_gateway_overhead_seconds_count", 0))
 
 
 def _pct(xs: list[float]) -> dict[str, float]:
-    a = np.asarray(xs, dtype=float) * 1e3
-    if a.size == 0:
-        return {"p50_ms": float("nan"), "p99_ms": float("nan"), "mean_ms": float("nan"), "n": 0}
-    return {"p50_ms": float(np.percentile(a, 50)), "p90_ms": float(np.percentile(a, 90)),
-            "p99_ms": float(np.percentile(a, 99)), "mean_ms": float(a.mean()), "n": int(a.size)}
+    if not xs:  # every request of the path failed: the errors say why
+        return {"p50_ms": float("nan"), "p90_ms": float("nan"), "p99_ms": float("nan"), "mean_ms": float("nan"), "n": 0}
+    return pct_ms(xs)
 
 
 async def _via_nats(nc: Any, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, float, bool]:
@@ -143,14 +226,6 @@ async def measure(nats_url: str, gateway_url: str, key: str, rate: float, durati
     return res
 
 
-def _cpu_s(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return sum(int(x) for x in fields[11:13]) / os.sysconf("SC_CLK_TCK")
-
-
 def run_bench(rates: list[float], duration: float, *, max_tokens: int = 1, seed: int = 0) -> dict[str, Any]:
     from bear.gateway.auth import write_new_key
     from bear.runtime.nats_server import free_port
@@ -165,9 +240,14 @@ def run_bench(rates: list[float], duration: float, *, max_tokens: int = 1, seed:
     with stack:
         gw = stack.children["gateway"].proc
         for k, rate in enumerate(rates):
+            floor = aio.run(http_echo_floor(rate / 2, min(1000, max(50, round(rate * duration / 2))), seed + k))
             cpu0 = _cpu_s(gw.pid) if gw else float("nan")
+            s0, n0 = aio.run(gateway_own_overhead(stack.gateway_url))
             r = aio.run(measure(stack.url, stack.gateway_url, key, rate, duration, max_tokens, seed + k))
+            s1, n1 = aio.run(gateway_own_overhead(stack.gateway_url))
             r["gateway_cpu_ms_per_request"] = (_cpu_s(gw.pid) - cpu0) * 1e3 / max(r["sent"] / 2 + WARMUP, 1) if gw else None
+            r["gateway_own_overhead_mean_ms"] = (s1 - s0) * 1e3 / max(n1 - n0, 1)
+            r["http_echo_floor"] = floor
             runs.append(r)
     return {"duration_s": duration, "max_tokens": max_tokens, "cpus": os.cpu_count(), "host_load": os.getloadavg(),
             "event_loop": aio.loop_name(), "runs": runs}
@@ -186,8 +266,12 @@ def print_table(res: dict[str, Any], console: Any) -> None:
                       f"{a['p99_ms']:.3f}", f"{b['p50_ms']:.3f}", f"{b['p99_ms']:.3f}")
         o, q = r["overhead_ttfb"], r["overhead_residual"]
         t.add_row(f"{r['rate_rps']:g}", "[bold]overhead[/bold]", "", "", f"{o['p50_ms']:+.3f}", f"{o['p99_ms']:+.3f}",
-                  f"[bold]{q['p50_ms']:+.3f}[/bold]", f"{q['p99_ms']:+.3f}", end_section=True)
+                  f"[bold]{q['p50_ms']:+.3f}[/bold]", f"{q['p99_ms']:+.3f}")
+        f = r["http_echo_floor"]
+        t.add_row(f"{r['rate_rps']:g}", "HTTP echo floor", str(f["n"]), "", f"{f['p50_ms']:.3f}", f"{f['p99_ms']:.3f}",
+                  "", "", end_section=True)
     console.print(t)
-    cpu = ", ".join(f"{r['gateway_cpu_ms_per_request']:.3f} ms" for r in res["runs"])
-    console.print(f"gateway CPU per request: {cpu}; host load {res['host_load'][0]:.2f}, {res['cpus']} CPUs, "
+    per = "; ".join(f"{r['rate_rps']:g} req/s: own time {r['gateway_own_overhead_mean_ms']:.3f} ms mean, CPU "
+                    f"{r['gateway_cpu_ms_per_request']:.3f} ms" for r in res["runs"])
+    console.print(f"gateway per request — {per}. Host load {res['host_load'][0]:.2f}, {res['cpus']} CPUs, "
                   f"loop {res['event_loop']}")

