@@ -446,9 +446,10 @@ class RouterService:
         self.local_pending[inst.id] += ptoks
         self.local_running[inst.id] += 1
         pending_open = True
+        predicted = self.policy.latency_estimate(d.candidate)
         with tracing.child("router.engine", q.trace, kind="client", instance=inst.id, model=inst.model,
                            request_id=request_id, attempt=attempt, ttft_method=d.candidate.ttft_method,
-                           predicted_ttft_s=_finite(self.policy.latency_estimate(d.candidate))) as span:
+                           predicted_ttft_s=_finite(predicted)) as span:
             try:
                 async for piece in stream_completion(self._session, inst.base_url, request_id, path, body,
                                                      connect_timeout_s=self.cfg.connect_timeout_s,
@@ -489,7 +490,6 @@ class RouterService:
             await self.nc.publish(f"{self.subjects.prefix}.outcome.{inst.id}", pack({
                 "v": "bear.outcome/1", "instance": inst.id, "ttft_s": ttft, "tpot_s": tpot, "completed": True,
                 "t": time.time()}))
-        predicted = self.policy.latency_estimate(d.candidate)
         await out.finish({"v": "bear.done/1", "instance": inst.id, "model": inst.model,
                           "predictor_model": inst.predictor_model, "ttft_s": ttft, "target_s": q.ttft_target_s,
                           "on_time": on_time, "utility": utility, "predicted_utility": d.candidate.utility(q.lam),
