@@ -288,6 +288,20 @@ class Gateway:
         except ConnectionResetError:  # closing the iterator above cancelled the generation
             assert resp is not None
             raise ClientGone(resp) from None
+        except Exception as exc:  # NATS closed under us (503), or a bug (500): still an OpenAI error
+            from nats.errors import Error as NatsError
+
+            if isinstance(exc, NatsError):
+                err = ApiError(503, f"NATS: {exc}", headers={"Retry-After": str(self.cfg.retry_after_s)})
+            else:
+                log.exception("answer failed", query_id=qid)
+                err = ApiError(500, f"internal error: {exc!r}")
+            if resp is None:
+                return self._error(err)
+            with contextlib.suppress(ConnectionResetError):
+                await resp.write(sse_error(err))
+                await resp.write_eof()
+            return resp
         # the iterator always ends with a terminal message; this is defensive
         return self._error(ApiError(500, "the router's stream ended without a terminal message"))
 

@@ -184,7 +184,7 @@ class ThreadedPool:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
             self.loop.close()
-            self.nats.stop()
+            self.nats.close()  # and its JetStream store
 
     def __enter__(self) -> Pool:
         return self.pool

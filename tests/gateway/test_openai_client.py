@@ -6,6 +6,7 @@ mapping (400, 401, 404, 413, 429 with Retry-After, 503, 504)."""
 from __future__ import annotations
 
 import aiohttp
+import httpx
 import openai
 import pytest
 
@@ -263,3 +264,22 @@ async def test_health_and_metrics(remote) -> None:
     assert r.status == 200
     assert 'bear_gateway_requests_total{endpoint="chat",status="200"}' in text
     assert "bear_gateway_ttfb_seconds_count" in text and "bear_gateway_overhead_seconds_count" in text
+
+
+def test_nats_down_is_503_and_unhealthy(tmp_path) -> None:
+    tp = ThreadedPool(tmp_path, gateway_cfg=GatewayConfig(accept_timeout_s=0.3))
+    try:
+        health = tp.pool.base_url.removesuffix("/v1") + "/health"
+        assert httpx.get(health).status_code == 200
+        tp.nats.stop()
+        _until(lambda: httpx.get(health).status_code == 503, 5.0)
+        with sclient(tp.pool) as c, pytest.raises(openai.InternalServerError) as e:
+            c.chat.completions.create(model="bear", messages=CHAT, max_tokens=1)
+        assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+        tp.nats.start()  # back: the gateway reconnects and answers again
+        _until(lambda: httpx.get(health).status_code == 200, 10.0)
+        with sclient(tp.pool) as c:
+            r = c.chat.completions.create(model="bear", messages=CHAT, max_tokens=1)
+        assert r.usage.completion_tokens == 1
+    finally:
+        tp.close()
