@@ -57,7 +57,7 @@ def gateway(
     configure_logging(log_format, log_level)
     from bear.gateway.auth import ApiKeys, AuthConfigError
     from bear.gateway.openai_types import Defaults
-    from bear.gateway.server import GatewayConfig, serve
+    from bear.gateway.server import GatewayConfig, StartError, serve
 
     try:
         keys = ApiKeys.configure(api_key_file, no_auth, host)
@@ -68,7 +68,11 @@ def gateway(
                         request_timeout_s=timeout, max_inflight=max_inflight,
                         defaults=Defaults(alias=alias, ttft_s=default_ttft_ms / 1e3, lam=lam,
                                           max_tokens=default_max_tokens))
-    aio.run(serve(nats_url, cfg, keys))
+    try:
+        aio.run(serve(nats_url, cfg, keys))
+    except StartError as exc:
+        typer.echo(f"bear gateway: {exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 def bench_gateway(

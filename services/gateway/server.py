@@ -374,14 +374,28 @@ class Gateway:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def serve(nats_url: str, cfg: GatewayConfig, keys: ApiKeys | None, ready: Any = None) -> None:
-    """Process main of ``bear gateway``: runs until SIGINT/SIGTERM."""
+class StartError(RuntimeError):
+    """The gateway cannot start (one line for the person starting it)."""
+
+
+async def serve(nats_url: str, cfg: GatewayConfig, keys: ApiKeys | None, ready: Any = None,
+                connect_within_s: float = 10.0) -> None:
+    """Process main of ``bear gateway``: runs until SIGINT/SIGTERM. NATS must answer within
+    ``connect_within_s`` at start (later outages are reconnected forever, answering 503 meanwhile)."""
     from bear.runtime.service import connect, stop_event
     from bear.runtime.shutdown import close_nats
 
-    nc = await connect(nats_url, f"bear-gateway-{cfg.port}")
+    try:
+        async with asyncio.timeout(connect_within_s):
+            nc = await connect(nats_url, f"bear-gateway-{cfg.port}")
+    except (TimeoutError, OSError) as exc:
+        raise StartError(f"cannot reach NATS at {nats_url} within {connect_within_s:g} s") from exc
     gw = Gateway(nc, cfg, keys)
-    await gw.start()
+    try:
+        await gw.start()
+    except OSError as exc:  # the port is taken, the address is not ours
+        await close_nats(nc)
+        raise StartError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}") from exc
     stop = stop_event()
     if ready is not None:
         ready.set()
