@@ -272,19 +272,9 @@ class Gateway:
                     if v == "bear.error/1":
                         err = ApiError.from_router(m.get("error") or {}, self.cfg.retry_after_s)
                         span.error(err.message)
-                        if resp is None:
-                            return self._error(err)
-                        await resp.write(sse_error(err))
-                        await resp.write_eof()
-                        return resp
+                        return await self._fail(resp, err)
         except TimeoutError:
-            err = ApiError(504, f"no complete answer within {self.cfg.request_timeout_s:g} s")
-            if resp is None:
-                return self._error(err)
-            with contextlib.suppress(ConnectionResetError):
-                await resp.write(sse_error(err))
-                await resp.write_eof()
-            return resp
+            return await self._fail(resp, ApiError(504, f"no complete answer within {self.cfg.request_timeout_s:g} s"))
         except ConnectionResetError:  # closing the iterator above cancelled the generation
             assert resp is not None
             raise ClientGone(resp) from None
@@ -296,14 +286,19 @@ class Gateway:
             else:
                 log.exception("answer failed", query_id=qid)
                 err = ApiError(500, f"internal error: {exc!r}")
-            if resp is None:
-                return self._error(err)
-            with contextlib.suppress(ConnectionResetError):
-                await resp.write(sse_error(err))
-                await resp.write_eof()
-            return resp
+            return await self._fail(resp, err)
         # the iterator always ends with a terminal message; this is defensive
         return self._error(ApiError(500, "the router's stream ended without a terminal message"))
+
+    async def _fail(self, resp: web.StreamResponse | None, err: ApiError) -> web.StreamResponse:
+        """``err`` as the answer: its own HTTP status before the stream started, an SSE error event
+        (and the end of the stream) after."""
+        if resp is None:
+            return self._error(err)
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write(sse_error(err))
+            await resp.write_eof()
+        return resp
 
     def _new_answer(self, sub: Submission, qid: str, routed: dict[str, Any] | None,
                     done: dict[str, Any] | None = None) -> Answer:
