@@ -28,6 +28,7 @@ COMMAND_MODULES = [
     "bear.client.commands",
     "bear.load.commands",
     "bear.router.commands",
+    "bear.gateway.commands",
     "bear.predictor.commands",
     "bear.estimator.commands",
     "bear.calibrator.commands",

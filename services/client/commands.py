@@ -18,6 +18,8 @@ def submit_cmd(
     max_tokens: int = typer.Option(256, "--max-tokens", help="Maximum output tokens"),
     lam: float | None = typer.Option(None, "--lambda", help="λ of U = acc − λ·cost (router default if unset)"),
     query_id: str | None = typer.Option(None, "--query-id", help="Idempotency key (default: random)"),
+    model: str | None = typer.Option(None, "--model", help="Only this model's instances (served name, e.g. "
+                                                           "Qwen/Qwen3-8B, or predictor name); default: BEAR chooses"),
     nats_url: NatsUrl = DEFAULT_NATS,
     prefix: Prefix = "bear",
     as_json: bool = typer.Option(False, "--json", help="Print every message as a JSON line"),
@@ -37,7 +39,7 @@ def submit_cmd(
         code = 0
         try:
             async for m in submit(nc, prompt, ttft_target_s=ttft_ms / 1e3, max_tokens=max_tokens, lam=lam,
-                                  query_id=query_id, subjects=Subjects(prefix)):
+                                  query_id=query_id, subjects=Subjects(prefix), model=model):
                 v = m.get("v")
                 if as_json:
                     print(json.dumps(json_safe(m)), flush=True)

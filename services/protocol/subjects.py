@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 SNAPSHOT_SCHEMA = "bear.snapshot/1"
 BATCH_SCHEMA = "bear.batch/1"
+CANCEL_SCHEMA = "bear.cancel/1"
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,12 @@ class Subjects:
     @property
     def submit(self) -> str:
         return f"{self.prefix}.submit"
+
+    @property
+    def cancel(self) -> str:
+        """``bear.cancel``: a client gave up on a query (``bear.cancel/1 {query_id}``); every router
+        subscribes (no queue group) and the one serving it aborts the generation."""
+        return f"{self.prefix}.cancel"
 
     @property
     def instances_bucket(self) -> str:

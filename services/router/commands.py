@@ -6,9 +6,21 @@ from pathlib import Path
 
 import typer
 
-from bear.options import DEFAULT_NATS, LogFormatOpt, LogLevel, LogLevelOpt, MetricsPort, NatsUrl, Prefix
+from bear.options import (
+    DEFAULT_NATS,
+    LogFormatOpt,
+    LogLevel,
+    LogLevelOpt,
+    MetricsPort,
+    NatsUrl,
+    OtlpEndpoint,
+    Prefix,
+    TraceExporterOpt,
+    setup_tracing,
+)
 from bear.runtime import aio
 from bear.runtime.logging import LogFormat, configure_logging
+from bear.runtime.tracing import Exporter
 
 
 def _params(raw: list[str]) -> dict[str, float]:
@@ -49,11 +61,14 @@ def router(
     outcome_log: Path | None = typer.Option(None, "--outcome-log", help="JSONL file of every query's record"),
     metrics_port: MetricsPort = 0,
     prefix: Prefix = "bear",
+    trace_exporter: TraceExporterOpt = Exporter.auto,
+    otlp_endpoint: OtlpEndpoint = None,
     log_format: LogFormatOpt = LogFormat.console,
     log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
     """Route queries from bear.submit: predictor + estimator → policy → instance, streaming back."""
     configure_logging(log_format, log_level)
+    setup_tracing("bear-router", trace_exporter, otlp_endpoint)
     from bear.router.service import RouterConfig, serve
     from bear.runtime.metrics import start_metrics_server
 

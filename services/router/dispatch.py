@@ -16,7 +16,21 @@ from typing import Any
 
 
 class InstanceUnavailable(Exception):
-    """Nothing was generated: connection refused, timeout before the response, 5xx/4xx status."""
+    """Nothing was generated: connection refused, timeout before the response, 5xx/4xx status
+    (``status``: the HTTP status when the instance answered one)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @staticmethod
+    def rejects(status: int | None) -> bool:
+        """The instance refused the request itself (bad field, prompt too long): not a failure of the instance."""
+        return status in (400, 413, 422)
+
+    @property
+    def rejected(self) -> bool:
+        return self.rejects(self.status)
 
 
 class StreamBroken(Exception):
@@ -32,7 +46,8 @@ class Piece:
 
 def request_body(model: str, prompt: str | None, messages: list[dict[str, Any]] | None, max_tokens: int,
                  extra: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-    """(path, JSON body) of a streaming completion or chat completion."""
+    """(path, JSON body) of a streaming completion or chat completion; ``extra``: further body
+    fields (the query's sampling fields, the sim engine's length hints)."""
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": True,
                             "stream_options": {"include_usage": True}}
     if messages is not None:
@@ -47,17 +62,20 @@ def request_body(model: str, prompt: str | None, messages: list[dict[str, Any]] 
 
 
 async def stream_completion(session: Any, base_url: str, request_id: str, path: str, body: dict[str, Any], *,
-                            connect_timeout_s: float = 2.0, idle_timeout_s: float = 60.0) -> AsyncIterator[Piece]:
+                            connect_timeout_s: float = 2.0, idle_timeout_s: float = 60.0,
+                            headers: dict[str, str] | None = None) -> AsyncIterator[Piece]:
+    """``headers``: extra request headers (the trace context). Closing the iterator early (the
+    query was cancelled) closes the connection, which makes the instance abort the request."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=idle_timeout_s)
     started = False
+    hdrs = {"X-Request-Id": request_id, **headers} if headers else {"X-Request-Id": request_id}
     try:
-        async with session.post(base_url + path, json=body, headers={"X-Request-Id": request_id},
-                                timeout=timeout) as resp:
+        async with session.post(base_url + path, json=body, headers=hdrs, timeout=timeout) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:300]
-                raise InstanceUnavailable(f"HTTP {resp.status}: {text}")
+                raise InstanceUnavailable(f"HTTP {resp.status}: {text}", resp.status)
             buf = b""
             done = False
             # read to the end of the body even after [DONE]: a response left unread closes its

@@ -26,15 +26,15 @@ PREDICT_SCHEMA = "bear.predict/1"
 
 
 async def ask_predictor(nc: Any, subject: str, prompt: str, models: list[str], budget_s: float, *,
-                        try_timeout_s: float, prompt_tokens: int | None = None,
-                        query_id: str = "") -> dict[str, ModelPrediction] | None:
+                        try_timeout_s: float, prompt_tokens: int | None = None, query_id: str = "",
+                        headers: dict[str, str] | None = None) -> dict[str, ModelPrediction] | None:
     deadline = Deadline.after(budget_s)
     req: dict[str, Any] = {"v": PREDICT_SCHEMA, "prompt": prompt, "models": models, "deadline": deadline.at,
                            "id": query_id}
     if prompt_tokens is not None:
         req["prompt_tokens"] = int(prompt_tokens)
     try:
-        data = await request(nc, subject, pack(req), deadline=deadline, try_timeout_s=try_timeout_s)
+        data = await request(nc, subject, pack(req), deadline=deadline, try_timeout_s=try_timeout_s, headers=headers)
         reply = unpack_map(data)
     except BearError:
         return None
@@ -53,7 +53,7 @@ async def ask_predictor(nc: Any, subject: str, prompt: str, models: list[str], b
 
 
 async def ask_estimator(clients: list[EstimatorClient], query: EstimateQuery, instances: list[str],
-                        budget_s: float) -> EstimateReply | None:
+                        budget_s: float, headers: dict[str, str] | None = None) -> EstimateReply | None:
     """The estimator's answer for every candidate: with one client (an unsharded pool) one request;
     with one client per shard, one request to each shard that owns a candidate, concurrently, and
     the rows merged (a shard that does not answer leaves its instances without a row). None when
@@ -64,7 +64,7 @@ async def ask_estimator(clients: list[EstimatorClient], query: EstimateQuery, in
 
     async def one(k: int, ids: list[str]) -> EstimateReply | None:
         try:
-            return await clients[k].estimate(query, list(ids), budget_s=budget_s)
+            return await clients[k].estimate(query, list(ids), budget_s=budget_s, headers=headers)
         except Exception:  # BearError, NATS closed/reconnecting: decide without it
             return None
 

@@ -74,11 +74,15 @@ class Registry:
         now = time.time()
         return [i for i in sorted(self.instances.values(), key=lambda i: i.id) if i.healthy(now, self.down_after_s)]
 
-    async def start(self) -> None:
+    async def start(self, *, observe: bool = True) -> None:
+        """Follow the registry; ``observe=False``: only the instances (no θ, no outcome events —
+        what the gateway needs to list the pool's models)."""
         js = self.nc.jetstream()
         self._tasks.append(asyncio.create_task(watch_kv(
             js, self.subjects.instances_bucket, self._on_instance, on_loaded=self.loaded.set, retry_s=0.5, log=log,
             nc=self.nc)))
+        if not observe:
+            return
         self._tasks.append(asyncio.create_task(watch_kv(
             js, self.subjects.calibration_bucket, self._on_calibration, retry_s=0.5, log=log, nc=self.nc)))
         self._sub = await self.nc.subscribe(self.subjects.outcome_all, cb=self._on_outcome,

@@ -12,7 +12,7 @@ import math
 import os
 import time
 import uuid
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,8 @@ from bear.estimator.client import EstimatorClient
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.errors import BearError, ErrorCode, error_reply
 from bear.protocol.messages import EstimateQuery, EstimateRow, Outcome, encode
-from bear.protocol.subjects import Subjects
+from bear.protocol.sampling import check_sampling
+from bear.protocol.subjects import CANCEL_SCHEMA, Subjects
 from bear.router.candidates import LocalLoad, ModelPrediction, build_candidates, dispatch_for
 from bear.router.dedup import Deduplicator
 from bear.router.dispatch import InstanceUnavailable, StreamBroken, request_body, stream_completion
@@ -31,6 +32,7 @@ from bear.router.outcomes import OutcomeLog
 from bear.router.policies import Candidate, Decision, Policy, QueryContext, make_policy
 from bear.router.predict import ask_estimator, ask_predictor
 from bear.router.registry import InstanceInfo, Registry
+from bear.runtime import tracing
 from bear.runtime.service import connect, stop_event
 from bear.runtime.shutdown import cancel_all, close_nats
 
@@ -38,6 +40,8 @@ log = structlog.get_logger("bear.router")
 
 SUBMIT_SCHEMA = "bear.submit/1"
 MAX_PROMPT_BYTES = 4 * 1024 * 1024
+CANCEL_MEMORY = 4096  # ids of cancelled queries remembered (a cancel may overtake its submission)
+CANCEL_MEMORY_S = 60.0
 
 
 @dataclass
@@ -75,6 +79,10 @@ class Query:
     max_tokens: int
     lam: float
     prompt_tokens: int | None
+    model: str | None = None  # only this model's instances are candidates (served or predictor name)
+    sampling: dict[str, Any] = field(default_factory=dict)  # engine sampling fields, validated
+    trace: dict[str, str] | None = None  # trace-context headers for the calls this query makes
+    served_by: str | None = None  # the instance it was last dispatched to
 
     @property
     def text(self) -> str:
@@ -112,10 +120,13 @@ def parse_submit(data: bytes, cfg: RouterConfig) -> Query:
     pt = d.get("prompt_tokens")
     if pt is not None and (not isinstance(pt, int) or isinstance(pt, bool) or pt < 0):
         raise BearError(ErrorCode.BAD_REQUEST, "prompt_tokens must be a non-negative integer")
+    model = d.get("model")
+    if model is not None and (not isinstance(model, str) or not model or len(model) > 256):
+        raise BearError(ErrorCode.BAD_REQUEST, "model must be a non-empty string (≤ 256 chars)")
     q = Query(query_id=qid, prompt=prompt, messages=messages,
               ttft_target_s=num("ttft_target_s", cfg.default_ttft_target_s, 0.0),
               max_tokens=int(num("max_tokens", cfg.default_max_tokens, 1)), lam=num("lam", cfg.lam, 0.0),
-              prompt_tokens=pt)
+              prompt_tokens=pt, model=model, sampling=check_sampling(d.get("sampling")))
     if len(q.text.encode()) > MAX_PROMPT_BYTES:
         raise BearError(ErrorCode.TOO_LARGE, f"prompt larger than {MAX_PROMPT_BYTES} bytes")
     return q
@@ -166,7 +177,10 @@ class RouterService:
         self.m = self.outcomes.m
         self.local = LocalLoad(defaultdict(int), defaultdict(int))  # in flight here: the eq. 8 fallback
         self._tasks: set[asyncio.Task[None]] = set()
+        self._by_query: dict[str, asyncio.Task[None]] = {}  # query_id → the task serving it here
+        self._cancelled: OrderedDict[str, float] = OrderedDict()  # recently cancelled ids → monotonic time
         self._sub: Any = None
+        self._cancel_sub: Any = None
         self._session: Any = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -177,6 +191,8 @@ class RouterService:
         await self.registry.start()
         self._sub = await self.nc.subscribe(self.subjects.submit, queue="bear-router", cb=self._on_submit,
                                             pending_msgs_limit=65536)
+        # every router hears every cancel (no queue group): only the one serving the query acts
+        self._cancel_sub = await self.nc.subscribe(self.subjects.cancel, cb=self._on_cancel, pending_msgs_limit=65536)
         await self.nc.flush()
         log.info("router started", router=self.name, policy=self.policy.name, subject=self.subjects.submit)
 
@@ -185,6 +201,9 @@ class RouterService:
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
+        if self._cancel_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._cancel_sub.unsubscribe()
         if self._tasks:
             _, pending = await asyncio.wait(list(self._tasks), timeout=drain_s)
             await cancel_all(pending)
@@ -202,13 +221,38 @@ class RouterService:
             await ClientStream(self.nc, msg.reply, "").error(ErrorCode.OVERLOADED, "router at max_inflight")
             self.m.queries.labels(status="overloaded").inc()
             return
-        task = asyncio.create_task(self._serve(msg.data, msg.reply, t0))
+        task = asyncio.create_task(self._serve(msg.data, msg.reply, t0, msg.headers))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, data: bytes, inbox: str, t0: float) -> None:
+    async def _on_cancel(self, msg: Any) -> None:
+        """``bear.cancel/1``: abort the query if this router serves it, and remember the id for a
+        while (the cancel may overtake its own submission, which is then not started)."""
+        try:
+            d = unpack_map(msg.data)
+        except BearError:
+            return
+        qid = d.get("query_id")
+        if d.get("v") != CANCEL_SCHEMA or not isinstance(qid, str):
+            return
+        now = time.monotonic()
+        self._cancelled[qid] = now
+        self._cancelled.move_to_end(qid)
+        while self._cancelled and (len(self._cancelled) > CANCEL_MEMORY
+                                   or now - next(iter(self._cancelled.values())) > CANCEL_MEMORY_S):
+            self._cancelled.popitem(last=False)
+        task = self._by_query.get(qid)
+        if task is not None:
+            task.cancel()
+
+    def _record_cancelled(self, q: Query, **extra: Any) -> None:
+        self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "cancelled", "policy": self.policy.name,
+                              "router": self.name, "target_s": q.ttft_target_s, **extra})
+
+    async def _serve(self, data: bytes, inbox: str, t0: float, headers: dict[str, str] | None = None) -> None:
         out = ClientStream(self.nc, inbox, "")
         self.m.inflight.inc()
+        q: Query | None = None
         try:
             try:
                 q = parse_submit(data, self.cfg)
@@ -217,8 +261,20 @@ class RouterService:
                 self.m.queries.labels(status="bad_request").inc()
                 return
             out.query_id = q.query_id
-            await self._route(q, out, t0)
+            if q.query_id in self._cancelled:  # the client gave up before it got here
+                out.finished = True
+                self._record_cancelled(q)
+                return
+            self._by_query.setdefault(q.query_id, asyncio.current_task())  # type: ignore[arg-type]
+            with tracing.child("router.query", headers, kind="server", query_id=q.query_id) as span:
+                q.trace = span.headers
+                await self._route(q, out, t0)
         except asyncio.CancelledError:
+            if q is not None and q.query_id in self._cancelled:  # the client cancelled: nobody to answer
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                out.finished = True
+                self._record_cancelled(q, instance=q.served_by)
+                return
             await out.error(ErrorCode.UNAVAILABLE, "router shutting down")
             raise
         except Exception as exc:
@@ -227,6 +283,8 @@ class RouterService:
             self.m.queries.labels(status="internal").inc()
         finally:
             self.m.inflight.dec()
+            if q is not None and self._by_query.get(q.query_id) is asyncio.current_task():
+                del self._by_query[q.query_id]
             if not out.finished:  # defensive: every accepted query ends in done or error
                 await out.error(ErrorCode.INTERNAL, "no terminal message")
 
@@ -235,11 +293,12 @@ class RouterService:
         each clocked where it finished."""
         models = sorted({i.predictor_model for i in insts})
         t = time.perf_counter()
-        pred = ask_predictor(self.nc, self.subjects.predict, q.text, models, self.cfg.predict_budget_s,
-                             try_timeout_s=self.cfg.predict_try_s, prompt_tokens=q.prompt_tokens,
-                             query_id=q.query_id)
-        est = ask_estimator(self.estimators, EstimateQuery(id=q.query_id, prompt_tokens=ptoks, max_tokens=q.max_tokens),
-                            [i.id for i in insts], self.cfg.estimate_budget_s)
+        pred = _traced("router.predict", q.trace, lambda h: ask_predictor(
+            self.nc, self.subjects.predict, q.text, models, self.cfg.predict_budget_s,
+            try_timeout_s=self.cfg.predict_try_s, prompt_tokens=q.prompt_tokens, query_id=q.query_id, headers=h))
+        est = _traced("router.estimate", q.trace, lambda h: ask_estimator(
+            self.estimators, EstimateQuery(id=q.query_id, prompt_tokens=ptoks, max_tokens=q.max_tokens),
+            [i.id for i in insts], self.cfg.estimate_budget_s, headers=h))
         (claimed, tc), (preds, tp), (reply, te) = await asyncio.gather(
             _clocked(self.dedup.claim(q.query_id, self.name)), _clocked(pred), _clocked(est))
         rows = {row.instance: row for row in reply.estimates} if reply is not None else None
@@ -248,8 +307,15 @@ class RouterService:
 
     async def _route(self, q: Query, out: ClientStream, t0: float) -> None:
         insts = self.registry.healthy()
+        if q.model is not None:
+            insts = [i for i in insts if q.model in (i.model, i.predictor_model)]
+            if not insts and not any(q.model in (i.model, i.predictor_model) for i in self.registry.instances.values()):
+                await out.error(ErrorCode.NOT_FOUND, f"no instance serves model {q.model!r}")
+                self.m.queries.labels(status="not_found").inc()
+                return
         if not insts:
-            await out.error(ErrorCode.UNAVAILABLE, "no healthy instance registered")
+            what = "" if q.model is None else f" of model {q.model!r}"
+            await out.error(ErrorCode.UNAVAILABLE, f"no healthy instance{what} registered")
             self.m.queries.labels(status="unavailable").inc()
             return
         ptoks = q.token_estimate()
@@ -283,6 +349,7 @@ class RouterService:
             request_id = f"bear-{uuid.uuid4().hex}"
             await self.nc.publish(self.subjects.dispatch(inst.id),
                                   encode(dispatch_for(q.query_id, request_id, p, q.max_tokens, time.time())))
+            q.served_by = inst.id
             decision_s = time.perf_counter() - t0
             if attempt == 1:
                 self.m.decision.observe(decision_s)
@@ -298,19 +365,26 @@ class RouterService:
                                    cands, attempt)
                 return
             except InstanceUnavailable as exc:
-                inst.failed_until = time.monotonic() + self.cfg.fail_backoff_s
+                if not exc.rejected:  # an instance that refused this request is not down for others
+                    inst.failed_until = time.monotonic() + self.cfg.fail_backoff_s
                 excluded.add(inst.id)
-                attempts.append({"instance": inst.id, "error": str(exc)})
+                attempts.append({"instance": inst.id, "error": str(exc), "status": exc.status})
                 log.warning("instance unavailable; trying another", instance=inst.id, query_id=q.query_id,
                             error=str(exc))
-        await out.error(ErrorCode.UNAVAILABLE, f"no instance answered: {attempts}")
-        self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "unavailable",
+        if attempts and all(InstanceUnavailable.rejects(a["status"]) for a in attempts):
+            # every instance tried said the request itself is wrong (too long, a bad field): the client's error
+            await out.error(ErrorCode.BAD_REQUEST, f"the instance rejected the request: {attempts[-1]['error']}")
+            status = "bad_request"
+        else:
+            await out.error(ErrorCode.UNAVAILABLE, f"no instance answered: {attempts}")
+            status = "unavailable"
+        self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": status,
                               "policy": self.policy.name, "attempts": attempts, "target_s": q.ttft_target_s})
 
     async def _stream(self, q: Query, out: ClientStream, inst: InstanceInfo, d: Decision, p: ModelPrediction,
                       request_id: str, ptoks: int, t0: float, decision_s: float, asked: Asked,
                       fallbacks: list[str], cands: list[Candidate], attempt: int) -> None:
-        path, body = request_body(inst.model, q.prompt, q.messages, q.max_tokens, {})
+        path, body = request_body(inst.model, q.prompt, q.messages, q.max_tokens, dict(q.sampling))
         first: float | None = None
         usage: dict[str, int] = {}
         finish = None
@@ -319,30 +393,36 @@ class RouterService:
         local.pending_prefill_tokens[inst.id] += ptoks
         local.running[inst.id] += 1
         pending_open = True
-        try:
-            async for piece in stream_completion(self._session, inst.base_url, request_id, path, body,
-                                                 connect_timeout_s=self.cfg.connect_timeout_s,
-                                                 idle_timeout_s=self.cfg.idle_timeout_s):
-                if piece.text:
-                    if first is None:
-                        first = time.perf_counter()
-                        local.pending_prefill_tokens[inst.id] -= ptoks
-                        pending_open = False
-                    await out.send({"v": "bear.chunk/1", "seq": seq, "text": piece.text})
-                    seq += 1
-                if piece.usage:
-                    usage = piece.usage
-                if piece.finish_reason:
-                    finish = piece.finish_reason
-        except StreamBroken as exc:
-            await out.error(ErrorCode.UNAVAILABLE, f"instance stream failed mid-answer: {exc}", instance=inst.id)
-            self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "broken",
-                                  "instance": inst.id, "policy": self.policy.name, "target_s": q.ttft_target_s})
-            return
-        finally:
-            if pending_open:
-                local.pending_prefill_tokens[inst.id] -= ptoks
-            local.running[inst.id] -= 1
+        predicted = self.policy.latency_estimate(d.candidate)
+        with tracing.child("router.engine", q.trace, kind="client", instance=inst.id, model=inst.model,
+                           request_id=request_id, attempt=attempt, ttft_method=d.candidate.ttft_method,
+                           predicted_ttft_s=_finite(predicted)) as span:
+            try:
+                async for piece in stream_completion(self._session, inst.base_url, request_id, path, body,
+                                                     connect_timeout_s=self.cfg.connect_timeout_s,
+                                                     idle_timeout_s=self.cfg.idle_timeout_s, headers=span.headers):
+                    if piece.text:
+                        if first is None:
+                            first = time.perf_counter()
+                            local.pending_prefill_tokens[inst.id] -= ptoks
+                            pending_open = False
+                            span.event("first_token")
+                        await out.send({"v": "bear.chunk/1", "seq": seq, "text": piece.text})
+                        seq += 1
+                    if piece.usage:
+                        usage = piece.usage
+                    if piece.finish_reason:
+                        finish = piece.finish_reason
+            except StreamBroken as exc:
+                span.error(str(exc))
+                await out.error(ErrorCode.UNAVAILABLE, f"instance stream failed mid-answer: {exc}", instance=inst.id)
+                self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "broken",
+                                      "instance": inst.id, "policy": self.policy.name, "target_s": q.ttft_target_s})
+                return
+            finally:
+                if pending_open:
+                    local.pending_prefill_tokens[inst.id] -= ptoks
+                local.running[inst.id] -= 1
         end = time.perf_counter()
         if first is None:  # an empty answer: the first (and only) token is the end of the stream
             first = end
@@ -357,7 +437,6 @@ class RouterService:
             await self.nc.publish(self.subjects.outcome(inst.id), encode(Outcome(
                 instance=inst.id, ttft_s=ttft, tpot_s=tpot, predicted_ttft_s=_finite(d.candidate.ttft),
                 method=d.candidate.ttft_method, completed=True, t=time.time())))
-        predicted = self.policy.latency_estimate(d.candidate)
         await out.finish({"v": "bear.done/1", "instance": inst.id, "model": inst.model,
                           "predictor_model": inst.predictor_model, "ttft_s": ttft, "target_s": q.ttft_target_s,
                           "on_time": on_time, "utility": utility, "predicted_utility": d.candidate.utility(q.lam),
@@ -407,6 +486,19 @@ async def _clocked(aw: Any) -> tuple[Any, float]:
     return await aw, time.perf_counter()
 
 
+def _traced(name: str, parent: dict[str, str] | None, call: Any) -> Any:
+    """``call(headers)`` — the awaitable of a request to another service — inside a client span
+    ``name`` when tracing is on; otherwise the call itself, handed the query's trace context."""
+    if not tracing.enabled():
+        return call(parent)
+
+    async def run() -> Any:
+        with tracing.child(name, parent, kind="client") as span:
+            return await call(span.headers)
+
+    return run()
+
+
 def _finite(x: float) -> float | None:
     return x if isinstance(x, float) and math.isfinite(x) else None
 
@@ -422,4 +514,5 @@ async def serve(nats_url: str, cfg: RouterConfig, prefix: str = "bear", ready: A
     await stop.wait()
     await router.stop()
     await close_nats(nc)
+    tracing.shutdown()
     log.info("router stopped", router=router.name)

@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import typer
 
-from bear.options import DEFAULT_NATS, LogFormatOpt, LogLevel, LogLevelOpt, NatsUrl, Prefix
+from bear.options import (
+    DEFAULT_NATS,
+    LogFormatOpt,
+    LogLevel,
+    LogLevelOpt,
+    NatsUrl,
+    OtlpEndpoint,
+    Prefix,
+    TraceExporterOpt,
+    setup_tracing,
+)
 from bear.runtime import aio
 from bear.runtime.logging import LogFormat, configure_logging
+from bear.runtime.tracing import Exporter
 
 
 def _check_lengths(spec: str) -> str:
@@ -35,11 +46,14 @@ def sim_engine(
         help="Tokens the simulated model generates: 'max' (never EOS: max_tokens) or "
              "'lognormal:MEDIAN:SIGMA' (a seeded draw per request, capped by max_tokens)"),
     prefix: Prefix = "bear",
+    trace_exporter: TraceExporterOpt = Exporter.auto,
+    otlp_endpoint: OtlpEndpoint = None,
     log_format: LogFormatOpt = LogFormat.console,
     log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
     """Run a simulated vLLM instance (roofline-timed, vLLM V1 scheduling) with the OpenAI API."""
     configure_logging(log_format, log_level)
+    setup_tracing(f"bear-sim-{instance}", trace_exporter, otlp_endpoint)
     from bear.sim.run import serve
 
     aio.run(serve(profile, port, instance, nats_url, host=host, prefix=prefix,

@@ -33,7 +33,7 @@ async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, h
     publisher = InstancePublisher(nc, instance, subjects, idle_snapshot_s=heartbeat_s, min_interval_s=min_interval_s)
     sim = SimEngine(profile, instance, publisher, seed=seed, lengths=OutputLengths.parse(output_lengths, seed))
     publisher.initial = lambda: sim.engine.snapshot(instance, profile.model, 0.0)
-    runner = web.AppRunner(SimApi(sim).app(), access_log=None)
+    runner = SimApi(sim).runner()
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from bear.runtime import tracing
 from bear.sim.engine import SimEngine, SimRequest
 
 FILLER = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit")
@@ -80,6 +81,13 @@ def filler(start: int, count: int) -> str:
 class SimApi:
     def __init__(self, sim: SimEngine) -> None:
         self.sim = sim
+
+    def runner(self) -> web.AppRunner:
+        """The server's runner. ``handler_cancellation``: a client that goes away cancels its
+        handler, whose ``finally`` aborts the request in the engine — what vLLM does on a
+        disconnect — also while it is still queued or a non-streaming answer is being generated
+        (with aiohttp's default the handler would only notice at its next write)."""
+        return web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -150,15 +158,21 @@ class SimApi:
         except ApiError as exc:
             return error_response(exc.status, exc.message)
 
-        try:
-            if body.get("stream"):
-                opts = body.get("stream_options") or {}
-                usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
-                return await self._stream(request, req, chat, usage)
-            return await self._complete(req, chat)
-        finally:
-            if not req.finished:  # client went away: free the engine's slot like vLLM's abort
-                self.sim.abort(req.id)
+        # the router's trace context (traceparent header): the engine's part of the query's trace
+        with tracing.child("sim.generate", request.headers, kind="server", instance=self.sim.instance,
+                           request_id=req.id, prompt_tokens=ptoks) as span:
+            try:
+                if body.get("stream"):
+                    opts = body.get("stream_options") or {}
+                    usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
+                    return await self._stream(request, req, chat, usage)
+                return await self._complete(req, chat)
+            finally:
+                if not req.finished:  # client went away: free the engine's slot like vLLM's abort
+                    self.sim.abort(req.id)
+                if req.first_token_at is not None:
+                    span.event("first_token", at=req.first_token_at)
+                span.set(output_tokens=req.output_tokens, aborted=req.aborted, ttft_s=req.ttft_s)
 
     async def _wait_done(self, req: SimRequest) -> None:
         while not req.finished:

@@ -29,6 +29,12 @@ def up_cmd(
     estimator_workers: int = typer.Option(1, "--estimator-workers", help="Estimator worker processes"),
     routers: int = typer.Option(1, "--routers", help="Router processes (a queue group)"),
     metrics_port: int = typer.Option(9464, "--metrics-port", help="Router /metrics port (router i: +i); 0: off"),
+    gateway_port: int = typer.Option(8000, "--gateway-port", min=0, max=65535,
+                                     help="Port of the OpenAI-compatible gateway (base URL http://127.0.0.1:PORT/v1); "
+                                          "0: no gateway"),
+    gateway_no_auth: bool = typer.Option(False, "--gateway-no-auth",
+                                         help="Run the gateway without an API key (it listens on loopback only); "
+                                              "default: a key generated into <workdir>/gateway-api-key"),
     workdir: Path = typer.Option(Path(".bear-up"), "--workdir", help="Logs and outcome logs go here"),
     n_train: int = typer.Option(3000, "--train-queries", help="Synthetic queries to train the predictor on"),
     load_rate: float = typer.Option(0.0, "--load-rate",
@@ -60,10 +66,17 @@ def up_cmd(
             vllm_python = check_vllm_python(vllm_python) if vllm_python else default_vllm_python()
         except RuntimeError as exc:
             raise typer.BadParameter(str(exc)) from exc
+    key = None
+    key_file = workdir / "gateway-api-key"
+    if gateway_port and not gateway_no_auth:
+        from bear.gateway.auth import write_new_key
+
+        key = write_new_key(key_file)
     cfg = StackConfig(workdir=workdir, nats_url=nats_url, estimator_workers=estimator_workers, routers=routers,
                       policy=policy, metrics_port=metrics_port, n_train=n_train, backend=backend,
                       vllm_python=vllm_python, vllm_model=vllm_model.resolve() if vllm_model else None,
-                      vllm_instances=vllm_instances, vllm_args=list(vllm_arg) or None)
+                      vllm_instances=vllm_instances, vllm_args=list(vllm_arg) or None, gateway_port=gateway_port,
+                      gateway_key_file=key_file if key else None)
     stack = Stack(cfg)
     engines = "sim engines" if backend == "sim" else "vLLM (first start compiles: minutes) + snapshotters"
     with console.status(f"starting NATS, {engines}, predictor (trains on first run), estimator, router…"):
@@ -81,8 +94,18 @@ def up_cmd(
     if metrics_port:
         console.print(f"  router metrics          http://127.0.0.1:{metrics_port}/metrics")
     console.print(f"  outcome log             {stack.outcome_log(0)}")
+    if stack.gateway_url:
+        console.print(f"  [bold]OpenAI API[/bold]              {stack.gateway_url}  (model \"bear\": BEAR chooses; "
+                      f"key: {key_file if key else 'none, --gateway-no-auth'})")
     console.print(f"\nTry:  bear submit \"Explain KV caching briefly\" --ttft-ms 500 --nats {stack.url}")
     console.print(f"      bear load --rate 8 --duration 30 --nats {stack.url}")
+    if stack.gateway_url:
+        auth = f" -H 'Authorization: Bearer {key}'" if key else ""
+        console.print(f"      curl {stack.gateway_url}/chat/completions{auth} -H 'Content-Type: application/json' "
+                      f"-H 'x-slo-ttft-ms: 500' -d '{{\"model\": \"bear\", \"messages\": [{{\"role\": \"user\", "
+                      f"\"content\": \"Explain KV caching briefly\"}}]}}'", soft_wrap=True)
+        console.print(f"      export OPENAI_BASE_URL={stack.gateway_url} OPENAI_API_KEY={key or 'none'}   "
+                      "# then any OpenAI client, model \"bear\"", soft_wrap=True)
     if load_rate > 0:
         try:
             rep = run_load_cli(stack.url, "bear", load_rate, "poisson", load_duration, "", 5e-4, 4096, 0, 3.0)

@@ -1,7 +1,8 @@
 """The whole BEAR stack as child processes (``bear up``, ``bear bench router`` and the end-to-end
 tests): a local nats-server (unless a URL is given), the instances — sim engines with the paper's
 profiles, or real vLLM processes with the BEAR scheduler plugin and one ``bear snapshotter`` each
-(``backend="vllm"``) — a trained predictor, estimator workers, the calibrator and routers. Each child logs to
+(``backend="vllm"``) — a trained predictor, estimator workers, the calibrator, routers and,
+with ``gateway_port``, the OpenAI-compatible gateway in front of them. Each child logs to
 ``<workdir>/logs/<name>.log``; ``stop()`` sends SIGTERM in reverse start order (routers first, so
 queries in flight are drained while their dependencies still run) and SIGKILLs what does not exit
 within the grace period."""
@@ -80,6 +81,8 @@ class StackConfig:
     vllm_price_in: float = 0.1  # USD / million tokens of instance 0; instance k: × (k + 1)
     vllm_price_out: float = 0.2
     vllm_start_timeout_s: float = 900.0  # first start compiles (~2 min on 2 CPU cores)
+    gateway_port: int = 0  # the OpenAI-compatible gateway on this port; 0: none
+    gateway_key_file: Path | None = None  # its API keys; None: --no-auth (it listens on loopback)
 
 
 class Stack:
@@ -131,6 +134,14 @@ class Stack:
             if cfg.metrics_port:
                 argv += ["--metrics-port", str(cfg.metrics_port + i)]
             self._child(f"router-{i}", argv)
+        if cfg.gateway_port:  # last: it is stopped first, while the routers still answer
+            auth = ["--api-key-file", str(cfg.gateway_key_file)] if cfg.gateway_key_file else ["--no-auth"]
+            self._child("gateway", self._bear("gateway", *common, "--port", str(cfg.gateway_port), *auth))
+
+    @property
+    def gateway_url(self) -> str:
+        """The gateway's OpenAI base URL ("" without a gateway)."""
+        return f"http://127.0.0.1:{self.cfg.gateway_port}/v1" if self.cfg.gateway_port else ""
 
     def _plan_vllm(self, common: list[str]) -> None:
         """Per instance: vLLM (plugin ring ``shm``) and the snapshotter that registers it."""
@@ -197,7 +208,7 @@ class Stack:
             c.start(env)
         if cfg.backend == "vllm":
             self._wait_vllm_healthy()
-        aio.run(wait_ready(self.url, list(self.instances), cfg.prefix, timeout_s, self))
+        aio.run(wait_ready(self.url, list(self.instances), cfg.prefix, timeout_s, self, self.gateway_url))
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         c = self.children[name]
@@ -215,7 +226,7 @@ class Stack:
     def stop(self, grace_s: float = 10.0) -> None:
         for c in reversed(list(self.children.values())):
             c.signal(signal.SIGTERM)
-            if c.name.startswith("router"):  # routers drain before their dependencies go
+            if c.name.startswith("router") or c.name == "gateway":  # these drain before their dependencies go
                 _wait(c, grace_s)
         for c in reversed(list(self.children.values())):
             _wait(c, grace_s)
@@ -250,9 +261,10 @@ def _wait(c: Child, grace_s: float) -> None:
         c.proc.wait()
 
 
-async def wait_ready(url: str, instances: list[str], prefix: str, timeout_s: float, stack: Stack | None = None) -> None:
-    """Until every instance is registered, the predictor and an estimator answer PING and a
-    router routes a probe query to the end."""
+async def wait_ready(url: str, instances: list[str], prefix: str, timeout_s: float, stack: Stack | None = None,
+                     gateway_url: str = "") -> None:
+    """Until every instance is registered, the predictor and an estimator answer PING, a router
+    routes a probe query to the end and the gateway (if any) answers /health."""
     import nats
 
     from bear.client.submit import submit
@@ -299,7 +311,22 @@ async def wait_ready(url: str, instances: list[str], prefix: str, timeout_s: flo
                                   accept_timeout_s=1.0, resubmits=0, subjects=Subjects(prefix)):
                 last = m
             if last.get("v") == "bear.done/1":
-                return
+                break
             await asyncio.sleep(0.3)
+        while gateway_url:
+            check()
+            if await _healthy(gateway_url.removesuffix("/v1") + "/health"):
+                return
+            await asyncio.sleep(0.2)
     finally:
         await nc.close()
+
+
+async def _healthy(url: str) -> bool:
+    import aiohttp
+
+    try:
+        async with aiohttp.ClientSession() as s, s.get(url, timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+            return r.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
