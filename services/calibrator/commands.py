@@ -26,7 +26,7 @@ def calibrator(
     """Fit β per instance online from bear.batches.* and publish it to bear_calibration."""
     configure_logging(log_format, log_level)
     from bear.estimator.metrics import start_metrics_server
-    from bear.estimator.service import run_calibrator
+    from bear.calibrator.service import run_calibrator
 
     start_metrics_server(metrics_port or None)
     aio.run(run_calibrator(nats_url, prefix, window=window, min_records=min_records, refit_s=refit_s))
