@@ -8,27 +8,38 @@ from typing import Annotated
 
 import typer
 
-from bear.options import DEFAULT_NATS, LogFormatOpt, LogLevel, LogLevelOpt, MetricsPort, NatsUrl, Prefix
+from bear.options import (
+    DEFAULT_METRICS_HOST,
+    FIND_NATS,
+    LogFormatOpt,
+    LogLevel,
+    LogLevelOpt,
+    MetricsHost,
+    MetricsPort,
+    NatsUrl,
+    Prefix,
+)
 from bear.runtime import aio
 from bear.runtime.logging import LogFormat, configure_logging
 
 
 def calibrator(
-    nats_url: NatsUrl = DEFAULT_NATS,
+    nats_url: NatsUrl = FIND_NATS,
     window: int = typer.Option(2000, "--window", min=10, help="Batch records kept per instance (sliding window)"),
     min_records: int = typer.Option(50, "--min-records", min=4, help="Records needed before the first fit"),
     refit_s: float = typer.Option(5.0, "--refit-every", help="Seconds between refits"),
     prefix: Prefix = "bear",
     metrics_port: MetricsPort = 0,
+    metrics_host: MetricsHost = DEFAULT_METRICS_HOST,
     log_format: LogFormatOpt = LogFormat.console,
     log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
     """Fit β per instance online from bear.batches.* and publish it to bear_calibration."""
     configure_logging(log_format, log_level)
-    from bear.estimator.metrics import start_metrics_server
     from bear.calibrator.service import run_calibrator
+    from bear.runtime.metrics_http import serve_metrics
 
-    start_metrics_server(metrics_port or None)
+    serve_metrics(metrics_port, metrics_host)
     aio.run(run_calibrator(nats_url, prefix, window=window, min_records=min_records, refit_s=refit_s))
 
 

@@ -6,7 +6,8 @@ one terminal ``bear.done/1`` or ``bear.error/1``.
 No answer within ``accept_timeout_s`` (no router, or the submission was lost in a NATS restart)
 → the same ``query_id`` is resubmitted (routers deduplicate ids, so it never runs twice); still
 nothing, or a stream silent for ``idle_timeout_s`` → a client-made ``bear.error/1`` (``client:
-true``), so the caller always gets a terminal message."""
+true``), so the caller always gets a terminal message. A query larger than the NATS server's
+``max_payload`` is not sent: it gets a client-made ``too_large`` error at once."""
 
 from __future__ import annotations
 
@@ -44,6 +45,13 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
         if val is not None:
             req[key] = val
     payload = pack(req)
+    limit = getattr(nc, "max_payload", 0)
+    if isinstance(limit, int) and 0 < limit < len(payload):  # NATS would refuse it: say why, send nothing
+        m = error_reply(ErrorCode.TOO_LARGE, f"query of {len(payload)} bytes exceeds the NATS server's "
+                                             f"max_payload of {limit} bytes")
+        m.update(query_id=qid, client=True)
+        yield m
+        return
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     try:

@@ -31,9 +31,3 @@ def metrics() -> Any:
         calibration_updates=Counter("bear_estimator_calibration_updates_total", "β updates received"),
     )
 
-
-def start_metrics_server(port: int | None) -> None:
-    if port:
-        from prometheus_client import start_http_server
-
-        start_http_server(port)

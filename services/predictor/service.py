@@ -224,17 +224,16 @@ class PredictorService:
 
 
 async def serve(nats_url: str, predictor: Predictor, limits: ServiceLimits, prefix: str = "bear",
-                metrics_port: int | None = None, ready: asyncio.Event | None = None) -> None:
+                metrics_port: int | None = None, ready: asyncio.Event | None = None,
+                metrics_host: str = "127.0.0.1") -> None:
     """Run until SIGINT/SIGTERM."""
     import signal
 
-    import nats
+    from bear.runtime.metrics_http import serve_metrics
+    from bear.runtime.service import connect
 
-    if metrics_port is not None:
-        from prometheus_client import start_http_server
-
-        start_http_server(metrics_port)
-    nc = await nats.connect(nats_url, name="bear-predictor", max_reconnect_attempts=-1)
+    serve_metrics(metrics_port, metrics_host)
+    nc = await connect(nats_url, "bear-predictor")
     svc = PredictorService(predictor, Subjects(prefix), limits)
     await svc.start(nc)
     # Everything allocated so far (modules, the boosters, numpy) lives as long as the process: keep

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from bear.predictor.dataset import Record
+from bear.predictor.tasks import TASKS
 from bear.predictor.text import count_pieces
-
-TASKS = ("alpaca", "hotpotqa", "govreport", "writingprompts")
 
 # Paper Table 2 (LLM-as-judge, per-query task average).
 TABLE2: dict[str, dict[str, float]] = {

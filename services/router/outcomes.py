@@ -41,13 +41,6 @@ def metrics() -> Any:
     )
 
 
-def start_metrics_server(port: int | None) -> None:
-    if port:
-        from prometheus_client import start_http_server
-
-        start_http_server(port)
-
-
 class OutcomeLog:
     """Appends records to a JSONL file, unbuffered (one write syscall per record, ~10 µs: done
     inline on the loop; tail -f shows every query at once), and updates the metrics."""

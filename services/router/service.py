@@ -26,7 +26,13 @@ from bear.protocol.codec import pack, unpack_map
 from bear.protocol.errors import BearError, ErrorCode, error_reply
 from bear.protocol.subjects import Subjects
 from bear.router.dedup import Deduplicator
-from bear.router.dispatch import InstanceUnavailable, StreamBroken, request_body, stream_completion
+from bear.router.dispatch import (
+    InstanceRefused,
+    InstanceUnavailable,
+    StreamBroken,
+    request_body,
+    stream_completion,
+)
 from bear.router.outcomes import OutcomeLog
 from bear.router.policies import Candidate, Decision, Policy, QueryContext, make_policy
 from bear.router.predict import (
@@ -37,6 +43,7 @@ from bear.router.predict import (
     prefill_eq8,
 )
 from bear.router.registry import InstanceInfo, Registry
+from bear.runtime.service import connect
 from bear.runtime.shutdown import cancel_all, close_nats
 
 log = structlog.get_logger("bear.router")
@@ -337,10 +344,20 @@ class RouterService:
                             "predictor_model": inst.predictor_model,
                             "predicted_ttft_s": _finite(self.policy.latency_estimate(d.candidate)),
                             "ttft_method": d.candidate.ttft_method, "feasible": d.feasible,
-                            "policy": self.policy.name, "decision_s": decision_s, "attempt": attempt})
+                            "policy": self.policy.name, "decision_s": decision_s, "attempt": attempt,
+                            "backend": inst.backend})
             try:
                 await self._stream(q, out, inst, d, p, request_id, ptoks, t0, decision_s, asked, fallbacks,
                                    cands, attempt)
+                return
+            except InstanceRefused as exc:
+                # the request's own fault (too long, bad parameter): any instance would refuse it,
+                # so neither another attempt nor a mark against this instance
+                await out.error(exc.code, f"{inst.id} refused the query: {exc.reason}", instance=inst.id)
+                self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": str(exc.code),
+                                      "instance": inst.id, "policy": self.policy.name, "attempt": attempt,
+                                      "http_status": exc.status, "reason": exc.reason,
+                                      "target_s": q.ttft_target_s})
                 return
             except InstanceUnavailable as exc:
                 inst.failed_until = time.monotonic() + self.cfg.fail_backoff_s
@@ -465,10 +482,7 @@ async def serve(nats_url: str, cfg: RouterConfig, prefix: str = "bear", ready: A
     """Process main of ``bear router``: runs until SIGINT/SIGTERM, then drains."""
     import signal
 
-    import nats
-
-    nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
-                            name=f"bear-router-{os.getpid()}")
+    nc = await connect(nats_url, f"bear-router-{os.getpid()}")
     router = RouterService(nc, cfg, Subjects(prefix))
     await router.start()
     stop = asyncio.Event()

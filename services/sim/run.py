@@ -24,12 +24,13 @@ log = structlog.get_logger("bear.sim")
 async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, host: str = "127.0.0.1",
                 prefix: str = "bear", seed: int | None = None, base_url: str | None = None,
                 heartbeat_s: float = 0.5, min_interval_s: float = 0.0, ready: Any = None) -> None:
-    import nats
     from aiohttp import web
+
+    from bear.runtime.service import connect
 
     profile = load_profile(profile_name)
     subjects = Subjects(prefix)
-    nc = await nats.connect(nats_url, max_reconnect_attempts=-1, name=f"bear-sim-{instance}")
+    nc = await connect(nats_url, f"bear-sim-{instance}")
     publisher = InstancePublisher(nc, instance, subjects, heartbeat_s=heartbeat_s, min_interval_s=min_interval_s)
     sim = SimEngine(profile, instance, publisher, seed=seed)
     runner = web.AppRunner(SimApi(sim).app(), access_log=None)
@@ -48,7 +49,8 @@ async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, h
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     log.info("sim engine serving", instance=instance, profile=profile.name, model=profile.model, url=url,
-             kv_blocks=profile.num_gpu_blocks)
+             kv_blocks=profile.num_gpu_blocks,
+             note="simulated: answers are placeholder text (lorem ipsum) with the real model's timing")
     if ready is not None:
         ready.set()
     await stop.wait()

@@ -5,8 +5,12 @@
 Lengths (docs/sim-engine.md): the prompt length is ``sim_prompt_tokens`` when given, else the
 length of a token-id prompt, else ≈ UTF-8 bytes / 4 (plus a small per-message chat template); the
 true output length is ``sim_output_tokens`` when given (the workload draws it), else ``max_tokens``
-(a model that never emits EOS). The request id is the ``X-Request-Id`` header when present, so the
+(a model that never emits EOS). A prompt plus ``max_tokens`` beyond ``max_model_len`` is refused
+with HTTP 400, as vLLM does. The request id is the ``X-Request-Id`` header when present, so the
 router can name the request in ``bear.dispatch`` the way the instance's snapshots name it.
+
+The text is placeholder — the words of "lorem ipsum", one per token — not an answer: the sim
+engine models an instance's timing, not its model.
 """
 
 from __future__ import annotations
@@ -137,7 +141,12 @@ class SimApi:
             raw_max = body.get("max_completion_tokens") if chat else None
             if raw_max is None:
                 raw_max = body.get("max_tokens")
-            max_tokens = room if raw_max is None else min(_positive_int(raw_max, "max_tokens"), room)
+            max_tokens = room if raw_max is None else _positive_int(raw_max, "max_tokens")
+            if max_tokens > room:  # refused, as vLLM refuses it (it does not clamp)
+                raise ApiError(400, f"This model's maximum context length is {self.sim.max_model_len} tokens. "
+                                    f"However, you requested {ptoks + max_tokens} tokens ({ptoks} in the prompt, "
+                                    f"{max_tokens} in the completion). Please reduce the length of the prompt "
+                                    "or completion.")
             true_out = body.get("sim_output_tokens")
             true_out = max_tokens if true_out is None else _positive_int(true_out, "sim_output_tokens")
             priority = body.get("priority", 0)
