@@ -16,6 +16,8 @@ from bear.predictor.tasks import TASKS
 from bear.router.policies import REGISTRY
 from bear.stack import discovery
 
+from bear_cli import assert_one_line_error
+
 UNREACHABLE = "nats://127.0.0.1:1"  # nothing listens on port 1: connection refused
 
 
@@ -24,8 +26,6 @@ UNREACHABLE = "nats://127.0.0.1:1"  # nothing listens on port 1: connection refu
     ("load", "--duration", "1"),
 ])
 def test_no_stack_found(bear, args) -> None:
-    from conftest import assert_one_line_error
-
     assert_one_line_error(bear(*args), 3, "no BEAR stack found", "bear up", "--nats")
 
 
@@ -36,16 +36,12 @@ def test_no_stack_found(bear, args) -> None:
     ("router", "--nats", UNREACHABLE),
 ])
 def test_unreachable_nats_fails_fast_in_one_line(bear, args) -> None:
-    from conftest import assert_one_line_error
-
     res = bear(*args)
     assert_one_line_error(res, 3, "cannot connect to NATS", UNREACHABLE, "connection refused", within_s=12.0)
     assert not (bear.cwd / ".bear-up").exists()  # bear up started nothing
 
 
 def test_env_url_wins_over_the_state_file_and_flag_over_both(bear) -> None:
-    from conftest import assert_one_line_error
-
     os.environ["BEAR_STATE_DIR"] = str(bear.state_dir)
     try:
         discovery.write_state({"nats_url": "nats://127.0.0.1:2"}, bear.cwd)  # this (live) process's "stack"
@@ -65,8 +61,6 @@ def test_env_url_wins_over_the_state_file_and_flag_over_both(bear) -> None:
 
 
 def test_stale_state_file_is_ignored_and_removed(bear) -> None:
-    from conftest import assert_one_line_error
-
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
     os.environ["BEAR_STATE_DIR"] = str(bear.state_dir)
@@ -110,8 +104,6 @@ def test_stale_state_file_is_ignored_and_removed(bear) -> None:
     (("nonsense-command",), ["nonsense-command"]),
 ])
 def test_bad_values_are_usage_errors_before_anything_starts(bear, args, words) -> None:
-    from conftest import assert_one_line_error
-
     (bear.cwd / "p.txt").write_text("a prompt")
     line = assert_one_line_error(bear(*args), 2, *words)
     assert "--help" in line  # where to look
@@ -119,14 +111,10 @@ def test_bad_values_are_usage_errors_before_anything_starts(bear, args, words) -
 
 
 def test_empty_stdin_prompt(bear) -> None:
-    from conftest import assert_one_line_error
-
     assert_one_line_error(bear("submit", "-", stdin=""), 2, "empty")
 
 
 def test_metrics_port_in_use_is_one_line_before_anything_starts(bear) -> None:
-    from conftest import assert_one_line_error
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
