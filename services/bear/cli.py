@@ -93,14 +93,14 @@ def describe(exc: BaseException) -> tuple[str, int]:
         if isinstance(exc, nerr.TimeoutError):
             return "a NATS request timed out", EXIT_UNREACHABLE
         return f"NATS: {exc or type(exc).__name__}", EXIT_UNREACHABLE
-    if isinstance(exc, KeyboardInterrupt):
+    if isinstance(exc, KeyboardInterrupt) or type(exc).__name__ == "Abort":  # click's Ctrl-C
         return "interrupted", EXIT_INTERRUPTED
+    if isinstance(exc, TimeoutError):  # an OSError too: first
+        return f"timed out: {exc}", EXIT_FAILED
     if isinstance(exc, OSError):
         if exc.filename and exc.strerror:
             return f"{exc.strerror}: {exc.filename}", EXIT_FAILED
         return exc.strerror or str(exc), EXIT_FAILED
-    if isinstance(exc, TimeoutError):
-        return f"timed out: {exc}", EXIT_FAILED
     return (f"internal error: {type(exc).__name__}: {exc} (run `bear --debug …` for the traceback)",
             EXIT_FAILED)
 
