@@ -16,7 +16,7 @@ import typer
 
 from bear.router.policies import REGISTRY
 from bear.runtime.logging import LogFormat
-from bear.runtime.metrics_http import LOOPBACK
+from bear.runtime.metrics import LOOPBACK
 
 FIND_NATS = ""  # the default of --nats: resolve it (flag > BEAR_NATS_URL > running `bear up` > error)
 

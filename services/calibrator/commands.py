@@ -37,9 +37,9 @@ def calibrator(
     """Fit β per instance online from bear.batches.* and publish it to bear_calibration."""
     configure_logging(log_format, log_level)
     from bear.calibrator.service import run_calibrator
-    from bear.runtime.metrics_http import serve_metrics
+    from bear.runtime.metrics import start_metrics_server
 
-    serve_metrics(metrics_port, metrics_host)
+    start_metrics_server(metrics_port, metrics_host)
     aio.run(run_calibrator(nats_url, prefix, window=window, min_records=min_records, refit_s=refit_s))
 
 

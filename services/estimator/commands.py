@@ -163,9 +163,9 @@ def estimator(
     configure_logging(log_format, log_level)
     from bear.estimator.service import run_worker
     from bear.estimator.worker import EstimatorConfig
-    from bear.runtime.metrics_http import serve_metrics
+    from bear.runtime.metrics import start_metrics_server
 
-    serve_metrics(metrics_port, metrics_host)
+    start_metrics_server(metrics_port, metrics_host)
     cfg = EstimatorConfig(max_age_s=max_age_s, down_after_s=down_after_s, default_output_tokens=default_output_tokens,
                           overrun_fraction=overrun_fraction, compensate_staleness=compensate_staleness)
     aio.run(run_worker(nats_url, cfg, prefix, with_calibrator))

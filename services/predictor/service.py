@@ -229,10 +229,10 @@ async def serve(nats_url: str, predictor: Predictor, limits: ServiceLimits, pref
     """Run until SIGINT/SIGTERM."""
     import signal
 
-    from bear.runtime.metrics_http import serve_metrics
+    from bear.runtime.metrics import start_metrics_server
     from bear.runtime.service import connect
 
-    serve_metrics(metrics_port, metrics_host)
+    start_metrics_server(metrics_port, metrics_host)
     nc = await connect(nats_url, "bear-predictor")
     svc = PredictorService(predictor, Subjects(prefix), limits)
     await svc.start(nc)

@@ -69,14 +69,14 @@ def router(
     """Route queries from bear.submit: predictor + estimator → policy → instance, streaming back."""
     configure_logging(log_format, log_level)
     from bear.router.service import RouterConfig, serve
-    from bear.runtime.metrics_http import serve_metrics
+    from bear.runtime.metrics import start_metrics_server
 
     cfg = RouterConfig(policy=str(policy), policy_params=_params(param), lam=lam, predict_budget_s=predict_budget,
                        predict_try_s=predict_budget / 2, estimate_budget_s=estimate_budget,
                        estimate_try_s=estimate_budget / 2, default_output_tokens=default_output_tokens,
                        max_inflight=max_inflight, down_after_s=down_after, outcome_log=outcome_log,
                        aliases=_aliases(model_alias))
-    serve_metrics(metrics_port, metrics_host)
+    start_metrics_server(metrics_port, metrics_host)
     aio.run(serve(nats_url, cfg, prefix))
 
 

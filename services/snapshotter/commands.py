@@ -81,9 +81,9 @@ def snapshotter(
         stale_after_s=stale_after_ms / 1e3, on_down=on_down, record_to=str(record_to) if record_to else None,
     )  # fmt: skip
     metrics = SnapshotterMetrics()
-    from bear.runtime.metrics_http import serve_metrics
+    from bear.runtime.metrics import start_metrics_server
 
-    serve_metrics(metrics_port, metrics_host, registry=metrics.registry)
+    start_metrics_server(metrics_port, metrics_host, registry=metrics.registry)
 
     async def main() -> None:
         svc = Snapshotter(cfg, metrics)

@@ -49,7 +49,7 @@ def bear_command() -> str:
 def metrics_ports(requested: int | None, routers: int, host: str) -> int:
     """The first router's metrics port: ``requested`` (0: off), else 9464 when it (and the next
     ``routers - 1``) are free, else a free range — so a second stack on this machine runs beside."""
-    from bear.runtime.metrics_http import port_free
+    from bear.runtime.metrics import port_free
     from bear.runtime.nats_server import free_port
 
     if requested is not None:

@@ -30,7 +30,7 @@ from typing import Any
 
 from bear.runtime import aio
 from bear.runtime.children import spawn
-from bear.runtime.metrics_http import LOOPBACK, port_free, port_in_use_error
+from bear.runtime.metrics import LOOPBACK, port_free, port_in_use_error
 from bear.runtime.nats_server import LocalNatsServer, free_port
 
 VLLM_TINY_ARGS = ("--max-model-len", "2048", "--max-num-batched-tokens", "256", "--max-num-seqs", "8")

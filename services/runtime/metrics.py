@@ -26,15 +26,16 @@ def port_free(port: int, host: str = LOOPBACK) -> bool:
     return True
 
 
-def serve_metrics(port: int | None, host: str = LOOPBACK, registry: Any = None, what: str = "--metrics-port") -> None:
+def start_metrics_server(port: int | None, host: str = LOOPBACK, registry: Any = None,
+                         what: str = "--metrics-port") -> None:
     """Serve ``registry`` (default: prometheus_client's) on ``host:port`` from a daemon thread;
-    ``port`` 0 or None: off."""
+    ``port`` 0 or None: off. A port in use is one clear ``OSError`` naming the option."""
     if not port:
         return
     from prometheus_client import REGISTRY, start_http_server
 
     try:
-        start_http_server(port, addr=host, registry=registry or REGISTRY)
+        start_http_server(port, addr=host, registry=registry if registry is not None else REGISTRY)
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise port_in_use_error(port, what, host) from exc
