@@ -45,6 +45,29 @@ def positive(value: Any) -> Any:
     return value
 
 
+def policy_list(value: str | None) -> str | None:
+    """typer callback: comma-separated routing policy names, each a registered one."""
+    if value is None:
+        return None
+    bad = [p for p in value.split(",") if p.strip() not in REGISTRY]
+    if bad:
+        raise typer.BadParameter(f"unknown policy {', '.join(map(repr, bad))}; valid: {', '.join(REGISTRY)}")
+    return ",".join(p.strip() for p in value.split(","))
+
+
+def positive_list(value: str | None) -> str | None:
+    """typer callback: comma-separated numbers, each > 0."""
+    if value is None:
+        return None
+    try:
+        nums = [float(x) for x in value.split(",")]
+    except ValueError as exc:
+        raise typer.BadParameter(f"expected comma-separated numbers, got {value!r}") from exc
+    if not all(x > 0 for x in nums):
+        raise typer.BadParameter(f"every value must be > 0, got {value!r}")
+    return value
+
+
 NatsUrl = Annotated[str, typer.Option(
     "--nats", envvar="BEAR_NATS_URL", callback=_resolve_nats, show_default=False,
     help="NATS server URL, e.g. nats://127.0.0.1:4222. Default: $BEAR_NATS_URL, else the stack `bear up` "

@@ -20,6 +20,7 @@ from bear.options import (
     PolicyName,
     PolicyOpt,
     Prefix,
+    positive,
 )
 from bear.protocol.codec import json_safe
 from bear.runtime import aio
@@ -82,8 +83,8 @@ def router(
 
 
 def bench_router(
-    rate: float = typer.Option(200.0, "--rate", help="Queries per second (Poisson)"),
-    duration: float = typer.Option(10.0, "--duration", help="Seconds of load"),
+    rate: float = typer.Option(200.0, "--rate", callback=positive, help="Queries per second (Poisson, > 0)"),
+    duration: float = typer.Option(10.0, "--duration", callback=positive, help="Seconds of load (> 0)"),
     routers: int = typer.Option(1, "--routers", min=1, help="Router processes (one queue group)"),
     out: Path | None = typer.Option(None, "--out", help="Write the result JSON here"),
 ) -> None:

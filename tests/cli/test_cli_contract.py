@@ -102,6 +102,11 @@ def test_stale_state_file_is_ignored_and_removed(bear) -> None:
     (("submit", "hi", "--max-tokens", "0"), ["--max-tokens"]),
     (("submit", "hi", "--bogus"), ["--bogus"]),
     (("nonsense-command",), ["nonsense-command"]),
+    (("eval", "--experiment", "nonsense"), ["nonsense", "rates", "bursty"]),
+    (("eval", "--policies", "bear,nonsense"), ["--policies", "nonsense", "round-robin"]),
+    (("eval", "--rates", "abc"), ["--rates"]),
+    (("eval", "--rates", "5,0"), ["--rates", "> 0"]),
+    (("bench", "router", "--rate", "0"), ["--rate"]),
 ])
 def test_bad_values_are_usage_errors_before_anything_starts(bear, args, words) -> None:
     (bear.cwd / "p.txt").write_text("a prompt")
