@@ -39,6 +39,7 @@ def test_signal_under_load_stops_everything_within_10s(tmp_path, sig) -> None:
     took = time.monotonic() - t0
     assert up.proc.wait(5) == 128 + sig, up.log.read_text()[-2000:]
     assert took < 10.0
+    print(f"{signal.Signals(sig).name} under load: every process gone {took:.1f} s after the signal")  # with -s
     assert not (run_dir / "jetstream").exists()
     assert not list(b.state_dir.glob("up-*.json"))
     assert "Traceback" not in up.log.read_text()
@@ -54,6 +55,7 @@ def test_sigkill_of_bear_up_takes_its_children(tmp_path) -> None:
     end = time.monotonic() + 15.0  # each child stops on its own (SIGTERM from the kernel), NATS gone too
     while not all_gone(pids) and time.monotonic() < end:
         time.sleep(0.1)
+    print(f"SIGKILL: every child gone {time.monotonic() - end + 15.0:.1f} s after it")  # with -s
     left = sorted(n for n, p in named.items() if not all_gone([p]))
     assert left == [], {n: (Path(up.state_or_last()["logs"]) / f"{n}.log").read_text()[-1500:] for n in left}
     up.proc.wait(5)
