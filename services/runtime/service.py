@@ -69,13 +69,26 @@ async def connect(url: str, name: str, *, connect_within_s: float = CONNECT_WITH
         with contextlib.suppress(Exception):
             await nc.close()
         why = last[-1] if last else exc
-        raise BearError(ErrorCode.UNAVAILABLE, f"cannot connect to NATS at {url}: {_describe(why)}") from exc
+        raise BearError(ErrorCode.UNAVAILABLE, f"cannot connect to NATS at {_redacted(url)}: {_describe(why)}") from exc
     except ValueError as exc:  # a malformed URL
-        raise BearError(ErrorCode.BAD_REQUEST, f"invalid NATS URL {url!r}: {exc}") from exc
+        raise BearError(ErrorCode.BAD_REQUEST, f"invalid NATS URL {_redacted(url)!r}: {exc}") from exc
     connected = True
     nc.options["max_reconnect_attempts"] = max_reconnect_attempts
     nc.options["reconnect_time_wait"] = wait
     return nc
+
+
+def _redacted(url: str) -> str:
+    """``url`` without its password (deployments embed per-service credentials in the URL)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        if parts.password:
+            return url.replace(f":{parts.password}@", ":***@", 1)
+    except ValueError:
+        pass
+    return url
 
 
 def _describe(exc: BaseException) -> str:

@@ -145,3 +145,9 @@ def test_help_lists_the_valid_values(bear) -> None:
     out = " ".join(bear("up", "--help").out.split())
     assert "round-robin" in out and "sim" in out and "vllm" in out and "--metrics-host" in out
     assert bear().rc == 0  # `bear` alone: the help, not an error
+
+
+def test_the_error_line_does_not_show_a_password(bear) -> None:
+    line = assert_one_line_error(bear("submit", "hi", "--nats", "nats://router:s3cret@127.0.0.1:1"), 3,
+                                 "cannot connect to NATS", "router:***@127.0.0.1:1")
+    assert "s3cret" not in line
