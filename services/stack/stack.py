@@ -308,10 +308,6 @@ class Stack:
     def restart_child(self, name: str) -> None:
         self.children[name].start({**os.environ, "PYTHONUNBUFFERED": "1"})
 
-    def check_alive(self) -> list[str]:
-        """Names of children that exited."""
-        return [n for n, c in self.children.items() if not c.alive()]
-
     def stop(self, grace_s: float = 10.0) -> None:
         for c in reversed(list(self.children.values())):
             c.signal(signal.SIGTERM)
