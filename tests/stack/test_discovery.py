@@ -73,3 +73,20 @@ def test_runs_are_pruned_but_never_a_live_one(tmp_path) -> None:
     assert not (runs / names[3] / "jetstream").exists() and (runs / names[4] / "jetstream").exists()
     st._link_latest()
     assert (tmp_path / "w" / "latest").resolve() == st.run_dir.resolve()
+
+
+def test_metrics_ports_default_to_9464_and_step_aside_when_taken() -> None:
+    import contextlib
+    import socket
+
+    from bear.runtime.metrics import port_free
+    from bear.stack.commands import DEFAULT_METRICS_PORT, metrics_ports
+
+    assert metrics_ports(0, 1, "127.0.0.1") == 0 and metrics_ports(9999, 1, "127.0.0.1") == 9999  # as asked
+    with contextlib.ExitStack() as held:
+        if port_free(DEFAULT_METRICS_PORT):  # taken by this test, unless something already holds it
+            s = held.enter_context(socket.socket())
+            s.bind(("127.0.0.1", DEFAULT_METRICS_PORT))
+            s.listen()
+        base = metrics_ports(None, 3, "127.0.0.1")  # a second stack on this machine: runs beside
+        assert base != DEFAULT_METRICS_PORT and all(port_free(base + i) for i in range(3))
