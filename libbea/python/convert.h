@@ -6,8 +6,8 @@
 #include <cmath>
 #include <string>
 
-#include "bea/batch_time.h"
-#include "bea/value.h"
+#include "bea/core/batch_time.h"
+#include "bea/core/value.h"
 
 namespace bea_py {
 
@@ -50,7 +50,7 @@ inline Value to_value(py::handle h, int depth) {
     v.arr.reserve(seq.size());
     for (auto item : seq) v.arr.push_back(to_value(item, depth + 1));
   } else {
-    throw std::invalid_argument(std::string("unsupported value type: ") + std::string(py::str(h.get_type())));
+    throw std::invalid_argument(std::string("unsupported value type: ") + std::string(py::str(py::type::handle_of(h))));
   }
   return v;
 }

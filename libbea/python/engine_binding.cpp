@@ -9,11 +9,12 @@
 #include <string_view>
 #include <unordered_map>
 
-#include "bea/engine.h"
-#include "bea/replay.h"
-#include "bea/snapshot.h"
-#include "bea/scheduler.h"
-#include "bea/value.h"
+#include "bea/sim/engine.h"
+#include "bea/core/ageing.h"
+#include "bea/core/replay.h"
+#include "bea/core/snapshot.h"
+#include "bea/core/scheduler.h"
+#include "bea/core/value.h"
 #include "convert.h"
 
 namespace py = pybind11;

@@ -10,11 +10,11 @@
 #include <string>
 #include <vector>
 
-#include "bea/analytic.h"
-#include "bea/engine.h"
-#include "bea/replay.h"
-#include "bea/snapshot.h"
-#include "bea/value.h"
+#include "bea/core/analytic.h"
+#include "bea/sim/engine.h"
+#include "bea/core/replay.h"
+#include "bea/core/snapshot.h"
+#include "bea/core/value.h"
 #include "convert.h"
 
 namespace py = pybind11;

@@ -1,4 +1,4 @@
-#include "bea/lazy_sync.h"
+#include "bea/core/sync_fast_path.h"
 
 #include <algorithm>
 #include <functional>
@@ -8,7 +8,7 @@ namespace {
 inline int64_t mod(int64_t a, int64_t b) { return ((a % b) + b) % b; }
 }  // namespace
 
-LazySync::LazySync(Scheduler& s) : s_(s), B_(s.cfg_.block_size) {
+SyncFastPath::SyncFastPath(Scheduler& s) : s_(s), B_(s.cfg_.block_size) {
   lz_.resize(s_.reqs_.size());
   is_lazy_.assign(s_.reqs_.size(), 0);
   bucket_.assign(static_cast<size_t>(B_), 0);
@@ -17,7 +17,7 @@ LazySync::LazySync(Scheduler& s) : s_(s), B_(s.cfg_.block_size) {
   rebuild(-1);
 }
 
-bool LazySync::eligible(int32_t k, int32_t watch) const {
+bool SyncFastPath::eligible(int32_t k, int32_t watch) const {
   if (k == watch) return false;
   const Scheduler::Req& r = s_.reqs_[static_cast<size_t>(k)];
   return !r.finished && r.O >= 1 && r.C == r.P + r.O - 1 && r.ph == 0 && r.stale == 0 &&
@@ -25,21 +25,21 @@ bool LazySync::eligible(int32_t k, int32_t watch) const {
 }
 
 // Min-heap on finish step; entries of requests that left the lazy group are skipped lazily.
-bool LazySync::finishes_later(int32_t a, int32_t b) const {
+bool SyncFastPath::finishes_later(int32_t a, int32_t b) const {
   return lz_[static_cast<size_t>(a)].finish_d > lz_[static_cast<size_t>(b)].finish_d;
 }
 
-void LazySync::heap_push(int32_t k) {
+void SyncFastPath::heap_push(int32_t k) {
   heap_.push_back(k);
   std::push_heap(heap_.begin(), heap_.end(), [this](int32_t a, int32_t b) { return finishes_later(a, b); });
 }
 
-void LazySync::heap_pop() {
+void SyncFastPath::heap_pop() {
   std::pop_heap(heap_.begin(), heap_.end(), [this](int32_t a, int32_t b) { return finishes_later(a, b); });
   heap_.pop_back();
 }
 
-void LazySync::lazify(int32_t k, bool push) {
+void SyncFastPath::lazify(int32_t k, bool push) {
   const auto u = static_cast<size_t>(k);
   const Scheduler::Req& r = s_.reqs_[u];
   Lazy& l = lz_[u];
@@ -57,7 +57,7 @@ void LazySync::lazify(int32_t k, bool push) {
   if (push) heap_push(k);
 }
 
-void LazySync::materialize(int32_t k) {
+void SyncFastPath::materialize(int32_t k) {
   const auto u = static_cast<size_t>(k);
   if (!is_lazy_[u]) return;
   Scheduler::Req& r = s_.reqs_[u];
@@ -72,7 +72,7 @@ void LazySync::materialize(int32_t k) {
   sum_cbase_ -= l.cbase;
 }
 
-void LazySync::finish_lazy(int32_t k) {
+void SyncFastPath::finish_lazy(int32_t k) {
   // Called after step D_ was executed but before D_ advances: its token of step D_ is the last.
   ++D_;
   materialize(k);
@@ -83,13 +83,13 @@ void LazySync::finish_lazy(int32_t k) {
   r.cached_blocks = 0;
 }
 
-void LazySync::materialize_all() {
+void SyncFastPath::materialize_all() {
   for (int32_t k : s_.running_) materialize(k);
   heap_.clear();
   eager_ = s_.running_;
 }
 
-void LazySync::rebuild(int32_t watch) {
+void SyncFastPath::rebuild(int32_t watch) {
   materialize_all();
   eager_.clear();
   for (int32_t k : s_.running_) {
@@ -103,14 +103,14 @@ void LazySync::rebuild(int32_t watch) {
   std::make_heap(heap_.begin(), heap_.end(), [this](int32_t a, int32_t b) { return finishes_later(a, b); });
 }
 
-int64_t LazySync::demand_over(int64_t k) const {
+int64_t SyncFastPath::demand_over(int64_t k) const {
   int64_t d = (k / B_) * n_lazy_;
   const int64_t rem = k % B_;
   for (int64_t j = 0; j < rem; ++j) d += bucket_[static_cast<size_t>(mod(D_ + j, B_))];
   return d;
 }
 
-LazySync::Result LazySync::exact_step(double& now, const Coeffs& beta, int32_t watch, int64_t& steps) {
+SyncFastPath::Result SyncFastPath::exact_step(double& now, const Coeffs& beta, int32_t watch, int64_t& steps) {
   const int64_t k = s_.collapse_decode(now, beta, INT64_MAX / 4);
   if (k > 0) {
     steps = k;
@@ -124,7 +124,7 @@ LazySync::Result LazySync::exact_step(double& now, const Coeffs& beta, int32_t w
   return s_.apply(batch_, watch) ? Result::WatchSampled : Result::Continue;
 }
 
-bool LazySync::try_fold(double& now, const Coeffs& beta, int64_t max_steps, int64_t& steps) {
+bool SyncFastPath::try_fold(double& now, const Coeffs& beta, int64_t max_steps, int64_t& steps) {
   if (!eager_.empty() || n_lazy_ == 0 || s_.waiting_.empty()) return false;
   if (n_lazy_ > s_.cfg_.max_num_scheduled_tokens) return false;
   if (!s_.admission_blocked(s_.cfg_.max_num_scheduled_tokens - n_lazy_)) return false;
@@ -154,7 +154,7 @@ bool LazySync::try_fold(double& now, const Coeffs& beta, int64_t max_steps, int6
   return true;
 }
 
-LazySync::Result LazySync::step(double& now, const Coeffs& beta, int32_t watch, int64_t max_steps, int64_t& steps) {
+SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t watch, int64_t max_steps, int64_t& steps) {
   if (lz_.size() < s_.reqs_.size()) {
     lz_.resize(s_.reqs_.size());
     is_lazy_.resize(s_.reqs_.size(), 0);

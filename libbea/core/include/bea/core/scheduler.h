@@ -7,8 +7,8 @@
 #include <deque>
 #include <vector>
 
-#include "bea/batch_time.h"
-#include "bea/snapshot.h"
+#include "bea/core/batch_time.h"
+#include "bea/core/snapshot.h"
 
 namespace bea {
 
@@ -65,7 +65,7 @@ class Scheduler {
   void abort(int32_t k);
 
  private:
-  friend class LazySync;  // the estimate's fast path works on the same state (lazy_sync.h)
+  friend class SyncFastPath;  // the estimate's fast path works on the same state (sync_fast_path.h)
   bool waiting_before(int32_t a, int32_t b) const;
   void enqueue_preempted(int32_t r);
   int64_t effective_lpt() const;

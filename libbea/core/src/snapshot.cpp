@@ -1,4 +1,4 @@
-#include "bea/snapshot.h"
+#include "bea/core/snapshot.h"
 
 #include <cmath>
 #include <stdexcept>

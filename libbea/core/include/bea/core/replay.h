@@ -8,9 +8,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "bea/batch_time.h"
-#include "bea/scheduler.h"
-#include "bea/snapshot.h"
+#include "bea/core/batch_time.h"
+#include "bea/core/scheduler.h"
+#include "bea/core/snapshot.h"
 
 namespace bea {
 

@@ -1,7 +1,7 @@
-#include "bea/replay.h"
+#include "bea/core/replay.h"
 
-#include "bea/engine.h"
-#include "bea/lazy_sync.h"
+#include "bea/core/ageing.h"
+#include "bea/core/sync_fast_path.h"
 
 #include <algorithm>
 #include <cmath>
@@ -70,19 +70,19 @@ Estimate run_sync(Scheduler& sched, int32_t query, const ReplayOptions& opt, dou
   std::vector<Scheduler::Item> batch;
   batch.reserve(sched.reqs().size());
   if (opt.collapse && !opt.trace && sched.config().block_size <= 4096) {
-    // Fast path: decoders advanced as a group, exact fallback when order matters (lazy_sync.h).
-    LazySync fast(sched);
+    // Fast path: decoders advanced as a group, exact fallback when order matters (sync_fast_path.h).
+    SyncFastPath fast(sched);
     while (est.n_batches < opt.max_steps) {
       int64_t steps = 0;
       const double start = now;
-      const LazySync::Result r = fast.step(now, opt.beta, query, opt.max_steps - est.n_batches, steps);
+      const SyncFastPath::Result r = fast.step(now, opt.beta, query, opt.max_steps - est.n_batches, steps);
       est.n_batches += steps;
       if (steps == 1) now += fill.extra_time(sched, start, fast.last_tokens(), opt.beta);
-      if (r == LazySync::Result::WatchSampled) {
+      if (r == SyncFastPath::Result::WatchSampled) {
         est.ttft_s = now;
         return est;
       }
-      if (r == LazySync::Result::Unschedulable) {
+      if (r == SyncFastPath::Result::Unschedulable) {
         est.status = Status::Unschedulable;
         return est;
       }

@@ -1,4 +1,4 @@
-#include "bea/scheduler.h"
+#include "bea/core/scheduler.h"
 
 #include <algorithm>
 #include <stdexcept>

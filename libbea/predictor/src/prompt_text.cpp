@@ -1,6 +1,6 @@
 // See bea/prompt_text.h. The reference is the pure-Python implementation kept in
 // tests/test_predictor_native.py; the tests compare both on thousands of prompts.
-#include "bea/prompt_text.h"
+#include "bea/predictor/prompt_text.h"
 
 #include <algorithm>
 #include <array>

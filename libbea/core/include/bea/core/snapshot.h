@@ -8,7 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "bea/value.h"
+#include "bea/core/value.h"
 
 namespace bea {
 

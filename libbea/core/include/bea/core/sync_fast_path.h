@@ -12,16 +12,16 @@
 #include <cstdint>
 #include <vector>
 
-#include "bea/batch_time.h"
-#include "bea/scheduler.h"
+#include "bea/core/batch_time.h"
+#include "bea/core/scheduler.h"
 
 namespace bea {
 
-class LazySync {
+class SyncFastPath {
  public:
   enum class Result { Continue, WatchSampled, Unschedulable };
 
-  explicit LazySync(Scheduler& s);
+  explicit SyncFastPath(Scheduler& s);
   // One engine step (or a folded stretch of decode-only steps); `steps` gets how many.
   Result step(double& now, const Coeffs& beta, int32_t watch, int64_t max_steps, int64_t& steps);
   void materialize_all();
