@@ -51,8 +51,8 @@ py::dict request_dict(const Scheduler& sched, const std::string& id, int32_t k) 
   d["computed_tokens"] = r.C;
   d["output_tokens"] = r.O;
   d["max_tokens"] = r.max_tokens;
-  d["blocks"] = r.blocks;
-  d["exclusive_blocks"] = r.excl;
+  d["blocks"] = r.kv.held;
+  d["exclusive_blocks"] = r.kv.exclusive;
   d["preemptions"] = r.preemptions;
   d["arrival"] = r.arrival;
   d["priority"] = r.prio;

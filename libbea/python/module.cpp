@@ -326,8 +326,8 @@ PYBIND11_MODULE(libbea, m) {
           q.computed_tokens = r.C;
           q.output_tokens = r.O;
           q.max_tokens = r.max_tokens;
-          q.blocks = r.blocks;
-          q.exclusive_blocks = r.excl;
+          q.blocks = r.kv.held;
+          q.exclusive_blocks = r.kv.exclusive;
           q.preemptions = r.preemptions;
           q.placeholders = r.ph;
           q.priority = r.prio;

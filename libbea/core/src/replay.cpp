@@ -158,8 +158,8 @@ Prepared prepare(const Snapshot& s, const ReplayOptions& opt) {
       q.C = r.computed_tokens;
       q.O = r.output_tokens;
       q.max_tokens = r.max_tokens;
-      q.blocks = r.blocks;
-      q.excl = r.exclusive_blocks;
+      q.kv.held = r.blocks;
+      q.kv.exclusive = r.exclusive_blocks;
       q.ph = p.cfg.async_scheduling ? r.placeholders : 0;
       q.hit = r.prefix_hit_tokens;
       q.prio = r.priority;

@@ -21,7 +21,7 @@ bool SyncFastPath::eligible(int32_t k, int32_t watch) const {
   if (k == watch) return false;
   const Scheduler::Req& r = s_.reqs_[static_cast<size_t>(k)];
   return !r.finished && r.O >= 1 && r.C == r.P + r.O - 1 && r.ph == 0 && r.stale == 0 &&
-         r.blocks == ceil_div(r.C, B_);
+         r.kv.held == ceil_div(r.C, B_);
 }
 
 // Min-heap on finish step; entries of requests that left the lazy group are skipped lazily.
@@ -45,8 +45,8 @@ void SyncFastPath::lazify(int32_t k, bool push) {
   Lazy& l = lz_[u];
   l.cbase = r.C - D_;
   l.obase = r.O - D_;
-  l.blocks0 = r.blocks;
-  l.excl0 = r.excl;
+  l.blocks0 = r.kv.held;
+  l.excl0 = r.kv.exclusive;
   const int64_t stop = std::min(std::min(r.target_out, r.max_tokens), s_.cfg_.max_model_len - r.P);
   l.finish_d = stop - l.obase - 1;  // the step whose token is its last
   l.bucket = static_cast<int32_t>(mod(-l.cbase, B_));
@@ -64,8 +64,8 @@ void SyncFastPath::materialize(int32_t k) {
   const Lazy& l = lz_[u];
   r.C = l.cbase + D_;
   r.O = l.obase + D_;
-  r.blocks = ceil_div(r.C, B_);
-  r.excl = l.excl0 + (r.blocks - l.blocks0);
+  r.kv.held = ceil_div(r.C, B_);
+  r.kv.exclusive = l.excl0 + (r.kv.held - l.blocks0);
   is_lazy_[u] = 0;
   bucket_[static_cast<size_t>(l.bucket)] -= 1;
   n_lazy_ -= 1;
@@ -77,10 +77,7 @@ void SyncFastPath::finish_lazy(int32_t k) {
   ++D_;
   materialize(k);
   --D_;
-  Scheduler::Req& r = s_.reqs_[static_cast<size_t>(k)];
-  r.finished = true;
-  s_.release(r);
-  r.cached_blocks = 0;
+  s_.finish(s_.reqs_[static_cast<size_t>(k)]);
 }
 
 void SyncFastPath::materialize_all() {
@@ -132,18 +129,17 @@ bool SyncFastPath::try_fold(double& now, const Coeffs& beta, int64_t max_steps, 
   if (heap_.empty()) return false;
   int64_t k = std::min(lz_[static_cast<size_t>(heap_.front())].finish_d - D_, max_steps);
   if (k < 2) return false;
-  if (demand_over(k) > s_.free_) {
+  const int64_t pool_free = s_.kv_.free_blocks();
+  if (demand_over(k) > pool_free) {
     int64_t lo = 0, hi = k;  // demand(lo) <= free < demand(hi)
     while (hi - lo > 1) {
       const int64_t mid = lo + (hi - lo) / 2;
-      (demand_over(mid) <= s_.free_ ? lo : hi) = mid;
+      (demand_over(mid) <= pool_free ? lo : hi) = mid;
     }
     k = lo;
     if (k < 2) return false;
   }
-  const int64_t dem = demand_over(k);
-  s_.free_ -= dem;
-  s_.alloc_total_ += dem;
+  s_.kv_.allocate_untracked(demand_over(k));
   const auto kd = static_cast<double>(k);
   const auto nd = static_cast<double>(n_lazy_);
   const auto Dd = static_cast<double>(D_);
@@ -180,22 +176,20 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
     n = std::min(n, cfg.max_model_len - r.C - 1);
     if (n <= 0) continue;
     want += n;
-    const int64_t need = ceil_div(std::min(r.C + n, cfg.max_model_len), B_) - r.blocks;
+    const int64_t need = ceil_div(std::min(r.C + n, cfg.max_model_len), B_) - r.kv.held;
     if (need > 0) demand += need;
     batch_.push_back({k, n, r.C, r.preemptions, false});
   }
-  if (want > budget || demand > s_.free_) {  // order matters or preemption may happen
+  if (want > budget || demand > s_.kv_.free_blocks()) {  // order matters or preemption may happen
     materialize_all();
     cooldown_ = 8;
     return exact_step(now, beta, watch, steps);
   }
-  const int64_t lazy_alloc = bucket_[static_cast<size_t>(mod(D_, B_))];
-  s_.free_ -= lazy_alloc;
-  s_.alloc_total_ += lazy_alloc;
+  s_.kv_.allocate_untracked(bucket_[static_cast<size_t>(mod(D_, B_))]);
   for (const auto& it : batch_) {
     Scheduler::Req& r = s_.reqs_[static_cast<size_t>(it.req)];
-    const int64_t need = ceil_div(std::min(r.C + it.n, cfg.max_model_len), B_) - r.blocks;
-    if (need > 0) s_.take(r, need);
+    const int64_t need = ceil_div(std::min(r.C + it.n, cfg.max_model_len), B_) - r.kv.held;
+    if (need > 0) s_.kv_.allocate(r.kv, need);
   }
   budget -= want;
   const size_t n_eager_items = batch_.size();
@@ -236,9 +230,7 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
     r.O += 1;
     if (it.req == watch) watched = true;
     if (r.O >= r.target_out || r.O >= r.max_tokens || r.P + r.O >= cfg.max_model_len) {
-      r.finished = true;
-      s_.release(r);
-      r.cached_blocks = 0;
+      s_.finish(r);
       any_finished = true;
     }
   }
