@@ -1,4 +1,6 @@
-// Python objects → libbea inputs, shared by the bindings: one conversion, one set of checks.
+// Python objects ↔ libbea's value tree, shared by the bindings: one conversion, one set of checks.
+// Python dicts reach the core as value trees (bea/core/request_fields.h reads their requests);
+// exported maps (snapshots, configs) come back the same way.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -54,6 +56,30 @@ inline Value to_value(py::handle h, int depth) {
   }
   return v;
 }
+
+// The value tree as Python objects: maps → dict (in order), lists → list.
+inline py::object from_value(const Value& v) {
+  switch (v.type) {
+    case Value::Type::Nil: return py::none();
+    case Value::Type::Bool: return py::bool_(v.b);
+    case Value::Type::Int: return py::int_(v.i);
+    case Value::Type::Float: return py::float_(v.d);
+    case Value::Type::Str: return py::str(v.s);
+    case Value::Type::Arr: {
+      py::list l;
+      for (const Value& x : v.arr) l.append(from_value(x));
+      return std::move(l);
+    }
+    case Value::Type::Map: {
+      py::dict d;
+      for (const auto& kv : v.map) d[py::str(kv.first)] = from_value(kv.second);
+      return std::move(d);
+    }
+  }
+  return py::none();
+}
+
+inline py::dict dict_from_value(const Value& v) { return py::reinterpret_borrow<py::dict>(from_value(v)); }
 
 inline Coeffs coeffs_from(py::handle h) {
   Coeffs c;

@@ -1,6 +1,7 @@
 #include "bea/core/replay.h"
 
 #include "bea/core/ageing.h"
+#include "bea/core/request_fields.h"
 #include "bea/core/sync_fast_path.h"
 
 #include <algorithm>
@@ -117,17 +118,11 @@ Estimate run_sync(Scheduler& sched, int32_t query, const ReplayOptions& opt, dou
 }
 
 Scheduler::Req query_req(const Query& q, double default_arrival, const ReplayOptions& opt) {
-  Scheduler::Req nq;
-  nq.P = q.prompt_tokens;
-  nq.max_tokens = q.max_tokens;
   const int64_t pred = q.predicted_output >= 0 ? q.predicted_output
                        : opt.default_output_tokens >= 0 ? opt.default_output_tokens
                                                         : q.max_tokens;
-  nq.target_out = std::clamp<int64_t>(pred, 1, q.max_tokens);
-  nq.hit = q.prefix_hit_tokens;
-  nq.prio = q.priority;
-  nq.arrival = q.arrival > 0.0 ? q.arrival : default_arrival;
-  return nq;
+  return sched_arrival(q.prompt_tokens, q.max_tokens, std::clamp<int64_t>(pred, 1, q.max_tokens), q.prefix_hit_tokens,
+                       q.priority, q.arrival > 0.0 ? q.arrival : default_arrival);
 }
 
 // Queue the router's recent dispatches, then the query itself.
@@ -153,21 +148,8 @@ Prepared prepare(const Snapshot& s, const ReplayOptions& opt) {
   std::unordered_map<std::string, int32_t> index;
   for (const auto* list : {&s.running, &s.waiting})
     for (const auto& r : *list) {
-      Prepared::Req q;
-      q.P = r.prompt_tokens;
-      q.C = r.computed_tokens;
-      q.O = r.output_tokens;
-      q.max_tokens = r.max_tokens;
-      q.kv.held = r.blocks;
-      q.kv.exclusive = r.exclusive_blocks;
-      q.ph = p.cfg.async_scheduling ? r.placeholders : 0;
-      q.hit = r.prefix_hit_tokens;
-      q.prio = r.priority;
-      q.preemptions = r.preemptions;
-      q.arrival = r.arrival;
-      q.target_out = target_output(r, opt);
       if (s.inflight) index.emplace(r.id, static_cast<int32_t>(p.reqs.size()));
-      p.reqs.push_back(q);
+      p.reqs.push_back(sched_request(r, target_output(r, opt), p.cfg.async_scheduling));
       p.names.push_back(r.id);
     }
   if (s.inflight && p.cfg.async_scheduling) {

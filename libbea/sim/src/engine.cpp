@@ -1,5 +1,7 @@
 #include "bea/sim/engine.h"
 
+#include "bea/core/request_fields.h"
+
 #include <algorithm>
 #include <stdexcept>
 
@@ -40,13 +42,7 @@ void Engine::add(const std::string& id, int64_t prompt_tokens, int64_t max_token
     throw std::invalid_argument("true_output_tokens must be >= 1");
   if (priority < -kMaxTokens || priority > kMaxTokens) throw std::invalid_argument("priority out of range");
   if (index_.count(id) != 0) throw std::invalid_argument("duplicate request id '" + id + "'");
-  Scheduler::Req r;
-  r.P = prompt_tokens;
-  r.max_tokens = max_tokens;
-  r.target_out = true_output_tokens;
-  r.prio = priority;
-  r.arrival = arrival;
-  const int32_t k = sched_.add(r);
+  const int32_t k = sched_.add(sched_arrival(prompt_tokens, max_tokens, true_output_tokens, 0, priority, arrival));
   if (static_cast<size_t>(k) != names_.size()) throw std::logic_error("engine: request index out of sync");
   names_.push_back(id);
   index_.emplace(id, k);

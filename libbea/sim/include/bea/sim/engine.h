@@ -45,6 +45,7 @@ class Engine {
   const std::string& name(int32_t k) const { return names_[static_cast<size_t>(k)]; }
   size_t live() const { return index_.size(); }
   size_t table_size() const { return names_.size(); }  // live + finished not yet compacted
+  const std::vector<std::string>& names() const { return names_; }  // by request index
 
  private:
   void compact();
