@@ -37,6 +37,7 @@ Prepared prepare(const Snapshot& s, const ReplayOptions& opt) {
       p.reqs.push_back(sched_request(r, target_output(r, opt), p.cfg.async_scheduling));
       p.names.push_back(r.id);
     }
+  p.decode_start = decode_group_start(p.reqs, p.n_running, p.cfg);
   if (s.inflight && p.cfg.async_scheduling) {
     p.has_inflight = true;
     p.inflight_start = s.inflight->started - s.time;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <stdexcept>
 
 namespace bea {
@@ -52,14 +53,21 @@ class ArrivalFill {
 // The sync engine loop (§2) from `sched` as it stands, the query already queued; `now` is the
 // time since the snapshot's capture at which the first schedule() happens; the query arrived at
 // `arrival` (<= now).
-Estimate run_sync(Scheduler& sched, int32_t query, const ReplayOptions& opt, double now, double arrival) {
+Estimate run_sync(Scheduler& sched, int32_t query, const ReplayOptions& opt, double now, double arrival,
+                  const DecodeGroupStart* group_start) {
   Estimate est;
   ArrivalFill fill(opt.arrival_tokens_per_s, arrival);
   std::vector<Scheduler::Item> batch;
   batch.reserve(sched.reqs().size());
   if (opt.collapse && !opt.trace && sched.config().block_size <= 4096) {
     // Fast path: decoders advanced as a group, exact fallback when order matters (sync_fast_path.h).
-    SyncFastPath fast(sched);
+    std::optional<SyncFastPath> group;
+    if (group_start != nullptr && group_start->valid) {
+      group.emplace(sched, *group_start);
+    } else {
+      group.emplace(sched);
+    }
+    SyncFastPath& fast = *group;
     while (est.n_batches < opt.max_steps) {
       int64_t steps = 0;
       const double start = now;
@@ -130,7 +138,7 @@ Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt, c
   sched.load(p.reqs, p.n_running, p.free_blocks);
   const int32_t query = enqueue(sched, q, ahead, p.time, opt, p.cfg.max_model_len);
   if (!p.cfg.async_scheduling) {
-    Estimate e = run_sync(sched, query, opt, 0.0, 0.0);
+    Estimate e = run_sync(sched, query, opt, 0.0, 0.0, &p.decode_start);
     if (e.status != Status::Ok) e.ttft_s = std::numeric_limits<double>::infinity();
     return e;
   }
@@ -197,7 +205,7 @@ Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions&
   }
   Advanced a = advance(p, opt.beta, age_s);
   const int32_t query = enqueue(a.sched, q, ahead, p.time + age_s, opt, p.cfg.max_model_len);
-  Estimate e = run_sync(a.sched, query, opt, a.join_s, age_s);
+  Estimate e = run_sync(a.sched, query, opt, a.join_s, age_s, nullptr);
   e.ttft_s = e.status == Status::Ok ? e.ttft_s - age_s : std::numeric_limits<double>::infinity();
   return e;
 }

@@ -14,6 +14,7 @@ void Scheduler::load(const std::vector<Req>& reqs, size_t n_running, int64_t fre
   for (size_t k = 0; k < reqs.size(); ++k) (k < n_running ? running_.push_back(static_cast<int32_t>(k))
                                                           : waiting_.push_back(static_cast<int32_t>(k)));
   kv_.reset(free_blocks);
+  finished_in_running_ = 0;
 }
 
 int32_t Scheduler::add(const Req& r) {
@@ -43,10 +44,18 @@ bool Scheduler::waiting_before(int32_t a, int32_t b) const {  // PRIORITY heap o
 int64_t Scheduler::effective_lpt() const {
   int64_t lpt = cfg_.long_prefill_token_threshold;
   if (lpt <= 0) return 0;
-  const auto total = static_cast<int64_t>(running_.size() + waiting_.size());
+  const auto total = static_cast<int64_t>(n_running() + waiting_.size());
   if (total <= 1) return 0;  // nobody to starve
   if (cfg_.long_prefill_token_threshold_adaptive) lpt = std::max(lpt, cfg_.max_num_batched_tokens / total);
   return lpt;
+}
+
+void Scheduler::drop_finished_running() {
+  if (finished_in_running_ == 0) return;
+  running_.erase(std::remove_if(running_.begin(), running_.end(),
+                                [this](int32_t k) { return reqs_[static_cast<size_t>(k)].finished; }),
+                 running_.end());
+  finished_in_running_ = 0;
 }
 
 // A request that stops (finished or aborted) leaves the scheduler and returns its blocks.
@@ -165,7 +174,7 @@ void Scheduler::schedule(std::vector<Item>& batch) {
 void Scheduler::admit_waiting(int64_t& budget, int64_t lpt, std::vector<Item>& batch) {
   skipped_.clear();
   while (budget > 0 && !waiting_.empty()) {
-    if (static_cast<int64_t>(running_.size()) >= cfg_.max_num_active_seqs) break;
+    if (static_cast<int64_t>(n_running()) >= cfg_.max_num_active_seqs) break;
     const int32_t wi = waiting_.front();
     Req& w = req(wi);
     if (w.stale > 0) {  // async: not re-admitted before its stale output drains (skip, not block)
@@ -284,7 +293,7 @@ int64_t Scheduler::collapse_decode(double& now, const Coeffs& beta, int64_t max_
 
 bool Scheduler::admission_blocked(int64_t leftover) const {
   if (leftover <= 0 || waiting_.empty()) return true;
-  if (static_cast<int64_t>(running_.size()) >= cfg_.max_num_active_seqs) return true;
+  if (static_cast<int64_t>(n_running()) >= cfg_.max_num_active_seqs) return true;
   const Req& w = reqs_[static_cast<size_t>(waiting_.front())];
   if (w.kv.cached > 0 || w.stale > 0) return false;  // its hit may change: step normally
   return !plan_admission(w, leftover, effective_lpt()).ok;
@@ -295,7 +304,7 @@ bool Scheduler::admission_blocked(int64_t leftover) const {
 Scheduler::Admission Scheduler::plan_admission(const Req& w, int64_t budget, int64_t lpt) const {
   Admission a;
   const PrefixHit hit = w.C == 0 ? kv_.computed_blocks(w.kv, w.P + w.O, w.hit) : PrefixHit{};
-  const int64_t k = hit.tokens, e = hit.evictable;
+  const int64_t k = hit.tokens, e = hit.evictable, hitb = hit.blocks;
   a.c0 = w.C == 0 ? k : w.C;
   const int64_t num_tokens = w.P + w.O;
   int64_t n = num_tokens - a.c0;
@@ -303,8 +312,7 @@ Scheduler::Admission Scheduler::plan_admission(const Req& w, int64_t budget, int
   if (n <= 0) return a;
   if (!cfg_.enable_chunked_prefill && n > budget) return a;
   a.n = std::min(n, budget);
-  const int64_t hitb = k / kv_.block_size();
-  const int64_t wm = running_.empty() ? 0 : cfg_.watermark_blocks;
+  const int64_t wm = n_running() == 0 ? 0 : cfg_.watermark_blocks;
   const int64_t pool_free = kv_.free_blocks();
   if (cfg_.scheduler_reserve_full_isl && kv_.blocks_for(std::min(num_tokens, cfg_.max_model_len)) - hitb + e + wm > pool_free)
     return a;

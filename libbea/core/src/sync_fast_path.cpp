@@ -1,75 +1,106 @@
 #include "bea/core/sync_fast_path.h"
 
 #include <algorithm>
-#include <functional>
 
 namespace bea {
 namespace {
-inline int64_t mod(int64_t a, int64_t b) { return ((a % b) + b) % b; }
+
+// The output count at which request `r` stops (its target, max_tokens or the model length).
+inline int64_t stop_at(const SchedRequest& r, const Config& cfg) {
+  return std::min(std::min(r.target_out, r.max_tokens), cfg.max_model_len - r.P);
+}
+
+// A plain decode that can join the group: one token per step (C = P + O − 1), blocks matching
+// its context, nothing in flight, and at least one more token to come before it stops (a request
+// already at its stop finishes on its next token: it stays with the exact per-request code).
+inline bool plain_decode(const SchedRequest& r, const Config& cfg, const BlockMath& blocks) {
+  return !r.finished && r.O >= 1 && r.C == r.P + r.O - 1 && r.ph == 0 && r.stale == 0 &&
+         r.kv.held == blocks.ceil(r.C) && stop_at(r, cfg) > r.O;
+}
+
 }  // namespace
 
-SyncFastPath::SyncFastPath(Scheduler& s) : s_(s), B_(s.cfg_.block_size) {
-  lz_.resize(s_.reqs_.size());
-  is_lazy_.assign(s_.reqs_.size(), 0);
+DecodeGroupStart decode_group_start(const std::vector<SchedRequest>& reqs, size_t n_running, const Config& cfg) {
+  DecodeGroupStart g;
+  if (cfg.async_scheduling || cfg.block_size > 4096) return g;  // the fast path does not run
+  g.valid = true;
+  const BlockMath blocks(cfg.block_size);
+  g.bucket.assign(static_cast<size_t>(cfg.block_size), 0);
+  for (size_t u = 0; u < n_running; ++u) {
+    const SchedRequest& r = reqs[u];
+    const auto k = static_cast<int32_t>(u);
+    if (!plain_decode(r, cfg, blocks)) {
+      g.eager.push_back(k);
+      continue;
+    }
+    g.lazy.push_back(k);
+    g.bucket[static_cast<size_t>(blocks.residue(-r.C))] += 1;
+    g.sum_c += r.C;
+    g.finishes.emplace_back(stop_at(r, cfg) - r.O - 1, k);
+  }
+  std::sort(g.finishes.begin(), g.finishes.end());
+  return g;
+}
+
+SyncFastPath::SyncFastPath(Scheduler& s) : s_(s), blocks_(s.cfg_.block_size), B_(s.cfg_.block_size) {
   bucket_.assign(static_cast<size_t>(B_), 0);
-  heap_.reserve(s_.reqs_.size());
-  batch_.reserve(s_.reqs_.size());
+  size_tables();
+  finishes_.reset(s_.reqs_.size(), D_);
+  batch_.reserve(64);
   rebuild(-1);
 }
 
+SyncFastPath::SyncFastPath(Scheduler& s, const DecodeGroupStart& start)
+    : s_(s), blocks_(s.cfg_.block_size), B_(s.cfg_.block_size) {
+  size_tables();
+  for (int32_t k : start.lazy) since_[static_cast<size_t>(k)] = 0;
+  bucket_ = start.bucket;
+  eager_ = start.eager;
+  finishes_.reset(s_.reqs_.size(), D_, &start.finishes);
+  n_lazy_ = static_cast<int64_t>(start.lazy.size());
+  sum_cbase_ = start.sum_c;
+  batch_.reserve(64);
+}
+
+void SyncFastPath::size_tables() {
+  if (since_.size() < s_.reqs_.size()) {
+    since_.resize(s_.reqs_.size(), -1);
+    finishes_.grow(s_.reqs_.size());
+  }
+}
+
 bool SyncFastPath::eligible(int32_t k, int32_t watch) const {
-  if (k == watch) return false;
-  const Scheduler::Req& r = s_.reqs_[static_cast<size_t>(k)];
-  return !r.finished && r.O >= 1 && r.C == r.P + r.O - 1 && r.ph == 0 && r.stale == 0 &&
-         r.kv.held == ceil_div(r.C, B_);
+  return k != watch && plain_decode(s_.reqs_[static_cast<size_t>(k)], s_.cfg_, blocks_);
 }
 
-// Min-heap on finish step; entries of requests that left the lazy group are skipped lazily.
-bool SyncFastPath::finishes_later(int32_t a, int32_t b) const {
-  return lz_[static_cast<size_t>(a)].finish_d > lz_[static_cast<size_t>(b)].finish_d;
-}
-
-void SyncFastPath::heap_push(int32_t k) {
-  heap_.push_back(k);
-  std::push_heap(heap_.begin(), heap_.end(), [this](int32_t a, int32_t b) { return finishes_later(a, b); });
-}
-
-void SyncFastPath::heap_pop() {
-  std::pop_heap(heap_.begin(), heap_.end(), [this](int32_t a, int32_t b) { return finishes_later(a, b); });
-  heap_.pop_back();
-}
-
-void SyncFastPath::lazify(int32_t k, bool push) {
+void SyncFastPath::lazify(int32_t k) {
   const auto u = static_cast<size_t>(k);
   const Scheduler::Req& r = s_.reqs_[u];
-  Lazy& l = lz_[u];
-  l.cbase = r.C - D_;
-  l.obase = r.O - D_;
-  l.blocks0 = r.kv.held;
-  l.excl0 = r.kv.exclusive;
-  const int64_t stop = std::min(std::min(r.target_out, r.max_tokens), s_.cfg_.max_model_len - r.P);
-  l.finish_d = stop - l.obase - 1;  // the step whose token is its last
-  l.bucket = static_cast<int32_t>(mod(-l.cbase, B_));
-  is_lazy_[u] = 1;
-  bucket_[static_cast<size_t>(l.bucket)] += 1;
+  since_[u] = D_;
+  const int64_t cbase = r.C - D_;
+  bucket_[static_cast<size_t>(blocks_.residue(-cbase))] += 1;
   n_lazy_ += 1;
-  sum_cbase_ += l.cbase;
-  if (push) heap_push(k);
+  sum_cbase_ += cbase;
+  // Its output count reaches its stop with the token of this step.
+  finishes_.push(stop_at(r, s_.cfg_) - (r.O - D_) - 1, k);
 }
 
+// The record catches up with the steps it spent in the group (one token and context each).
 void SyncFastPath::materialize(int32_t k) {
   const auto u = static_cast<size_t>(k);
-  if (!is_lazy_[u]) return;
+  if (since_[u] < 0) return;
   Scheduler::Req& r = s_.reqs_[u];
-  const Lazy& l = lz_[u];
-  r.C = l.cbase + D_;
-  r.O = l.obase + D_;
-  r.kv.held = ceil_div(r.C, B_);
-  r.kv.exclusive = l.excl0 + (r.kv.held - l.blocks0);
-  is_lazy_[u] = 0;
-  bucket_[static_cast<size_t>(l.bucket)] -= 1;
+  const int64_t cbase = r.C - since_[u];
+  bucket_[static_cast<size_t>(blocks_.residue(-cbase))] -= 1;
   n_lazy_ -= 1;
-  sum_cbase_ -= l.cbase;
+  sum_cbase_ -= cbase;
+  const int64_t steps = D_ - since_[u];
+  r.C += steps;
+  r.O += steps;
+  const int64_t held = blocks_.ceil(r.C);
+  r.kv.exclusive += held - r.kv.held;
+  r.kv.held = held;
+  since_[u] = -1;
 }
 
 void SyncFastPath::finish_lazy(int32_t k) {
@@ -81,8 +112,9 @@ void SyncFastPath::finish_lazy(int32_t k) {
 }
 
 void SyncFastPath::materialize_all() {
+  s_.drop_finished_running();
   for (int32_t k : s_.running_) materialize(k);
-  heap_.clear();
+  finishes_.clear();
   eager_ = s_.running_;
 }
 
@@ -91,20 +123,28 @@ void SyncFastPath::rebuild(int32_t watch) {
   eager_.clear();
   for (int32_t k : s_.running_) {
     if (eligible(k, watch)) {
-      lazify(k, false);
-      heap_.push_back(k);
+      lazify(k);
     } else {
       eager_.push_back(k);
     }
   }
-  std::make_heap(heap_.begin(), heap_.end(), [this](int32_t a, int32_t b) { return finishes_later(a, b); });
 }
 
 int64_t SyncFastPath::demand_over(int64_t k) const {
-  int64_t d = (k / B_) * n_lazy_;
-  const int64_t rem = k % B_;
-  for (int64_t j = 0; j < rem; ++j) d += bucket_[static_cast<size_t>(mod(D_ + j, B_))];
+  int64_t d = blocks_.floor(k) * n_lazy_;
+  const int64_t rem = blocks_.residue(k);
+  int64_t j = d_mod_;
+  for (int64_t i = 0; i < rem; ++i) {
+    d += bucket_[static_cast<size_t>(j)];
+    if (++j == B_) j = 0;
+  }
   return d;
+}
+
+void SyncFastPath::advance_d(int64_t k) {
+  D_ += k;
+  d_mod_ = blocks_.residue(d_mod_ + k);
+  finishes_.advance(D_);
 }
 
 SyncFastPath::Result SyncFastPath::exact_step(double& now, const Coeffs& beta, int32_t watch, int64_t& steps) {
@@ -124,11 +164,11 @@ SyncFastPath::Result SyncFastPath::exact_step(double& now, const Coeffs& beta, i
 bool SyncFastPath::try_fold(double& now, const Coeffs& beta, int64_t max_steps, int64_t& steps) {
   if (!eager_.empty() || n_lazy_ == 0 || s_.waiting_.empty()) return false;
   if (n_lazy_ > s_.cfg_.max_num_scheduled_tokens) return false;
-  if (!s_.admission_blocked(s_.cfg_.max_num_scheduled_tokens - n_lazy_)) return false;
-  while (!heap_.empty() && !is_lazy_[static_cast<size_t>(heap_.front())]) heap_pop();
-  if (heap_.empty()) return false;
-  int64_t k = std::min(lz_[static_cast<size_t>(heap_.front())].finish_d - D_, max_steps);
+  const int64_t next = finishes_.next_step();
+  if (next == FinishQueue::kNone) return false;
+  int64_t k = std::min(next - D_, max_steps);
   if (k < 2) return false;
+  if (!s_.admission_blocked(s_.cfg_.max_num_scheduled_tokens - n_lazy_)) return false;
   const int64_t pool_free = s_.kv_.free_blocks();
   if (demand_over(k) > pool_free) {
     int64_t lo = 0, hi = k;  // demand(lo) <= free < demand(hi)
@@ -145,16 +185,13 @@ bool SyncFastPath::try_fold(double& now, const Coeffs& beta, int64_t max_steps, 
   const auto Dd = static_cast<double>(D_);
   now += kd * (beta.b0 + beta.b1 * nd) +
          beta.b2 * (kd * static_cast<double>(sum_cbase_) + nd * (kd * Dd + kd * (kd - 1.0) * 0.5));
-  D_ += k;
+  advance_d(k);
   steps = k;
   return true;
 }
 
 SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t watch, int64_t max_steps, int64_t& steps) {
-  if (lz_.size() < s_.reqs_.size()) {
-    lz_.resize(s_.reqs_.size());
-    is_lazy_.resize(s_.reqs_.size(), 0);
-  }
+  if (since_.size() < s_.reqs_.size()) size_tables();
   if (cooldown_ > 0) {
     const Result r = exact_step(now, beta, watch, steps);
     if (--cooldown_ == 0 && r == Result::Continue) rebuild(watch);
@@ -167,7 +204,7 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
   const int64_t lpt = s_.effective_lpt();
   int64_t budget = cfg.max_num_scheduled_tokens;
   int64_t want = n_lazy_;
-  int64_t demand = bucket_[static_cast<size_t>(mod(D_, B_))];
+  int64_t demand = bucket_[static_cast<size_t>(d_mod_)];
   batch_.clear();
   for (int32_t k : eager_) {
     const Scheduler::Req& r = s_.reqs_[static_cast<size_t>(k)];
@@ -176,7 +213,7 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
     n = std::min(n, cfg.max_model_len - r.C - 1);
     if (n <= 0) continue;
     want += n;
-    const int64_t need = ceil_div(std::min(r.C + n, cfg.max_model_len), B_) - r.kv.held;
+    const int64_t need = blocks_.ceil(std::min(r.C + n, cfg.max_model_len)) - r.kv.held;
     if (need > 0) demand += need;
     batch_.push_back({k, n, r.C, r.preemptions, false});
   }
@@ -185,10 +222,10 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
     cooldown_ = 8;
     return exact_step(now, beta, watch, steps);
   }
-  s_.kv_.allocate_untracked(bucket_[static_cast<size_t>(mod(D_, B_))]);
+  s_.kv_.allocate_untracked(bucket_[static_cast<size_t>(d_mod_)]);
   for (const auto& it : batch_) {
     Scheduler::Req& r = s_.reqs_[static_cast<size_t>(it.req)];
-    const int64_t need = ceil_div(std::min(r.C + it.n, cfg.max_model_len), B_) - r.kv.held;
+    const int64_t need = blocks_.ceil(std::min(r.C + it.n, cfg.max_model_len)) - r.kv.held;
     if (need > 0) s_.kv_.allocate(r.kv, need);
   }
   budget -= want;
@@ -209,20 +246,15 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
   steps = 1;
   last_tokens_ = static_cast<int64_t>(f.tokens);
 
-  // update_from_output: lazy finishes of this step, then the one-by-one requests.
-  bool any_finished = false;
-  while (!heap_.empty()) {
-    const int32_t k = heap_.front();
-    if (!is_lazy_[static_cast<size_t>(k)]) {
-      heap_pop();
-      continue;
-    }
-    if (lz_[static_cast<size_t>(k)].finish_d != D_) break;
-    heap_pop();
-    finish_lazy(k);
-    any_finished = true;
-  }
-  ++D_;
+  // update_from_output: lazy finishes of this step, then the one-by-one requests. Finished
+  // requests stay in the running list until drop_finished_running() removes them in bulk.
+  size_t n_finished = 0;
+  if (finishes_.next_step() == D_)
+    finishes_.pop_step(D_, [&](int32_t k) {
+      finish_lazy(k);
+      ++n_finished;
+    });
+  advance_d(1);
   bool watched = false;
   for (const auto& it : batch_) {
     if (!it.samples) continue;
@@ -231,16 +263,16 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
     if (it.req == watch) watched = true;
     if (r.O >= r.target_out || r.O >= r.max_tokens || r.P + r.O >= cfg.max_model_len) {
       s_.finish(r);
-      any_finished = true;
+      ++n_finished;
     }
   }
-  auto gone = [this](int32_t k) { return s_.reqs_[static_cast<size_t>(k)].finished; };
-  if (any_finished) s_.running_.erase(std::remove_if(s_.running_.begin(), s_.running_.end(), gone), s_.running_.end());
+  s_.finished_in_running_ += n_finished;
+  if (s_.finished_in_running_ > 16 && s_.finished_in_running_ * 2 > s_.running_.size()) s_.drop_finished_running();
   if (watched) return Result::WatchSampled;
   // Requests that just reached plain decoding join the group.
   size_t w = 0;
   for (int32_t k : eager_) {
-    if (gone(k)) continue;
+    if (s_.reqs_[static_cast<size_t>(k)].finished) continue;
     if (eligible(k, watch)) {
       lazify(k);
     } else {

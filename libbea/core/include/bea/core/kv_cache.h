@@ -14,6 +14,32 @@ namespace bea {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return a <= 0 ? 0 : (a + b - 1) / b; }
 
+// Token ↔ block arithmetic for one block size; shifts and masks when it is a power of two (the
+// usual case), divisions otherwise. Same results either way.
+class BlockMath {
+ public:
+  explicit BlockMath(int64_t block_size) : B_(block_size) {
+    if (B_ > 0 && (B_ & (B_ - 1)) == 0) {
+      shift_ = 0;
+      while ((int64_t{1} << shift_) < B_) ++shift_;
+    }
+  }
+  int64_t size() const { return B_; }
+  // Blocks that hold `tokens` tokens (0 for none).
+  int64_t ceil(int64_t tokens) const {
+    if (tokens <= 0) return 0;
+    return shift_ >= 0 ? (tokens + B_ - 1) >> shift_ : (tokens + B_ - 1) / B_;
+  }
+  // Full blocks among `tokens` >= 0 tokens.
+  int64_t floor(int64_t tokens) const { return shift_ >= 0 ? tokens >> shift_ : tokens / B_; }
+  // `x` mod B in [0, B), for any sign of x.
+  int64_t residue(int64_t x) const { return shift_ >= 0 ? x & (B_ - 1) : ((x % B_) + B_) % B_; }
+
+ private:
+  int64_t B_;
+  int shift_ = -1;  // log2(B) when B is a power of two
+};
+
 // The blocks one request holds (vLLM: req_to_blocks and the blocks' ref counts).
 struct RequestBlocks {
   int64_t held = 0;       // KV blocks held
@@ -28,13 +54,17 @@ struct RequestBlocks {
 // Where a waiting request's prefill starts (get_computed_blocks, §7.3).
 struct PrefixHit {
   int64_t tokens = 0;     // block-aligned tokens found in the cache
-  int64_t evictable = 0;  // of their blocks, those sitting in the free queue (taking them costs free blocks)
+  int64_t blocks = 0;     // their blocks (tokens / block size)
+  int64_t evictable = 0;  // of those, blocks sitting in the free queue (taking them costs free blocks)
 };
 
 class KvCache {
  public:
   explicit KvCache(const Config& cfg)
-      : block_size_(cfg.block_size), max_model_len_(cfg.max_model_len), prefix_caching_(cfg.enable_prefix_caching) {}
+      : blocks_(cfg.block_size),
+        block_size_(cfg.block_size),
+        max_model_len_(cfg.max_model_len),
+        prefix_caching_(cfg.enable_prefix_caching) {}
 
   void reset(int64_t free_blocks) {
     free_ = free_blocks;
@@ -42,7 +72,8 @@ class KvCache {
   }
   int64_t free_blocks() const { return free_; }
   int64_t block_size() const { return block_size_; }
-  int64_t blocks_for(int64_t tokens) const { return ceil_div(tokens, block_size_); }
+  int64_t blocks_for(int64_t tokens) const { return blocks_.ceil(tokens); }
+  const BlockMath& block_math() const { return blocks_; }
 
   // allocate_slots for a running request with `computed` tokens that schedules `n` more: the
   // blocks its new tokens need (slots capped at max_model_len). False, nothing taken, when the
@@ -81,7 +112,7 @@ class KvCache {
   // final-token) blocks among the first `computed` of `num_tokens` stay cached (§7.6).
   void free_preempted(RequestBlocks& b, int64_t computed, int64_t num_tokens) {
     if (prefix_caching_) {
-      b.cached = std::min(b.held, std::min(computed, num_tokens) / block_size_);
+      b.cached = std::min(b.held, blocks_.floor(std::min(computed, num_tokens)));
       b.cache_ahead = free_;
       b.cache_mark = allocated_;
     }
@@ -99,15 +130,17 @@ class KvCache {
   PrefixHit computed_blocks(const RequestBlocks& b, int64_t num_tokens, int64_t reported_tokens) const {
     PrefixHit h;
     if (!prefix_caching_) return h;
-    const int64_t cap_blocks = (num_tokens - 1) / block_size_;
+    const int64_t cap_blocks = blocks_.floor(num_tokens - 1);
     if (b.cached > 0) {
       const int64_t evicted = std::max<int64_t>(0, (allocated_ - b.cache_mark) - b.cache_ahead);
       const int64_t hb = std::min(std::max<int64_t>(0, b.cached - evicted), cap_blocks);
+      h.blocks = hb;
       h.tokens = hb * block_size_;
       h.evictable = hb;
       return h;
     }
-    h.tokens = std::min(reported_tokens / block_size_, cap_blocks) * block_size_;
+    h.blocks = std::min(blocks_.floor(reported_tokens), cap_blocks);
+    h.tokens = h.blocks * block_size_;
     return h;
   }
 
@@ -118,6 +151,7 @@ class KvCache {
     b.exclusive = 0;
   }
 
+  BlockMath blocks_;
   int64_t block_size_;
   int64_t max_model_len_;
   bool prefix_caching_;

@@ -10,6 +10,7 @@
 #include "bea/core/replay_options.h"
 #include "bea/core/request.h"
 #include "bea/core/snapshot.h"
+#include "bea/core/sync_fast_path.h"
 
 namespace bea {
 
@@ -27,6 +28,7 @@ struct Prepared {
   struct Item { int32_t req; int64_t n, context; bool samples; };
   std::vector<Item> inflight;       // items whose request is resident; others only cost time
   std::vector<std::pair<int64_t, int64_t>> inflight_orphans;  // (n, context) of unknown ids
+  DecodeGroupStart decode_start;    // sync mode: the fast path's decode group at the start
 };
 
 Prepared prepare(const Snapshot& s, const ReplayOptions& opt);

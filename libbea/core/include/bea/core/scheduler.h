@@ -63,6 +63,9 @@ class Scheduler {
   bool waiting_before(int32_t a, int32_t b) const;
   int64_t effective_lpt() const;
   void finish(Req& r);
+  // Running requests not counting finished ones the fast path has not removed yet.
+  size_t n_running() const { return running_.size() - finished_in_running_; }
+  void drop_finished_running();
   void preempt(int32_t v);
   bool admission_blocked(int64_t leftover) const;
   void admit_waiting(int64_t& budget, int64_t lpt, std::vector<Item>& batch);
@@ -76,6 +79,9 @@ class Scheduler {
   KvCache kv_;
   std::vector<Req> reqs_;
   std::vector<int32_t> running_;
+  // Finished requests still in running_: the fast path removes them in bulk (drop_finished_running)
+  // rather than one scan per finishing step; 0 whenever an exact step runs.
+  size_t finished_in_running_ = 0;
   WaitingQueue waiting_;
   std::vector<int32_t> skipped_;
   BatchFeatures features_;
