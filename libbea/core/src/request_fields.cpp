@@ -60,7 +60,7 @@ Value request_to_value(const Request& r) {
 }
 
 SchedRequest sched_request(const Request& r, int64_t target_out, bool async_scheduling) {
-  SchedRequest q;
+  SchedRequest q{};
   q.P = r.prompt_tokens;
   q.C = r.computed_tokens;
   q.O = r.output_tokens;
@@ -78,7 +78,7 @@ SchedRequest sched_request(const Request& r, int64_t target_out, bool async_sche
 
 SchedRequest sched_arrival(int64_t prompt_tokens, int64_t max_tokens, int64_t target_out, int64_t prefix_hit_tokens,
                            int64_t priority, double arrival) {
-  SchedRequest q;
+  SchedRequest q{};
   q.P = prompt_tokens;
   q.max_tokens = max_tokens;
   q.target_out = target_out;

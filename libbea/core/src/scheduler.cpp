@@ -11,8 +11,9 @@ void Scheduler::load(const std::vector<Req>& reqs, size_t n_running, int64_t fre
   running_.clear();
   waiting_.clear();
   running_.reserve(reqs.size() + 1);
-  for (size_t k = 0; k < reqs.size(); ++k) (k < n_running ? running_.push_back(static_cast<int32_t>(k))
-                                                          : waiting_.push_back(static_cast<int32_t>(k)));
+  const size_t n = reqs.size();
+  for (size_t k = 0; k < std::min(n_running, n); ++k) running_.push_back(static_cast<int32_t>(k));
+  for (size_t k = n_running; k < n; ++k) waiting_.push_back(static_cast<int32_t>(k));
   kv_.reset(free_blocks);
   finished_in_running_ = 0;
 }

@@ -86,7 +86,7 @@ void SyncFastPath::lazify(int32_t k) {
 }
 
 // The record catches up with the steps it spent in the group (one token and context each).
-void SyncFastPath::materialize(int32_t k) {
+void SyncFastPath::materialize(int32_t k, int64_t d) {
   const auto u = static_cast<size_t>(k);
   if (since_[u] < 0) return;
   Scheduler::Req& r = s_.reqs_[u];
@@ -94,7 +94,7 @@ void SyncFastPath::materialize(int32_t k) {
   bucket_[static_cast<size_t>(blocks_.residue(-cbase))] -= 1;
   n_lazy_ -= 1;
   sum_cbase_ -= cbase;
-  const int64_t steps = D_ - since_[u];
+  const int64_t steps = d - since_[u];
   r.C += steps;
   r.O += steps;
   const int64_t held = blocks_.ceil(r.C);
@@ -105,15 +105,13 @@ void SyncFastPath::materialize(int32_t k) {
 
 void SyncFastPath::finish_lazy(int32_t k) {
   // Called after step D_ was executed but before D_ advances: its token of step D_ is the last.
-  ++D_;
-  materialize(k);
-  --D_;
+  materialize(k, D_ + 1);
   s_.finish(s_.reqs_[static_cast<size_t>(k)]);
 }
 
 void SyncFastPath::materialize_all() {
   s_.drop_finished_running();
-  for (int32_t k : s_.running_) materialize(k);
+  for (int32_t k : s_.running_) materialize(k, D_);
   finishes_.clear();
   eager_ = s_.running_;
 }
@@ -139,12 +137,6 @@ int64_t SyncFastPath::demand_over(int64_t k) const {
     if (++j == B_) j = 0;
   }
   return d;
-}
-
-void SyncFastPath::advance_d(int64_t k) {
-  D_ += k;
-  d_mod_ = blocks_.residue(d_mod_ + k);
-  finishes_.advance(D_);
 }
 
 SyncFastPath::Result SyncFastPath::exact_step(double& now, const Coeffs& beta, int32_t watch, int64_t& steps) {
@@ -234,31 +226,17 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
   for (size_t j = n_eager_items; j < batch_.size(); ++j) eager_.push_back(batch_[j].req);
   if (batch_.empty() && n_lazy_ == 0) return Result::Unschedulable;
 
+  // The step's eq. 12 terms (the group first, then the items in batch order), and
+  // update_from_output for the one-by-one requests: those that sample get their token.
   BatchFeatures f;
   f.add_decodes(n_lazy_, sum_cbase_ + n_lazy_ * D_);
-  for (auto& it : batch_) {
+  bool watched = false;
+  size_t n_finished = 0;
+  for (const auto& it : batch_) {
     Scheduler::Req& r = s_.reqs_[static_cast<size_t>(it.req)];
     f.add(it.n, it.context, is_decode(it.n, it.context, r.P));
     r.C += it.n;
-    it.samples = r.C >= r.P + r.O;
-  }
-  now += f.time(beta);
-  steps = 1;
-  last_tokens_ = static_cast<int64_t>(f.tokens);
-
-  // update_from_output: lazy finishes of this step, then the one-by-one requests. Finished
-  // requests stay in the running list until drop_finished_running() removes them in bulk.
-  size_t n_finished = 0;
-  if (finishes_.next_step() == D_)
-    finishes_.pop_step(D_, [&](int32_t k) {
-      finish_lazy(k);
-      ++n_finished;
-    });
-  advance_d(1);
-  bool watched = false;
-  for (const auto& it : batch_) {
-    if (!it.samples) continue;
-    Scheduler::Req& r = s_.reqs_[static_cast<size_t>(it.req)];
+    if (r.C < r.P + r.O) continue;  // mid-prefill: no token yet
     r.O += 1;
     if (it.req == watch) watched = true;
     if (r.O >= r.target_out || r.O >= r.max_tokens || r.P + r.O >= cfg.max_model_len) {
@@ -266,6 +244,17 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
       ++n_finished;
     }
   }
+  now += f.time(beta);
+  steps = 1;
+  last_tokens_ = static_cast<int64_t>(f.tokens);
+  // The group's finishes of this step (in any order: finishing requests only return blocks).
+  // Finished requests stay in the running list until drop_finished_running() removes them in bulk.
+  if (finishes_.next_step() == D_)
+    finishes_.pop_step(D_, [&](int32_t k) {
+      finish_lazy(k);
+      ++n_finished;
+    });
+  advance_d(1);
   s_.finished_in_running_ += n_finished;
   if (s_.finished_in_running_ > 16 && s_.finished_in_running_ * 2 > s_.running_.size()) s_.drop_finished_running();
   if (watched) return Result::WatchSampled;

@@ -86,7 +86,7 @@ class FinishQueue {
   // The clock moved forward to `now` (never past next_step()).
   void advance(int64_t now) {
     now_ = now;
-    while (!far_.empty() && far_.front().first - now_ < kWindow) {
+    while (!far_.empty() && far_.front().first - now_ < kWindow) {  // entering the calendar's window
       const Entry e = far_.front();
       std::pop_heap(far_.begin(), far_.end(), later);
       far_.pop_back();

@@ -41,14 +41,14 @@ class BlockMath {
 };
 
 // The blocks one request holds (vLLM: req_to_blocks and the blocks' ref counts).
-struct RequestBlocks {
-  int64_t held = 0;       // KV blocks held
-  int64_t exclusive = 0;  // blocks whose ref count is 1: returned to the pool when freed
+struct RequestBlocks {  // trivial, like the request record that holds it (request.h)
+  int64_t held;       // KV blocks held
+  int64_t exclusive;  // blocks whose ref count is 1: returned to the pool when freed
   // A request freed during the replay (preempted) leaves its full blocks cached in the free
   // queue; blocks taken from the queue's front afterwards evict them tail first.
-  int64_t cached = 0;       // full blocks left cached when freed
-  int64_t cache_ahead = 0;  // free blocks ahead of them at that time
-  int64_t cache_mark = 0;   // the pool's allocation count at that time
+  int64_t cached;       // full blocks left cached when freed
+  int64_t cache_ahead;  // free blocks ahead of them at that time
+  int64_t cache_mark;   // the pool's allocation count at that time
 };
 
 // Where a waiting request's prefill starts (get_computed_blocks, §7.3).

@@ -3,25 +3,30 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "bea/core/kv_cache.h"
 
 namespace bea {
 
+// Trivial (no default member values): a snapshot's request table is copied into every estimate's
+// scheduler, and trivial records copy as one block. Make new records with SchedRequest{} (zeros)
+// or through request_fields.h.
 struct SchedRequest {
-  int64_t P = 0;           // prompt tokens
-  int64_t C = 0;           // computed tokens
-  int64_t O = 0;           // output tokens
-  int64_t max_tokens = 1;
-  int64_t ph = 0;          // async: placeholders (sampled on device, not yet delivered)
-  int64_t hit = 0;         // reported prefix-cache hit tokens (waiting requests)
-  int64_t prio = 0;
-  int64_t target_out = 1;  // total output tokens after which the request stops
-  int64_t preemptions = 0;
-  double arrival = 0.0;
-  int64_t stale = 0;       // async: outputs of a pre-preemption batch still in flight
+  int64_t P;            // prompt tokens
+  int64_t C;            // computed tokens
+  int64_t O;            // output tokens
+  int64_t max_tokens;
+  int64_t ph;           // async: placeholders (sampled on device, not yet delivered)
+  int64_t hit;          // reported prefix-cache hit tokens (waiting requests)
+  int64_t prio;
+  int64_t target_out;   // total output tokens after which the request stops
+  int64_t preemptions;
+  double arrival;
+  int64_t stale;        // async: outputs of a pre-preemption batch still in flight
   RequestBlocks kv;
-  bool finished = false;
+  bool finished;
 };
+static_assert(std::is_trivial<SchedRequest>::value, "request tables are copied as blocks");
 
 }  // namespace bea

@@ -57,14 +57,18 @@ class SyncFastPath {
   bool is_lazy(int32_t k) const { return since_[static_cast<size_t>(k)] >= 0; }
   bool eligible(int32_t k, int32_t watch) const;
   void lazify(int32_t k);
-  void materialize(int32_t k);
+  void materialize(int32_t k, int64_t d);  // its record as of step d
   void finish_lazy(int32_t k);
   int64_t demand_over(int64_t k) const;  // lazy block allocations in steps [D, D+k)
   void rebuild(int32_t watch);
   void size_tables();
   Result exact_step(double& now, const Coeffs& beta, int32_t watch, int64_t& steps);
   bool try_fold(double& now, const Coeffs& beta, int64_t max_steps, int64_t& steps);
-  void advance_d(int64_t k);
+  void advance_d(int64_t k) {
+    D_ += k;
+    d_mod_ = k == 1 ? (d_mod_ + 1 == B_ ? 0 : d_mod_ + 1) : blocks_.residue(d_mod_ + k);
+    finishes_.advance(D_);
+  }
 
   Scheduler& s_;
   BlockMath blocks_;
