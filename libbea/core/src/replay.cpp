@@ -57,8 +57,6 @@ Estimate run_sync(Scheduler& sched, int32_t query, const ReplayOptions& opt, dou
                   const DecodeGroupStart* group_start) {
   Estimate est;
   ArrivalFill fill(opt.arrival_tokens_per_s, arrival);
-  std::vector<Scheduler::Item> batch;
-  batch.reserve(sched.reqs().size());
   if (opt.collapse && !opt.trace && sched.config().block_size <= 4096) {
     // Fast path: decoders advanced as a group, exact fallback when order matters (sync_fast_path.h).
     std::optional<SyncFastPath> group;
@@ -84,6 +82,8 @@ Estimate run_sync(Scheduler& sched, int32_t query, const ReplayOptions& opt, dou
       }
     }
   } else {
+    std::vector<Scheduler::Item> batch;
+    batch.reserve(sched.reqs().size());
     while (est.n_batches < opt.max_steps) {
       if (opt.collapse && !opt.trace) {
         const int64_t k = sched.collapse_decode(now, opt.beta, opt.max_steps - est.n_batches);

@@ -73,16 +73,16 @@ bool SyncFastPath::eligible(int32_t k, int32_t watch) const {
   return k != watch && plain_decode(s_.reqs_[static_cast<size_t>(k)], s_.cfg_, blocks_);
 }
 
-void SyncFastPath::lazify(int32_t k) {
+void SyncFastPath::lazify(int32_t k, int64_t d) {
   const auto u = static_cast<size_t>(k);
   const Scheduler::Req& r = s_.reqs_[u];
-  since_[u] = D_;
-  const int64_t cbase = r.C - D_;
+  since_[u] = d;
+  const int64_t cbase = r.C - d;
   bucket_[static_cast<size_t>(blocks_.residue(-cbase))] += 1;
   n_lazy_ += 1;
   sum_cbase_ += cbase;
   // Its output count reaches its stop with the token of this step.
-  finishes_.push(stop_at(r, s_.cfg_) - (r.O - D_) - 1, k);
+  finishes_.push(stop_at(r, s_.cfg_) - (r.O - d) - 1, k);
 }
 
 // The record catches up with the steps it spent in the group (one token and context each).
@@ -121,7 +121,7 @@ void SyncFastPath::rebuild(int32_t watch) {
   eager_.clear();
   for (int32_t k : s_.running_) {
     if (eligible(k, watch)) {
-      lazify(k);
+      lazify(k, D_);
     } else {
       eager_.push_back(k);
     }
@@ -189,7 +189,7 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
     if (--cooldown_ == 0 && r == Result::Continue) rebuild(watch);
     return r;
   }
-  if (try_fold(now, beta, max_steps, steps)) return Result::Continue;
+  if (eager_.empty() && try_fold(now, beta, max_steps, steps)) return Result::Continue;
 
   // Phase 1 without list order: valid when every running request's demand fits.
   const Config& cfg = s_.cfg_;
@@ -221,29 +221,47 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
     if (need > 0) s_.kv_.allocate(r.kv, need);
   }
   budget -= want;
+  // Usually every one-by-one request got tokens: then eager_ is the batch's first items, in
+  // order, and the pass over the batch below also decides who joins the group.
   const size_t n_eager_items = batch_.size();
+  const bool in_order = n_eager_items == eager_.size();
   s_.admit_waiting(budget, lpt, batch_);
-  for (size_t j = n_eager_items; j < batch_.size(); ++j) eager_.push_back(batch_[j].req);
   if (batch_.empty() && n_lazy_ == 0) return Result::Unschedulable;
+  if (in_order) {
+    eager_.resize(batch_.size());
+  } else {
+    for (size_t j = n_eager_items; j < batch_.size(); ++j) eager_.push_back(batch_[j].req);
+  }
 
   // The step's eq. 12 terms (the group first, then the items in batch order), and
-  // update_from_output for the one-by-one requests: those that sample get their token.
+  // update_from_output for the one-by-one requests: those that sample get their token. Who
+  // reaches plain decoding joins the group as of the next step.
   BatchFeatures f;
   f.add_decodes(n_lazy_, sum_cbase_ + n_lazy_ * D_);
   bool watched = false;
   size_t n_finished = 0;
+  size_t w = 0;
   for (const auto& it : batch_) {
     Scheduler::Req& r = s_.reqs_[static_cast<size_t>(it.req)];
     f.add(it.n, it.context, is_decode(it.n, it.context, r.P));
     r.C += it.n;
-    if (r.C < r.P + r.O) continue;  // mid-prefill: no token yet
-    r.O += 1;
-    if (it.req == watch) watched = true;
-    if (r.O >= r.target_out || r.O >= r.max_tokens || r.P + r.O >= cfg.max_model_len) {
-      s_.finish(r);
-      ++n_finished;
+    if (r.C >= r.P + r.O) {  // the step reaches the end of the sequence: a token
+      r.O += 1;
+      if (it.req == watch) watched = true;
+      if (r.O >= r.target_out || r.O >= r.max_tokens || r.P + r.O >= cfg.max_model_len) {
+        s_.finish(r);
+        ++n_finished;
+        continue;
+      }
+    }
+    if (!in_order) continue;
+    if (eligible(it.req, watch)) {
+      lazify(it.req, D_ + 1);
+    } else {
+      eager_[w++] = it.req;
     }
   }
+  if (in_order) eager_.resize(w);
   now += f.time(beta);
   steps = 1;
   last_tokens_ = static_cast<int64_t>(f.tokens);
@@ -258,17 +276,18 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
   s_.finished_in_running_ += n_finished;
   if (s_.finished_in_running_ > 16 && s_.finished_in_running_ * 2 > s_.running_.size()) s_.drop_finished_running();
   if (watched) return Result::WatchSampled;
-  // Requests that just reached plain decoding join the group.
-  size_t w = 0;
-  for (int32_t k : eager_) {
-    if (s_.reqs_[static_cast<size_t>(k)].finished) continue;
-    if (eligible(k, watch)) {
-      lazify(k);
-    } else {
-      eager_[w++] = k;
+  if (!in_order) {  // requests that just reached plain decoding join the group
+    w = 0;
+    for (int32_t k : eager_) {
+      if (s_.reqs_[static_cast<size_t>(k)].finished) continue;
+      if (eligible(k, watch)) {
+        lazify(k, D_);
+      } else {
+        eager_[w++] = k;
+      }
     }
+    eager_.resize(w);
   }
-  eager_.resize(w);
   return Result::Continue;
 }
 

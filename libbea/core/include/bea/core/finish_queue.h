@@ -34,11 +34,7 @@ class FinishQueue {
   void clear() {
     sorted_ = nullptr;
     if (in_ring_ > 0)
-      for (size_t w = 0; w < kWords; ++w) {
-        for (uint64_t bits = occupied_[w]; bits != 0; bits &= bits - 1)
-          head_[w * 64 + static_cast<size_t>(__builtin_ctzll(bits))] = -1;
-        occupied_[w] = 0;
-      }
+      for (uint64_t& w : occupied_) w = 0;
     in_ring_ = 0;
     ring_min_ = kNone;
     far_.clear();
@@ -71,7 +67,6 @@ class FinishQueue {
     if (ring_min_ == step) {
       const size_t slot = static_cast<size_t>(step & kMask);
       int32_t k = head_[slot];
-      head_[slot] = -1;
       occupied_[slot / 64] &= ~(uint64_t{1} << (slot % 64));
       while (k >= 0) {
         const int32_t nx = next_[static_cast<size_t>(k)];
@@ -103,10 +98,10 @@ class FinishQueue {
 
   void ring_insert(int64_t step, int32_t k) {
     const size_t slot = static_cast<size_t>(step & kMask);
-    if (head_.empty()) head_.assign(static_cast<size_t>(kWindow), -1);
-    next_[static_cast<size_t>(k)] = head_[slot];
+    const uint64_t bit = uint64_t{1} << (slot % 64);
+    next_[static_cast<size_t>(k)] = (occupied_[slot / 64] & bit) != 0 ? head_[slot] : -1;
     head_[slot] = k;
-    occupied_[slot / 64] |= uint64_t{1} << (slot % 64);
+    occupied_[slot / 64] |= bit;
     ++in_ring_;
     ring_min_ = std::min(ring_min_, step);
   }
@@ -125,9 +120,9 @@ class FinishQueue {
   int64_t now_ = 0;
   const std::vector<Entry>* sorted_ = nullptr;
   size_t cursor_ = 0;
-  std::vector<int32_t> head_;  // per calendar slot: first request, −1 none (allocated on first use)
+  int32_t head_[kWindow];  // per calendar slot: its first request, where `occupied_` says so
   std::vector<int32_t> next_;  // per request: the next one in its slot's list
-  uint64_t occupied_[kWords] = {};
+  uint64_t occupied_[kWords] = {};  // calendar slots with a list
   int64_t in_ring_ = 0;
   int64_t ring_min_ = kNone;
   std::vector<Entry> far_;  // min-heap of entries kWindow or more steps ahead

@@ -56,7 +56,7 @@ class SyncFastPath {
  private:
   bool is_lazy(int32_t k) const { return since_[static_cast<size_t>(k)] >= 0; }
   bool eligible(int32_t k, int32_t watch) const;
-  void lazify(int32_t k);
+  void lazify(int32_t k, int64_t d);  // joins the group as of step d
   void materialize(int32_t k, int64_t d);  // its record as of step d
   void finish_lazy(int32_t k);
   int64_t demand_over(int64_t k) const;  // lazy block allocations in steps [D, D+k)
