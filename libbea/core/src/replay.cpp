@@ -71,7 +71,7 @@ Estimate run_sync(Scheduler& sched, int32_t query, const ReplayOptions& opt, dou
       const double start = now;
       const SyncFastPath::Result r = fast.step(now, opt.beta, query, opt.max_steps - est.n_batches, steps);
       est.n_batches += steps;
-      if (steps == 1) now += fill.extra_time(sched, start, fast.last_tokens(), opt.beta);
+      if (steps == 1 && opt.arrival_tokens_per_s > 0.0) now += fill.extra_time(sched, start, fast.last_tokens(), opt.beta);
       if (r == SyncFastPath::Result::WatchSampled) {
         est.ttft_s = now;
         return est;

@@ -42,9 +42,8 @@ bool Scheduler::waiting_before(int32_t a, int32_t b) const {  // PRIORITY heap o
   return a < b;
 }
 
-int64_t Scheduler::effective_lpt() const {
+int64_t Scheduler::adaptive_lpt() const {
   int64_t lpt = cfg_.long_prefill_token_threshold;
-  if (lpt <= 0) return 0;
   const auto total = static_cast<int64_t>(n_running() + waiting_.size());
   if (total <= 1) return 0;  // nobody to starve
   if (cfg_.long_prefill_token_threshold_adaptive) lpt = std::max(lpt, cfg_.max_num_batched_tokens / total);

@@ -153,13 +153,10 @@ SyncFastPath::Result SyncFastPath::exact_step(double& now, const Coeffs& beta, i
   return s_.apply(batch_, watch) ? Result::WatchSampled : Result::Continue;
 }
 
-bool SyncFastPath::try_fold(double& now, const Coeffs& beta, int64_t max_steps, int64_t& steps) {
+// Fold the next k decode-only steps (k <= fold_room()) when nothing else can happen in them.
+bool SyncFastPath::try_fold(double& now, const Coeffs& beta, int64_t k, int64_t& steps) {
   if (!eager_.empty() || n_lazy_ == 0 || s_.waiting_.empty()) return false;
   if (n_lazy_ > s_.cfg_.max_num_scheduled_tokens) return false;
-  const int64_t next = finishes_.next_step();
-  if (next == FinishQueue::kNone) return false;
-  int64_t k = std::min(next - D_, max_steps);
-  if (k < 2) return false;
   if (!s_.admission_blocked(s_.cfg_.max_num_scheduled_tokens - n_lazy_)) return false;
   const int64_t pool_free = s_.kv_.free_blocks();
   if (demand_over(k) > pool_free) {
@@ -189,7 +186,10 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
     if (--cooldown_ == 0 && r == Result::Continue) rebuild(watch);
     return r;
   }
-  if (eager_.empty() && try_fold(now, beta, max_steps, steps)) return Result::Continue;
+  if (eager_.empty()) {
+    const int64_t room = fold_room(max_steps);
+    if (room >= 2 && try_fold(now, beta, room, steps)) return Result::Continue;
+  }
 
   // Phase 1 without list order: valid when every running request's demand fits.
   const Config& cfg = s_.cfg_;
@@ -225,10 +225,11 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
   // order, and the pass over the batch below also decides who joins the group.
   const size_t n_eager_items = batch_.size();
   const bool in_order = n_eager_items == eager_.size();
-  s_.admit_waiting(budget, lpt, batch_);
+  if (budget > 0 && !s_.waiting_.empty() && static_cast<int64_t>(s_.n_running()) < cfg.max_num_active_seqs)
+    s_.admit_waiting(budget, lpt, batch_);
   if (batch_.empty() && n_lazy_ == 0) return Result::Unschedulable;
   if (in_order) {
-    eager_.resize(batch_.size());
+    still_eager_.clear();
   } else {
     for (size_t j = n_eager_items; j < batch_.size(); ++j) eager_.push_back(batch_[j].req);
   }
@@ -240,7 +241,6 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
   f.add_decodes(n_lazy_, sum_cbase_ + n_lazy_ * D_);
   bool watched = false;
   size_t n_finished = 0;
-  size_t w = 0;
   for (const auto& it : batch_) {
     Scheduler::Req& r = s_.reqs_[static_cast<size_t>(it.req)];
     f.add(it.n, it.context, is_decode(it.n, it.context, r.P));
@@ -258,10 +258,10 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
     if (eligible(it.req, watch)) {
       lazify(it.req, D_ + 1);
     } else {
-      eager_[w++] = it.req;
+      still_eager_.push_back(it.req);
     }
   }
-  if (in_order) eager_.resize(w);
+  if (in_order) eager_.swap(still_eager_);
   now += f.time(beta);
   steps = 1;
   last_tokens_ = static_cast<int64_t>(f.tokens);
@@ -277,7 +277,7 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
   if (s_.finished_in_running_ > 16 && s_.finished_in_running_ * 2 > s_.running_.size()) s_.drop_finished_running();
   if (watched) return Result::WatchSampled;
   if (!in_order) {  // requests that just reached plain decoding join the group
-    w = 0;
+    size_t w = 0;
     for (int32_t k : eager_) {
       if (s_.reqs_[static_cast<size_t>(k)].finished) continue;
       if (eligible(k, watch)) {

@@ -28,6 +28,7 @@ class FinishQueue {
     now_ = now;
     sorted_ = sorted;
     cursor_ = 0;
+    if (sorted_ != nullptr && !sorted_->empty()) next_step_ = sorted_->front().first;
     if (next_.size() < n_requests) next_.resize(n_requests, -1);
   }
   // Forget every entry (the group dissolved).
@@ -38,12 +39,14 @@ class FinishQueue {
     in_ring_ = 0;
     ring_min_ = kNone;
     far_.clear();
+    next_step_ = kNone;
   }
   void grow(size_t n_requests) {
     if (next_.size() < n_requests) next_.resize(n_requests, -1);
   }
 
   void push(int64_t step, int32_t k) {
+    next_step_ = std::min(next_step_, step);
     if (step - now_ >= kWindow) {
       far_.emplace_back(step, k);
       std::push_heap(far_.begin(), far_.end(), later);
@@ -53,11 +56,7 @@ class FinishQueue {
   }
 
   // The earliest pending step (kNone when empty).
-  int64_t next_step() const {
-    const int64_t s = sorted_ != nullptr && cursor_ < sorted_->size() ? (*sorted_)[cursor_].first : kNone;
-    const int64_t f = far_.empty() ? kNone : far_.front().first;
-    return std::min(s, std::min(ring_min_, f));
-  }
+  int64_t next_step() const { return next_step_; }
 
   // Removes every entry of `step` (the earliest pending one), calling f(request) for each.
   template <class F>
@@ -76,17 +75,15 @@ class FinishQueue {
       }
       ring_min_ = in_ring_ > 0 ? scan_from(step + 1) : kNone;
     }
+    const int64_t from_sorted = sorted_ != nullptr && cursor_ < sorted_->size() ? (*sorted_)[cursor_].first : kNone;
+    const int64_t from_far = far_.empty() ? kNone : far_.front().first;
+    next_step_ = std::min(from_sorted, std::min(ring_min_, from_far));
   }
 
   // The clock moved forward to `now` (never past next_step()).
   void advance(int64_t now) {
     now_ = now;
-    while (!far_.empty() && far_.front().first - now_ < kWindow) {  // entering the calendar's window
-      const Entry e = far_.front();
-      std::pop_heap(far_.begin(), far_.end(), later);
-      far_.pop_back();
-      ring_insert(e.first, e.second);
-    }
+    if (!far_.empty()) enter_window();
   }
 
  private:
@@ -95,6 +92,15 @@ class FinishQueue {
   static constexpr size_t kWords = static_cast<size_t>(kWindow / 64);
 
   static bool later(const Entry& a, const Entry& b) { return a.first > b.first; }
+
+  void enter_window() {  // far entries that the window now covers move into the calendar
+    while (!far_.empty() && far_.front().first - now_ < kWindow) {
+      const Entry e = far_.front();
+      std::pop_heap(far_.begin(), far_.end(), later);
+      far_.pop_back();
+      ring_insert(e.first, e.second);
+    }
+  }
 
   void ring_insert(int64_t step, int32_t k) {
     const size_t slot = static_cast<size_t>(step & kMask);
@@ -125,6 +131,7 @@ class FinishQueue {
   uint64_t occupied_[kWords] = {};  // calendar slots with a list
   int64_t in_ring_ = 0;
   int64_t ring_min_ = kNone;
+  int64_t next_step_ = kNone;  // min over the three sources
   std::vector<Entry> far_;  // min-heap of entries kWindow or more steps ahead
 };
 

@@ -61,7 +61,10 @@ class Scheduler {
  private:
   friend class SyncFastPath;  // the estimate's fast path works on the same state (sync_fast_path.h)
   bool waiting_before(int32_t a, int32_t b) const;
-  int64_t effective_lpt() const;
+  int64_t effective_lpt() const {
+    return cfg_.long_prefill_token_threshold <= 0 ? 0 : adaptive_lpt();
+  }
+  int64_t adaptive_lpt() const;
   void finish(Req& r);
   // Running requests not counting finished ones the fast path has not removed yet.
   size_t n_running() const { return running_.size() - finished_in_running_; }

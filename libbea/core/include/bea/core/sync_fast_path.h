@@ -63,7 +63,12 @@ class SyncFastPath {
   void rebuild(int32_t watch);
   void size_tables();
   Result exact_step(double& now, const Coeffs& beta, int32_t watch, int64_t& steps);
-  bool try_fold(double& now, const Coeffs& beta, int64_t max_steps, int64_t& steps);
+  // Decode-only steps ahead before the group's next finish (a fold needs at least 2).
+  int64_t fold_room(int64_t max_steps) const {
+    if (n_lazy_ == 0 || finishes_.next_step() == FinishQueue::kNone) return 0;
+    return std::min(finishes_.next_step() - D_, max_steps);
+  }
+  bool try_fold(double& now, const Coeffs& beta, int64_t k, int64_t& steps);
   void advance_d(int64_t k) {
     D_ += k;
     d_mod_ = k == 1 ? (d_mod_ + 1 == B_ ? 0 : d_mod_ + 1) : blocks_.residue(d_mod_ + k);
@@ -78,6 +83,7 @@ class SyncFastPath {
   std::vector<int64_t> since_;      // per request: the step it joined the group, −1 when not in it
   std::vector<int64_t> bucket_;     // lazy decoders per residue (−C0 + D0) mod B
   std::vector<int32_t> eager_;      // running requests handled one by one, in running order
+  std::vector<int32_t> still_eager_;  // scratch: next step's eager_
   FinishQueue finishes_;            // the group's requests by the step of their last token
   int64_t n_lazy_ = 0;
   int64_t sum_cbase_ = 0;           // Σ (C0 − D0) over the group: its contexts sum to this + n·D
