@@ -69,13 +69,10 @@ void SyncFastPath::size_tables() {
   }
 }
 
-bool SyncFastPath::eligible(int32_t k, int32_t watch) const {
-  return k != watch && plain_decode(s_.reqs_[static_cast<size_t>(k)], s_.cfg_, blocks_);
-}
-
-void SyncFastPath::lazify(int32_t k, int64_t d) {
+bool SyncFastPath::join_group(int32_t k, int32_t watch, int64_t d) {
   const auto u = static_cast<size_t>(k);
   const Scheduler::Req& r = s_.reqs_[u];
+  if (k == watch || !plain_decode(r, s_.cfg_, blocks_)) return false;
   since_[u] = d;
   const int64_t cbase = r.C - d;
   bucket_[static_cast<size_t>(blocks_.residue(-cbase))] += 1;
@@ -83,6 +80,7 @@ void SyncFastPath::lazify(int32_t k, int64_t d) {
   sum_cbase_ += cbase;
   // Its output count reaches its stop with the token of this step.
   finishes_.push(stop_at(r, s_.cfg_) - (r.O - d) - 1, k);
+  return true;
 }
 
 // The record catches up with the steps it spent in the group (one token and context each).
@@ -120,11 +118,7 @@ void SyncFastPath::rebuild(int32_t watch) {
   materialize_all();
   eager_.clear();
   for (int32_t k : s_.running_) {
-    if (eligible(k, watch)) {
-      lazify(k, D_);
-    } else {
-      eager_.push_back(k);
-    }
+    if (!join_group(k, watch, D_)) eager_.push_back(k);
   }
 }
 
@@ -255,11 +249,7 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
       }
     }
     if (!in_order) continue;
-    if (eligible(it.req, watch)) {
-      lazify(it.req, D_ + 1);
-    } else {
-      still_eager_.push_back(it.req);
-    }
+    if (!join_group(it.req, watch, D_ + 1)) still_eager_.push_back(it.req);
   }
   if (in_order) eager_.swap(still_eager_);
   now += f.time(beta);
@@ -272,7 +262,9 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
       finish_lazy(k);
       ++n_finished;
     });
-  advance_d(1);
+  ++D_;
+  if (++d_mod_ == B_) d_mod_ = 0;
+  finishes_.advance(D_);
   s_.finished_in_running_ += n_finished;
   if (s_.finished_in_running_ > 16 && s_.finished_in_running_ * 2 > s_.running_.size()) s_.drop_finished_running();
   if (watched) return Result::WatchSampled;
@@ -280,11 +272,7 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
     size_t w = 0;
     for (int32_t k : eager_) {
       if (s_.reqs_[static_cast<size_t>(k)].finished) continue;
-      if (eligible(k, watch)) {
-        lazify(k, D_);
-      } else {
-        eager_[w++] = k;
-      }
+      if (!join_group(k, watch, D_)) eager_[w++] = k;
     }
     eager_.resize(w);
   }

@@ -55,8 +55,8 @@ class SyncFastPath {
 
  private:
   bool is_lazy(int32_t k) const { return since_[static_cast<size_t>(k)] >= 0; }
-  bool eligible(int32_t k, int32_t watch) const;
-  void lazify(int32_t k, int64_t d);  // joins the group as of step d
+  // Request k joins the group as of step d if it is a plain decode (and not the watched query).
+  bool join_group(int32_t k, int32_t watch, int64_t d);
   void materialize(int32_t k, int64_t d);  // its record as of step d
   void finish_lazy(int32_t k);
   int64_t demand_over(int64_t k) const;  // lazy block allocations in steps [D, D+k)
@@ -71,7 +71,7 @@ class SyncFastPath {
   bool try_fold(double& now, const Coeffs& beta, int64_t k, int64_t& steps);
   void advance_d(int64_t k) {
     D_ += k;
-    d_mod_ = k == 1 ? (d_mod_ + 1 == B_ ? 0 : d_mod_ + 1) : blocks_.residue(d_mod_ + k);
+    d_mod_ = blocks_.residue(d_mod_ + k);
     finishes_.advance(D_);
   }
 
