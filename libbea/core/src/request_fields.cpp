@@ -67,7 +67,7 @@ SchedRequest sched_request(const Request& r, int64_t target_out, bool async_sche
   q.max_tokens = r.max_tokens;
   q.kv.held = r.blocks;
   q.kv.exclusive = r.exclusive_blocks;
-  q.ph = async_scheduling ? r.placeholders : 0;
+  q.ph = async_scheduling ? static_cast<int32_t>(r.placeholders) : 0;
   q.hit = r.prefix_hit_tokens;
   q.prio = r.priority;
   q.preemptions = r.preemptions;
