@@ -61,7 +61,7 @@ void Scheduler::drop_finished_running() {
 // A request that stops (finished or aborted) leaves the scheduler and returns its blocks.
 void Scheduler::finish(Req& r) {
   r.finished = true;
-  kv_.free_finished(r.kv, r.C, r.P + r.O);
+  kv_.free_finished(r.kv);
 }
 
 void Scheduler::preempt(int32_t v) {

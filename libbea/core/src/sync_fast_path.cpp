@@ -256,7 +256,6 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
   steps = 1;
   last_tokens_ = static_cast<int64_t>(f.tokens);
   // The group's finishes of this step (in any order: finishing requests only return blocks).
-  // Finished requests stay in the running list until drop_finished_running() removes them in bulk.
   if (finishes_.next_step() == D_)
     finishes_.pop_step(D_, [&](int32_t k) {
       finish_lazy(k);
@@ -265,8 +264,9 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
   ++D_;
   if (++d_mod_ == B_) d_mod_ = 0;
   finishes_.advance(D_);
+  // Finished requests stay in the running list (n_running() does not count them) until a
+  // fallback to the exact scheduler drops them in one pass: the list only grows by admissions.
   s_.finished_in_running_ += n_finished;
-  if (s_.finished_in_running_ > 16 && s_.finished_in_running_ * 2 > s_.running_.size()) s_.drop_finished_running();
   if (watched) return Result::WatchSampled;
   if (!in_order) {  // requests that just reached plain decoding join the group
     size_t w = 0;

@@ -118,11 +118,10 @@ class KvCache {
     }
     release(b);
   }
-  // A finished (or aborted) request returns its exclusive blocks; nothing of it is looked up again.
-  void free_finished(RequestBlocks& b, int64_t computed, int64_t num_tokens) {
-    free_preempted(b, computed, num_tokens);
-    b.cached = 0;
-  }
+  // A finished (or aborted) request returns its exclusive blocks. It never waits again, so the
+  // prefix-cache model records nothing for it (a running request has nothing cached anyway:
+  // admission clears it).
+  void free_finished(RequestBlocks& b) { release(b); }
 
   // The prefix-cache hit of a waiting request with `num_tokens` tokens (at least one is
   // recomputed): its own blocks left cached when this replay preempted it, minus those evicted
