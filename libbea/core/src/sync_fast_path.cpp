@@ -185,6 +185,14 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
     if (room >= 2 && try_fold(now, beta, room, steps)) return Result::Continue;
   }
 
+  // The records this step may admit are cold (untouched since the estimate began): start loading
+  // the queue's head while the step's other work runs.
+  if (!s_.waiting_.empty()) {
+    const auto* head = &s_.reqs_[static_cast<size_t>(s_.waiting_.front())];
+    __builtin_prefetch(head);
+    __builtin_prefetch(reinterpret_cast<const char*>(head) + 64);
+  }
+
   // Phase 1 without list order: valid when every running request's demand fits.
   const Config& cfg = s_.cfg_;
   const int64_t lpt = s_.effective_lpt();
