@@ -332,30 +332,24 @@ void bind_replay(py::module_& m) {
         std::unordered_map<std::string, int64_t> known;
         if (!lengths.is_none()) known = bea::lengths_from_value(bea_py::to_value(lengths, 0));
         std::string_view sv = data;
-        std::unique_ptr<bea::Advanced> adv;
-        std::string instance, model;
-        int64_t seq = 0;
-        double time = 0.0;
+        bea::Snapshot aged;
+        bea::AgeWindow w;
         {
           py::gil_scoped_release nogil;
           bea::Snapshot snap = bea::snapshot_from_value(
               bea::parse_msgpack(reinterpret_cast<const uint8_t*>(sv.data()), sv.size()));
           snap.set_output_lengths(known);
-          instance = snap.instance;
-          model = snap.model;
-          seq = snap.seq;
-          time = snap.time;
           const bea::Prepared p = bea::prepare(snap, opt);
-          adv = std::make_unique<bea::Advanced>(bea::advance(p, opt.beta, age_s));
+          const bea::Advanced a = bea::advance(p, opt.beta, age_s);
+          w = a;
+          aged = bea::capture(a.sched, p.names);  // request indices as in Prepared
+          aged.instance = snap.instance;
+          aged.model = snap.model;
+          aged.seq = snap.seq;
+          aged.time = snap.time + a.join_s;
         }
-        const bea::Advanced& a = *adv;
-        bea::Snapshot aged = bea::capture(a.sched, a.names);
-        aged.instance = instance;
-        aged.model = model;
-        aged.seq = seq;
-        aged.time = time + a.join_s;
-        return py::make_tuple(bea_py::dict_from_value(bea::snapshot_to_value(aged)), a.join_s, a.valid_from_s, a.valid_to_s,
-                              a.steps);
+        return py::make_tuple(bea_py::dict_from_value(bea::snapshot_to_value(aged)), w.join_s, w.valid_from_s,
+                              w.valid_to_s, w.steps);
       },
       py::arg("snapshot"), py::arg("lengths"), py::arg("age_s"), py::arg("beta"), py::arg("default_output_tokens") = -1,
       py::arg("overrun_fraction") = 0.5,

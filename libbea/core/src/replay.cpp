@@ -50,28 +50,26 @@ class ArrivalFill {
   double backlog_ = 0.0;
 };
 
+// Whether the estimate runs on the fast path (sync_fast_path.h): decoders advanced as a group,
+// exact fallback when order matters.
+bool fast_path(const Config& cfg, const ReplayOptions& opt) {
+  return !cfg.async_scheduling && opt.collapse && !opt.trace && cfg.block_size <= 4096;
+}
+
 // The sync engine loop (§2) from `sched` as it stands, the query already queued; `now` is the
 // time since the snapshot's capture at which the first schedule() happens; the query arrived at
-// `arrival` (<= now).
-Estimate run_sync(Scheduler& sched, int32_t query, const ReplayOptions& opt, double now, double arrival,
-                  const DecodeGroupStart* group_start) {
+// `arrival` (<= now). `fast`: the fast path driving `sched`, or nullptr for the stepwise replay.
+Estimate run_sync(Scheduler& sched, SyncFastPath* fast, int32_t query, const ReplayOptions& opt, double now,
+                  double arrival) {
   Estimate est;
   ArrivalFill fill(opt.arrival_tokens_per_s, arrival);
-  if (opt.collapse && !opt.trace && sched.config().block_size <= 4096) {
-    // Fast path: decoders advanced as a group, exact fallback when order matters (sync_fast_path.h).
-    std::optional<SyncFastPath> group;
-    if (group_start != nullptr && group_start->valid) {
-      group.emplace(sched, *group_start);
-    } else {
-      group.emplace(sched);
-    }
-    SyncFastPath& fast = *group;
+  if (fast != nullptr) {
     while (est.n_batches < opt.max_steps) {
       int64_t steps = 0;
       const double start = now;
-      const SyncFastPath::Result r = fast.step(now, opt.beta, query, opt.max_steps - est.n_batches, steps);
+      const SyncFastPath::Result r = fast->step(now, opt.beta, query, opt.max_steps - est.n_batches, steps);
       est.n_batches += steps;
-      if (steps == 1 && opt.arrival_tokens_per_s > 0.0) now += fill.extra_time(sched, start, fast.last_tokens(), opt.beta);
+      if (steps == 1 && opt.arrival_tokens_per_s > 0.0) now += fill.extra_time(sched, start, fast->last_tokens(), opt.beta);
       if (r == SyncFastPath::Result::WatchSampled) {
         est.ttft_s = now;
         return est;
@@ -138,7 +136,9 @@ Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt, c
   sched.load(p.reqs, p.n_running, p.free_blocks);
   const int32_t query = enqueue(sched, q, ahead, p.time, opt, p.cfg.max_model_len);
   if (!p.cfg.async_scheduling) {
-    Estimate e = run_sync(sched, query, opt, 0.0, 0.0, &p.decode_start);
+    std::optional<SyncFastPath> fast;
+    if (fast_path(p.cfg, opt)) fast.emplace(sched, p.decode_start);
+    Estimate e = run_sync(sched, fast ? &*fast : nullptr, query, opt, 0.0, 0.0);
     if (e.status != Status::Ok) e.ttft_s = std::numeric_limits<double>::infinity();
     return e;
   }
@@ -203,9 +203,19 @@ Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions&
     e.ttft_s -= std::max(0.0, age_s);
     return e;
   }
-  Advanced a = advance(p, opt.beta, age_s);
-  const int32_t query = enqueue(a.sched, q, ahead, p.time + age_s, opt, p.cfg.max_model_len);
-  Estimate e = run_sync(a.sched, query, opt, a.join_s, age_s, nullptr);
+  Estimate e;
+  if (fast_path(p.cfg, opt)) {  // the residents age on the fast path that then runs the estimate
+    Scheduler sched(p.cfg);
+    sched.load(p.reqs, p.n_running, p.free_blocks);
+    SyncFastPath fast(sched, p.decode_start);
+    const AgeWindow w = advance_fast(fast, opt.beta, age_s);
+    const int32_t query = enqueue(sched, q, ahead, p.time + age_s, opt, p.cfg.max_model_len);
+    e = run_sync(sched, &fast, query, opt, w.join_s, age_s);
+  } else {
+    Advanced a = advance(p, opt.beta, age_s);
+    const int32_t query = enqueue(a.sched, q, ahead, p.time + age_s, opt, p.cfg.max_model_len);
+    e = run_sync(a.sched, nullptr, query, opt, a.join_s, age_s);
+  }
   e.ttft_s = e.status == Status::Ok ? e.ttft_s - age_s : std::numeric_limits<double>::infinity();
   return e;
 }

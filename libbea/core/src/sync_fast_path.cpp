@@ -133,8 +133,9 @@ int64_t SyncFastPath::demand_over(int64_t k) const {
   return d;
 }
 
-SyncFastPath::Result SyncFastPath::exact_step(double& now, const Coeffs& beta, int32_t watch, int64_t& steps) {
-  const int64_t k = s_.collapse_decode(now, beta, INT64_MAX / 4);
+SyncFastPath::Result SyncFastPath::exact_step(double& now, const Coeffs& beta, int32_t watch, bool fold,
+                                              int64_t& steps) {
+  const int64_t k = fold ? s_.collapse_decode(now, beta, INT64_MAX / 4) : 0;
   if (k > 0) {
     steps = k;
     return Result::Continue;
@@ -173,14 +174,15 @@ bool SyncFastPath::try_fold(double& now, const Coeffs& beta, int64_t k, int64_t&
   return true;
 }
 
-SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t watch, int64_t max_steps, int64_t& steps) {
+SyncFastPath::Result SyncFastPath::take_step(double& now, const Coeffs& beta, int32_t watch, int64_t max_steps, bool fold,
+                                             int64_t& steps) {
   if (since_.size() < s_.reqs_.size()) size_tables();
   if (cooldown_ > 0) {
-    const Result r = exact_step(now, beta, watch, steps);
+    const Result r = exact_step(now, beta, watch, fold, steps);
     if (--cooldown_ == 0 && r == Result::Continue) rebuild(watch);
     return r;
   }
-  if (eager_.empty()) {
+  if (fold && eager_.empty()) {
     const int64_t room = fold_room(max_steps);
     if (room >= 2 && try_fold(now, beta, room, steps)) return Result::Continue;
   }
@@ -214,7 +216,7 @@ SyncFastPath::Result SyncFastPath::step(double& now, const Coeffs& beta, int32_t
   if (want > budget || demand > s_.kv_.free_blocks()) {  // order matters or preemption may happen
     materialize_all();
     cooldown_ = 8;
-    return exact_step(now, beta, watch, steps);
+    return exact_step(now, beta, watch, fold, steps);
   }
   s_.kv_.allocate_untracked(bucket_[static_cast<size_t>(d_mod_)]);
   for (const auto& it : batch_) {

@@ -49,7 +49,14 @@ class SyncFastPath {
   SyncFastPath(Scheduler& s, const DecodeGroupStart& start);
 
   // One engine step (or a folded stretch of decode-only steps); `steps` gets how many.
-  Result step(double& now, const Coeffs& beta, int32_t watch, int64_t max_steps, int64_t& steps);
+  Result step(double& now, const Coeffs& beta, int32_t watch, int64_t max_steps, int64_t& steps) {
+    return take_step(now, beta, watch, max_steps, true, steps);
+  }
+  // Exactly one engine step (snapshot ageing needs every step boundary).
+  Result step_once(double& now, const Coeffs& beta, int32_t watch) {
+    int64_t steps = 0;
+    return take_step(now, beta, watch, 1, false, steps);
+  }
   void materialize_all();
   int64_t last_tokens() const { return last_tokens_; }  // tokens of the last single step
 
@@ -62,7 +69,8 @@ class SyncFastPath {
   int64_t demand_over(int64_t k) const;  // lazy block allocations in steps [D, D+k)
   void rebuild(int32_t watch);
   void size_tables();
-  Result exact_step(double& now, const Coeffs& beta, int32_t watch, int64_t& steps);
+  Result take_step(double& now, const Coeffs& beta, int32_t watch, int64_t max_steps, bool fold, int64_t& steps);
+  Result exact_step(double& now, const Coeffs& beta, int32_t watch, bool fold, int64_t& steps);
   // Decode-only steps ahead before the group's next finish (a fold needs at least 2).
   int64_t fold_room(int64_t max_steps) const {
     if (n_lazy_ == 0 || finishes_.next_step() == FinishQueue::kNone) return 0;
