@@ -1,6 +1,7 @@
 #include "bea/core/replay.h"
 
 #include "bea/core/ageing.h"
+#include "bea/core/decode_stretch.h"
 #include "bea/core/request_fields.h"
 #include "bea/core/scheduler.h"
 #include "bea/core/sync_fast_path.h"
@@ -84,7 +85,7 @@ Estimate run_sync(Scheduler& sched, SyncFastPath* fast, int32_t query, const Rep
     batch.reserve(sched.reqs().size());
     while (est.n_batches < opt.max_steps) {
       if (opt.collapse && !opt.trace) {
-        const int64_t k = sched.collapse_decode(now, opt.beta, opt.max_steps - est.n_batches);
+        const int64_t k = fold_decode_stretch(sched, now, opt.beta, opt.max_steps - est.n_batches);
         if (k > 0) {
           est.n_batches += k;
           continue;

@@ -237,60 +237,6 @@ double Scheduler::batch_time(const std::vector<Item>& batch, const Coeffs& beta)
   return f.time(beta);
 }
 
-// ------------------------------------------------------------------ closed-form decode stretches
-int64_t Scheduler::collapse_decode(double& now, const Coeffs& beta, int64_t max_steps) {
-  const size_t R = running_.size();
-  if (R < 1 || waiting_.empty() || cfg_.async_scheduling) return 0;
-  if (static_cast<int64_t>(R) > cfg_.max_num_scheduled_tokens) return 0;
-  // The newest admissions (the list's tail) are the likeliest to still prefill: look there first.
-  for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
-    const Req& r = reqs_[static_cast<size_t>(*it)];
-    if (r.O < 1 || r.C != r.P + r.O - 1) return 0;  // not a plain decode
-  }
-  int64_t min_rem = INT64_MAX;
-  int64_t sum_ctx = 0;
-  for (int32_t k : running_) {
-    const Req& r = reqs_[static_cast<size_t>(k)];
-    const int64_t stop = std::min(std::min(r.target_out, r.max_tokens), cfg_.max_model_len - r.P);
-    min_rem = std::min(min_rem, stop - r.O);
-    sum_ctx += r.C;
-  }
-  int64_t steps = std::min<int64_t>(min_rem - 1, max_steps);  // the finishing step runs normally
-  if (steps < 2) return 0;
-  if (!admission_blocked(cfg_.max_num_scheduled_tokens - static_cast<int64_t>(R))) return 0;
-  const int64_t B = cfg_.block_size;
-  const int64_t pool_free = kv_.free_blocks();
-  auto demand = [&](int64_t s) {
-    int64_t d = 0;
-    for (int32_t k : running_) {
-      const Req& r = reqs_[static_cast<size_t>(k)];
-      const int64_t need = ceil_div(r.C + s, B) - r.kv.held;
-      if (need > 0) d += need;
-    }
-    return d;
-  };
-  if (demand(steps) > pool_free) {  // stop before the step whose allocation would fail
-    int64_t lo = 0, hi = steps;  // demand(lo) <= free < demand(hi)
-    while (hi - lo > 1) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      (demand(mid) <= pool_free ? lo : hi) = mid;
-    }
-    steps = lo;
-    if (steps < 2) return 0;
-  }
-  const auto Rd = static_cast<double>(R);
-  const auto sd = static_cast<double>(steps);
-  now += sd * (beta.b0 + beta.b1 * Rd + beta.b2 * static_cast<double>(sum_ctx)) + beta.b2 * Rd * sd * (sd - 1.0) * 0.5;
-  for (int32_t k : running_) {
-    Req& r = req(k);
-    const int64_t need = ceil_div(r.C + steps, B) - r.kv.held;
-    if (need > 0) kv_.allocate(r.kv, need);
-    r.C += steps;
-    r.O += steps;
-  }
-  return steps;
-}
-
 bool Scheduler::admission_blocked(int64_t leftover) const {
   if (leftover <= 0 || waiting_.empty()) return true;
   if (static_cast<int64_t>(n_running()) >= cfg_.max_num_active_seqs) return true;

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "bea/core/decode_stretch.h"
+
 namespace bea {
 namespace {
 
@@ -135,7 +137,7 @@ int64_t SyncFastPath::demand_over(int64_t k) const {
 
 SyncFastPath::Result SyncFastPath::exact_step(double& now, const Coeffs& beta, int32_t watch, bool fold,
                                               int64_t& steps) {
-  const int64_t k = fold ? s_.collapse_decode(now, beta, INT64_MAX / 4) : 0;
+  const int64_t k = fold ? fold_decode_stretch(s_, now, beta, INT64_MAX / 4) : 0;
   if (k > 0) {
     steps = k;
     return Result::Continue;

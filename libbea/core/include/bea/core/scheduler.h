@@ -38,11 +38,6 @@ class Scheduler {
   // Requests that stop are released and appended to `finished` when given.
   bool apply(const std::vector<Item>& batch, int32_t watch, std::vector<int32_t>* finished = nullptr);
 
-  // Fold a stretch of decode-only steps whose composition cannot change (sync mode): every
-  // running request decodes one token, admission stays blocked, no finish and no allocation
-  // failure inside. Adds the stretch's eq. 12 time to `now`; returns the steps folded (0: none).
-  int64_t collapse_decode(double& now, const Coeffs& beta, int64_t max_steps);
-
   double batch_time(const std::vector<Item>& batch, const Coeffs& beta) const;
   // Eq. 12 terms of the batch the last schedule() produced (computed while scheduling).
   const BatchFeatures& last_features() const { return features_; }
@@ -59,7 +54,9 @@ class Scheduler {
   void abort(int32_t k);
 
  private:
-  friend class SyncFastPath;  // the estimate's fast path works on the same state (sync_fast_path.h)
+  // The estimate's shortcuts work on the same state: sync_fast_path.h, decode_stretch.h.
+  friend class SyncFastPath;
+  friend int64_t fold_decode_stretch(Scheduler& s, double& now, const Coeffs& beta, int64_t max_steps);
   bool waiting_before(int32_t a, int32_t b) const;
   int64_t effective_lpt() const {
     return cfg_.long_prefill_token_threshold <= 0 ? 0 : adaptive_lpt();
