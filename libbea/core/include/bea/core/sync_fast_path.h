@@ -45,7 +45,7 @@ class SyncFastPath {
   // The group built from the scheduler's running list as it stands.
   explicit SyncFastPath(Scheduler& s);
   // The group of a freshly loaded snapshot (plus arrivals queued behind its residents), taken
-  // from its precomputed start.
+  // from its precomputed start: `s` must hold exactly the state Scheduler::load() gave it.
   SyncFastPath(Scheduler& s, const DecodeGroupStart& start);
 
   // One engine step (or a folded stretch of decode-only steps); `steps` gets how many.
@@ -57,15 +57,14 @@ class SyncFastPath {
     int64_t steps = 0;
     return take_step(now, beta, watch, 1, false, steps);
   }
-  void materialize_all();
   int64_t last_tokens() const { return last_tokens_; }  // tokens of the last single step
 
  private:
-  bool is_lazy(int32_t k) const { return since_[static_cast<size_t>(k)] >= 0; }
   // Request k joins the group as of step d if it is a plain decode (and not the watched query).
   bool join_group(int32_t k, int32_t watch, int64_t d);
   void materialize(int32_t k, int64_t d);  // its record as of step d
   void finish_lazy(int32_t k);
+  void materialize_all();  // the group dissolves: every record as of now, all running one by one
   int64_t demand_over(int64_t k) const;  // lazy block allocations in steps [D, D+k)
   void rebuild(int32_t watch);
   void size_tables();
