@@ -205,7 +205,8 @@ def _print_population(rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="BEA estimate time vs population (C++, µs per estimate: median / p99)")
+    table = Table(title="BEA estimate time vs population (C++, µs per estimate: median / p99)",
+                  caption="1k-token prompts, budget 2048, block size 16, max_num_seqs max(256, running)")
     table.add_column("running \\ waiting")
     for w in POPULATION_WAITING:
         table.add_column(str(w), justify="right")
