@@ -28,6 +28,10 @@ DecodeGroupStart decode_group_start(const std::vector<SchedRequest>& reqs, size_
   g.valid = true;
   const BlockMath blocks(cfg.block_size);
   g.bucket.assign(static_cast<size_t>(cfg.block_size), 0);
+  std::vector<std::pair<int64_t, int32_t>> unsorted;
+  unsorted.reserve(n_running);
+  g.lazy.reserve(n_running);
+  int64_t last = 0;
   for (size_t u = 0; u < n_running; ++u) {
     const SchedRequest& r = reqs[u];
     const auto k = static_cast<int32_t>(u);
@@ -38,9 +42,23 @@ DecodeGroupStart decode_group_start(const std::vector<SchedRequest>& reqs, size_
     g.lazy.push_back(k);
     g.bucket[static_cast<size_t>(blocks.residue(-r.C))] += 1;
     g.sum_c += r.C;
-    g.finishes.emplace_back(stop_at(r, cfg) - r.O - 1, k);
+    const int64_t step = stop_at(r, cfg) - r.O - 1;  // >= 0: a member has a token to come
+    unsorted.emplace_back(step, k);
+    last = std::max(last, step);
   }
-  std::sort(g.finishes.begin(), g.finishes.end());
+  // Sorted by (step, request). Steps are usually few thousand at most: a counting sort (stable,
+  // requests already ascending); a comparison sort when they spread wider.
+  const size_t n = unsorted.size();
+  if (static_cast<uint64_t>(last) <= 4 * static_cast<uint64_t>(n) + 4096) {
+    std::vector<uint32_t> start(static_cast<size_t>(last) + 2, 0);
+    for (const auto& f : unsorted) ++start[static_cast<size_t>(f.first) + 1];
+    for (size_t s = 1; s < start.size(); ++s) start[s] += start[s - 1];
+    g.finishes.resize(n);
+    for (const auto& f : unsorted) g.finishes[start[static_cast<size_t>(f.first)]++] = f;
+  } else {
+    g.finishes = std::move(unsorted);
+    std::sort(g.finishes.begin(), g.finishes.end());
+  }
   return g;
 }
 
