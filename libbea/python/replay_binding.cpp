@@ -139,7 +139,7 @@ void bind_replay(py::module_& m) {
           },
           "Build from msgpack bytes; ValueError on malformed input.")
       .def("set_output_lengths",
-           [](PySnapshot& s, py::handle d) { s.set_lengths(lengths_from_value(to_value(d, 0))); },
+           [](PySnapshot& s, py::handle d) { s.set_lengths_from(d); },
            "Predicted total output tokens per resident request id.")
       .def_property_readonly("instance", [](const PySnapshot& s) { return s.snap().instance; })
       .def_property_readonly("model", [](const PySnapshot& s) { return s.snap().model; })
@@ -176,7 +176,7 @@ void bind_replay(py::module_& m) {
       [](PySnapshot& s, py::handle request, py::handle beta, py::handle lengths, bool trace, bool collapse,
          int64_t default_output_tokens, double overrun_fraction, int64_t max_steps, double age_s, py::handle ahead,
          double arrival_tokens_per_s) {
-        if (!lengths.is_none()) s.set_lengths(lengths_from_value(to_value(lengths, 0)));
+        if (!lengths.is_none()) s.set_lengths_from(lengths);
         const Query q = query_from(request);
         const ReplayOptions opt =
             options(beta, trace, collapse, default_output_tokens, overrun_fraction, max_steps, arrival_tokens_per_s);
