@@ -242,3 +242,18 @@ def test_adding_a_resident_ahead_never_lowers_ttft(case, extra_prompt, extra_len
     after = libbea.estimate(libbea.Snapshot.from_dict(more), query, beta=BETA, lengths={**lengths, "extra": extra_len})
     assert after["ttft_s"] >= base["ttft_s"] - 1e-12
     assert after["n_batches"] >= base["n_batches"]
+
+
+@LARGE
+@given(large_states())
+def test_output_lengths_by_index_equal_validating_path(case) -> None:
+    # {id: int} goes through the residents' id index; integral floats take the validating path.
+    snap_d, query, lengths = case
+    a = libbea.Snapshot.from_dict(snap_d)
+    a.set_output_lengths({**lengths, "not-a-resident": 3})
+    b = libbea.Snapshot.from_dict(snap_d)
+    b.set_output_lengths({k: float(v) for k, v in lengths.items()})
+    ra = libbea.estimate(a, query, beta=BETA, max_steps=300_000)
+    assert ra == libbea.estimate(b, query, beta=BETA, max_steps=300_000)
+    a.set_output_lengths(lengths)  # unchanged predictions: the prepared form is kept
+    assert libbea.estimate(a, query, beta=BETA, max_steps=300_000) == ra
