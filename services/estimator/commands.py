@@ -116,11 +116,15 @@ def bench_estimator(
         Path | None, typer.Option(help="Replay cases for scenario (c); default: the shared public traces.")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result table as JSON.")] = False,
+    population_reps: Annotated[
+        int, typer.Option(help="Timed estimates per cell of the time-vs-population table (0: skip the table).")
+    ] = 2_000,
 ) -> None:
-    """Time per BEA estimate (median, p99) and RSS growth over many estimates, three scenarios."""
+    """Time per BEA estimate (median, p99) and RSS growth over many estimates, three scenarios; then
+    estimate time vs population (64/256/1,024 running x 0/64/256/512 waiting)."""
     from bear.estimator.bench import run_bench
 
-    run_bench(n=n, timing_reps=timing_reps, cases_path=cases, as_json=as_json)
+    run_bench(n=n, timing_reps=timing_reps, cases_path=cases, as_json=as_json, population_reps=population_reps)
 
 
 def estimator(

@@ -1,30 +1,23 @@
 // vLLM V1 scheduling for one KV-cache group, as a reusable state machine: the BEA replay
 // (estimate) and the simulated instance (sim engine) both drive this one implementation.
-// Mirrors vllm/v1/core/sched/scheduler.py + kv_cache_manager.py (vllm-scheduler-replay.md §3-§7, §10).
+// Mirrors vllm/v1/core/sched/scheduler.py (vllm-scheduler-replay.md §3-§6, §10); KV blocks are
+// counted by KvCache (kv_cache.h), the waiting queue is a WaitingQueue (request_queue.h).
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <vector>
 
-#include "bea/batch_time.h"
-#include "bea/snapshot.h"
+#include "bea/core/batch_time.h"
+#include "bea/core/kv_cache.h"
+#include "bea/core/request.h"
+#include "bea/core/request_queue.h"
+#include "bea/core/snapshot.h"
 
 namespace bea {
 
 class Scheduler {
  public:
-  struct Req {
-    int64_t P = 0, C = 0, O = 0, max_tokens = 1, blocks = 0, excl = 0, ph = 0, hit = 0, prio = 0;
-    int64_t target_out = 1;  // total output tokens after which the request stops
-    int64_t preemptions = 0;
-    double arrival = 0.0;
-    int64_t stale = 0;          // async: outputs of a pre-preemption batch still in flight
-    int64_t cached_blocks = 0;  // prefix-cache model for requests preempted by this scheduler
-    int64_t cache_ahead = 0;
-    int64_t cache_mark = 0;
-    bool finished = false;
-  };
+  using Req = SchedRequest;
   struct Item {
     int32_t req;
     int64_t n, context;
@@ -32,7 +25,7 @@ class Scheduler {
     bool samples;   // the step reaches the end of the known sequence: a token is sampled
   };
 
-  explicit Scheduler(const Config& cfg) : cfg_(cfg) {}
+  explicit Scheduler(const Config& cfg) : cfg_(cfg), kv_(cfg), waiting_(cfg.policy) {}
 
   // Residents, in snapshot order: the first n_running are running, the rest waiting.
   void load(const std::vector<Req>& reqs, size_t n_running, int64_t free_blocks);
@@ -45,11 +38,6 @@ class Scheduler {
   // Requests that stop are released and appended to `finished` when given.
   bool apply(const std::vector<Item>& batch, int32_t watch, std::vector<int32_t>* finished = nullptr);
 
-  // Fold a stretch of decode-only steps whose composition cannot change (sync mode): every
-  // running request decodes one token, admission stays blocked, no finish and no allocation
-  // failure inside. Adds the stretch's eq. 12 time to `now`; returns the steps folded (0: none).
-  int64_t collapse_decode(double& now, const Coeffs& beta, int64_t max_steps);
-
   double batch_time(const std::vector<Item>& batch, const Coeffs& beta) const;
   // Eq. 12 terms of the batch the last schedule() produced (computed while scheduling).
   const BatchFeatures& last_features() const { return features_; }
@@ -59,20 +47,25 @@ class Scheduler {
   const std::vector<Req>& reqs() const { return reqs_; }
   Req& req(int32_t k) { return reqs_[static_cast<size_t>(k)]; }
   const std::vector<int32_t>& running() const { return running_; }
-  const std::deque<int32_t>& waiting() const { return waiting_; }
-  int64_t free_blocks() const { return free_; }
+  const WaitingQueue& waiting() const { return waiting_; }
+  const KvCache& kv_cache() const { return kv_; }
+  int64_t free_blocks() const { return kv_.free_blocks(); }
   // Drop a request (abort): blocks freed, removed from its queue.
   void abort(int32_t k);
 
  private:
-  friend class LazySync;  // the estimate's fast path works on the same state (lazy_sync.h)
+  // The estimate's shortcuts work on the same state: sync_fast_path.h, decode_stretch.h.
+  friend class SyncFastPath;
+  friend int64_t fold_decode_stretch(Scheduler& s, double& now, const Coeffs& beta, int64_t max_steps);
   bool waiting_before(int32_t a, int32_t b) const;
-  void enqueue_preempted(int32_t r);
-  int64_t effective_lpt() const;
-  bool alloc_running(Req& r, int64_t n);
-  void take(Req& r, int64_t k);
-  void release(Req& r);
-  void prefix_hit(const Req& w, int64_t& k, int64_t& evictable) const;
+  int64_t effective_lpt() const {
+    return cfg_.long_prefill_token_threshold <= 0 ? 0 : adaptive_lpt();
+  }
+  int64_t adaptive_lpt() const;
+  void finish(Req& r);
+  // Running requests not counting finished ones the fast path has not removed yet.
+  size_t n_running() const { return running_.size() - finished_in_running_; }
+  void drop_finished_running();
   void preempt(int32_t v);
   bool admission_blocked(int64_t leftover) const;
   void admit_waiting(int64_t& budget, int64_t lpt, std::vector<Item>& batch);
@@ -83,15 +76,15 @@ class Scheduler {
   Admission plan_admission(const Req& w, int64_t budget, int64_t lpt) const;
 
   Config cfg_;
+  KvCache kv_;
   std::vector<Req> reqs_;
   std::vector<int32_t> running_;
-  std::deque<int32_t> waiting_;
+  // Finished requests still in running_: the fast path removes them in bulk (drop_finished_running)
+  // rather than one scan per finishing step; 0 whenever an exact step runs.
+  size_t finished_in_running_ = 0;
+  WaitingQueue waiting_;
   std::vector<int32_t> skipped_;
-  int64_t free_ = 0;
-  int64_t alloc_total_ = 0;
   BatchFeatures features_;
 };
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return a <= 0 ? 0 : (a + b - 1) / b; }
 
 }  // namespace bea

@@ -1,4 +1,4 @@
-#include "bea/scheduler.h"
+#include "bea/core/scheduler.h"
 
 #include <algorithm>
 #include <stdexcept>
@@ -11,32 +11,26 @@ void Scheduler::load(const std::vector<Req>& reqs, size_t n_running, int64_t fre
   running_.clear();
   waiting_.clear();
   running_.reserve(reqs.size() + 1);
-  for (size_t k = 0; k < reqs.size(); ++k) (k < n_running ? running_.push_back(static_cast<int32_t>(k))
-                                                          : waiting_.push_back(static_cast<int32_t>(k)));
-  free_ = free_blocks;
-  alloc_total_ = 0;
+  const size_t n = reqs.size();
+  for (size_t k = 0; k < std::min(n_running, n); ++k) running_.push_back(static_cast<int32_t>(k));
+  for (size_t k = n_running; k < n; ++k) waiting_.push_back(static_cast<int32_t>(k));
+  kv_.reset(free_blocks);
+  finished_in_running_ = 0;
 }
 
 int32_t Scheduler::add(const Req& r) {
   const auto k = static_cast<int32_t>(reqs_.size());
   reqs_.push_back(r);
-  if (cfg_.policy == Policy::Fcfs) {
-    waiting_.push_back(k);
-  } else {
-    auto pos = std::upper_bound(waiting_.begin(), waiting_.end(), k,
-                                [this](int32_t a, int32_t b) { return waiting_before(a, b); });
-    waiting_.insert(pos, k);
-  }
+  waiting_.add(k, [this](int32_t a, int32_t b) { return waiting_before(a, b); });
   return k;
 }
 
 void Scheduler::abort(int32_t k) {
   Req& r = req(k);
   if (r.finished) return;
-  r.finished = true;
-  release(r);
+  finish(r);
   running_.erase(std::remove(running_.begin(), running_.end(), k), running_.end());
-  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), k), waiting_.end());
+  waiting_.remove(k);
 }
 
 // ------------------------------------------------------------------ queues
@@ -48,80 +42,36 @@ bool Scheduler::waiting_before(int32_t a, int32_t b) const {  // PRIORITY heap o
   return a < b;
 }
 
-void Scheduler::enqueue_preempted(int32_t r) {
-  if (cfg_.policy == Policy::Fcfs) {
-    waiting_.push_front(r);
-  } else {
-    auto pos = std::lower_bound(waiting_.begin(), waiting_.end(), r,
-                                [this](int32_t a, int32_t b) { return waiting_before(a, b); });
-    waiting_.insert(pos, r);
-  }
-}
-
-int64_t Scheduler::effective_lpt() const {
+int64_t Scheduler::adaptive_lpt() const {
   int64_t lpt = cfg_.long_prefill_token_threshold;
-  if (lpt <= 0) return 0;
-  const auto total = static_cast<int64_t>(running_.size() + waiting_.size());
+  const auto total = static_cast<int64_t>(n_running() + waiting_.size());
   if (total <= 1) return 0;  // nobody to starve
   if (cfg_.long_prefill_token_threshold_adaptive) lpt = std::max(lpt, cfg_.max_num_batched_tokens / total);
   return lpt;
 }
 
-// ------------------------------------------------------------------ KV accounting
-bool Scheduler::alloc_running(Req& r, int64_t n) {
-  if (r.C + n <= r.blocks * cfg_.block_size) return true;  // fits the blocks it holds (no division)
-  const int64_t slots = std::min(r.C + n, cfg_.max_model_len);
-  const int64_t need = ceil_div(slots, cfg_.block_size) - r.blocks;
-  if (need <= 0) return true;
-  if (need > free_) return false;
-  take(r, need);
-  return true;
+void Scheduler::drop_finished_running() {
+  if (finished_in_running_ == 0) return;
+  running_.erase(std::remove_if(running_.begin(), running_.end(),
+                                [this](int32_t k) { return reqs_[static_cast<size_t>(k)].finished; }),
+                 running_.end());
+  finished_in_running_ = 0;
 }
 
-void Scheduler::take(Req& r, int64_t k) {
-  free_ -= k;
-  r.blocks += k;
-  r.excl += k;
-  alloc_total_ += k;
-}
-
-void Scheduler::release(Req& r) {
-  if (cfg_.enable_prefix_caching) {
-    // Hashed (full, final-token) blocks stay cached at the back of the free queue; blocks taken
-    // from the front afterwards evict them tail first (vllm-scheduler-replay.md §7.6).
-    r.cached_blocks = std::min(r.blocks, std::min(r.C, r.P + r.O) / cfg_.block_size);
-    r.cache_ahead = free_;
-    r.cache_mark = alloc_total_;
-  }
-  free_ += r.excl;
-  r.blocks = 0;
-  r.excl = 0;
-}
-
-void Scheduler::prefix_hit(const Req& w, int64_t& k, int64_t& evictable) const {
-  k = 0;
-  evictable = 0;
-  if (!cfg_.enable_prefix_caching) return;
-  const int64_t B = cfg_.block_size;
-  const int64_t cap_blocks = (w.P + w.O - 1) / B;  // at least one token is recomputed
-  if (w.cached_blocks > 0) {  // preempted here: its own freed blocks, unless evicted since
-    const int64_t evicted = std::max<int64_t>(0, (alloc_total_ - w.cache_mark) - w.cache_ahead);
-    const int64_t hb = std::min(std::max<int64_t>(0, w.cached_blocks - evicted), cap_blocks);
-    k = hb * B;
-    evictable = hb;
-    return;
-  }
-  k = std::min(w.hit / B, cap_blocks) * B;  // reported hit: blocks held by running requests
+// A request that stops (finished or aborted) leaves the scheduler and returns its blocks.
+void Scheduler::finish(Req& r) {
+  r.finished = true;
+  kv_.free_finished(r.kv);
 }
 
 void Scheduler::preempt(int32_t v) {
   Req& r = req(v);
   if (cfg_.async_scheduling && r.ph > 0) r.stale += r.ph;
-  release(r);
+  kv_.free_preempted(r.kv, r.C, r.P + r.O);
   r.C = 0;
   r.ph = 0;
   r.preemptions += 1;
-  enqueue_preempted(v);
+  waiting_.add_preempted(v, [this](int32_t a, int32_t b) { return waiting_before(a, b); });
 }
 
 // ------------------------------------------------------------------ schedule()
@@ -166,7 +116,7 @@ void Scheduler::schedule(std::vector<Item>& batch) {
     bool ok = false;
     bool self = false;
     for (;;) {
-      if (alloc_running(r, n)) {
+      if (kv_.allocate_slots(r.kv, r.C, n)) {
         ok = true;
         break;
       }
@@ -224,7 +174,7 @@ void Scheduler::schedule(std::vector<Item>& batch) {
 void Scheduler::admit_waiting(int64_t& budget, int64_t lpt, std::vector<Item>& batch) {
   skipped_.clear();
   while (budget > 0 && !waiting_.empty()) {
-    if (static_cast<int64_t>(running_.size()) >= cfg_.max_num_active_seqs) break;
+    if (static_cast<int64_t>(n_running()) >= cfg_.max_num_active_seqs) break;
     const int32_t wi = waiting_.front();
     Req& w = req(wi);
     if (w.stale > 0) {  // async: not re-admitted before its stale output drains (skip, not block)
@@ -235,11 +185,7 @@ void Scheduler::admit_waiting(int64_t& budget, int64_t lpt, std::vector<Item>& b
     const Admission a = plan_admission(w, budget, lpt);
     if (!a.ok) break;
     waiting_.pop_front();
-    w.blocks = 0;
-    w.excl = 0;
-    take(w, a.fresh);
-    w.blocks = std::max(a.total, w.blocks);
-    w.cached_blocks = 0;
+    kv_.allocate_admitted(w.kv, a.fresh, a.total);
     w.C = a.c0;
     running_.push_back(wi);
     push_item(batch, wi, a.n, a.c0, w.preemptions);
@@ -268,9 +214,7 @@ bool Scheduler::apply(const std::vector<Item>& batch, int32_t watch, std::vector
     if (cfg_.async_scheduling && r.ph > 0) r.ph -= 1;
     if (it.req == watch) watched = true;
     if (r.O >= r.target_out || r.O >= r.max_tokens || r.P + r.O >= cfg_.max_model_len) {
-      r.finished = true;
-      release(r);
-      r.cached_blocks = 0;
+      finish(r);
       any_finished = true;
       if (finished != nullptr) finished->push_back(it.req);
     }
@@ -293,73 +237,20 @@ double Scheduler::batch_time(const std::vector<Item>& batch, const Coeffs& beta)
   return f.time(beta);
 }
 
-// ------------------------------------------------------------------ closed-form decode stretches
-int64_t Scheduler::collapse_decode(double& now, const Coeffs& beta, int64_t max_steps) {
-  const size_t R = running_.size();
-  if (R < 1 || waiting_.empty() || cfg_.async_scheduling) return 0;
-  if (static_cast<int64_t>(R) > cfg_.max_num_scheduled_tokens) return 0;
-  // The newest admissions (the list's tail) are the likeliest to still prefill: look there first.
-  for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
-    const Req& r = reqs_[static_cast<size_t>(*it)];
-    if (r.O < 1 || r.C != r.P + r.O - 1) return 0;  // not a plain decode
-  }
-  int64_t min_rem = INT64_MAX;
-  int64_t sum_ctx = 0;
-  for (int32_t k : running_) {
-    const Req& r = reqs_[static_cast<size_t>(k)];
-    const int64_t stop = std::min(std::min(r.target_out, r.max_tokens), cfg_.max_model_len - r.P);
-    min_rem = std::min(min_rem, stop - r.O);
-    sum_ctx += r.C;
-  }
-  int64_t steps = std::min<int64_t>(min_rem - 1, max_steps);  // the finishing step runs normally
-  if (steps < 2) return 0;
-  if (!admission_blocked(cfg_.max_num_scheduled_tokens - static_cast<int64_t>(R))) return 0;
-  const int64_t B = cfg_.block_size;
-  auto demand = [&](int64_t s) {
-    int64_t d = 0;
-    for (int32_t k : running_) {
-      const Req& r = reqs_[static_cast<size_t>(k)];
-      const int64_t need = ceil_div(r.C + s, B) - r.blocks;
-      if (need > 0) d += need;
-    }
-    return d;
-  };
-  if (demand(steps) > free_) {  // stop before the step whose allocation would fail
-    int64_t lo = 0, hi = steps;  // demand(lo) <= free < demand(hi)
-    while (hi - lo > 1) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      (demand(mid) <= free_ ? lo : hi) = mid;
-    }
-    steps = lo;
-    if (steps < 2) return 0;
-  }
-  const auto Rd = static_cast<double>(R);
-  const auto sd = static_cast<double>(steps);
-  now += sd * (beta.b0 + beta.b1 * Rd + beta.b2 * static_cast<double>(sum_ctx)) + beta.b2 * Rd * sd * (sd - 1.0) * 0.5;
-  for (int32_t k : running_) {
-    Req& r = req(k);
-    const int64_t need = ceil_div(r.C + steps, B) - r.blocks;
-    if (need > 0) take(r, need);
-    r.C += steps;
-    r.O += steps;
-  }
-  return steps;
-}
-
 bool Scheduler::admission_blocked(int64_t leftover) const {
   if (leftover <= 0 || waiting_.empty()) return true;
-  if (static_cast<int64_t>(running_.size()) >= cfg_.max_num_active_seqs) return true;
+  if (static_cast<int64_t>(n_running()) >= cfg_.max_num_active_seqs) return true;
   const Req& w = reqs_[static_cast<size_t>(waiting_.front())];
-  if (w.cached_blocks > 0 || w.stale > 0) return false;  // its hit may change: step normally
+  if (w.kv.cached > 0 || w.stale > 0) return false;  // its hit may change: step normally
   return !plan_admission(w, leftover, effective_lpt()).ok;
 }
 
-// The KV gates of admitting waiting request `w` with `budget` tokens left (§7.3-7.4): prefix hit,
+// The gates of admitting waiting request `w` with `budget` tokens left (§7.3-7.4): prefix hit,
 // LPT, chunking, full-sequence gate, first-chunk allocation; watermark when others run.
 Scheduler::Admission Scheduler::plan_admission(const Req& w, int64_t budget, int64_t lpt) const {
   Admission a;
-  int64_t k = 0, e = 0;
-  if (w.C == 0) prefix_hit(w, k, e);
+  const PrefixHit hit = w.C == 0 ? kv_.computed_blocks(w.kv, w.P + w.O, w.hit) : PrefixHit{};
+  const int64_t k = hit.tokens, e = hit.evictable, hitb = hit.blocks;
   a.c0 = w.C == 0 ? k : w.C;
   const int64_t num_tokens = w.P + w.O;
   int64_t n = num_tokens - a.c0;
@@ -367,14 +258,13 @@ Scheduler::Admission Scheduler::plan_admission(const Req& w, int64_t budget, int
   if (n <= 0) return a;
   if (!cfg_.enable_chunked_prefill && n > budget) return a;
   a.n = std::min(n, budget);
-  const int64_t B = cfg_.block_size;
-  const int64_t hitb = k / B;
-  const int64_t wm = running_.empty() ? 0 : cfg_.watermark_blocks;
-  if (cfg_.scheduler_reserve_full_isl && ceil_div(std::min(num_tokens, cfg_.max_model_len), B) - hitb + e + wm > free_)
+  const int64_t wm = n_running() == 0 ? 0 : cfg_.watermark_blocks;
+  const int64_t pool_free = kv_.free_blocks();
+  if (cfg_.scheduler_reserve_full_isl && kv_.blocks_for(std::min(num_tokens, cfg_.max_model_len)) - hitb + e + wm > pool_free)
     return a;
-  a.total = ceil_div(std::min(a.c0 + a.n, cfg_.max_model_len), B);
+  a.total = kv_.blocks_for(std::min(a.c0 + a.n, cfg_.max_model_len));
   a.fresh = std::max<int64_t>(0, a.total - hitb) + e;
-  a.ok = a.fresh + wm <= free_;
+  a.ok = a.fresh + wm <= pool_free;
   return a;
 }
 

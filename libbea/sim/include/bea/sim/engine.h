@@ -9,10 +9,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "bea/replay.h"
-#include "bea/scheduler.h"
-#include "bea/snapshot.h"
-#include "bea/value.h"
+#include "bea/core/scheduler.h"
+#include "bea/core/snapshot.h"
+#include "bea/core/value.h"
 
 namespace bea {
 
@@ -46,6 +45,7 @@ class Engine {
   const std::string& name(int32_t k) const { return names_[static_cast<size_t>(k)]; }
   size_t live() const { return index_.size(); }
   size_t table_size() const { return names_.size(); }  // live + finished not yet compacted
+  const std::vector<std::string>& names() const { return names_; }  // by request index
 
  private:
   void compact();
@@ -59,21 +59,5 @@ class Engine {
   bool in_step_ = false;
   int64_t seq_ = 0;
 };
-
-// Staleness compensation for the estimator: a sync-mode snapshot's residents run alone, with
-// eq. 12 batch times, through every step that starts before `age_s` (a query arriving then cannot
-// join a step already running). The query joins at `join_s` (seconds after the snapshot); any
-// age in (valid_from_s, valid_to_s] advances to the same state.
-struct Advanced {
-  Scheduler sched;
-  std::vector<std::string> names;  // by request index, as in Prepared
-  double join_s = 0.0;
-  double valid_from_s = 0.0;
-  double valid_to_s = 0.0;
-  int64_t steps = 0;
-  explicit Advanced(const Config& cfg) : sched(cfg) {}
-};
-
-Advanced advance(const Prepared& p, const Coeffs& beta, double age_s, int64_t max_steps = 100000);
 
 }  // namespace bea

@@ -1,8 +1,8 @@
-#include "bea/engine.h"
+#include "bea/sim/engine.h"
+
+#include "bea/core/request_fields.h"
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
 #include <stdexcept>
 
 namespace bea {
@@ -42,13 +42,7 @@ void Engine::add(const std::string& id, int64_t prompt_tokens, int64_t max_token
     throw std::invalid_argument("true_output_tokens must be >= 1");
   if (priority < -kMaxTokens || priority > kMaxTokens) throw std::invalid_argument("priority out of range");
   if (index_.count(id) != 0) throw std::invalid_argument("duplicate request id '" + id + "'");
-  Scheduler::Req r;
-  r.P = prompt_tokens;
-  r.max_tokens = max_tokens;
-  r.target_out = true_output_tokens;
-  r.prio = priority;
-  r.arrival = arrival;
-  const int32_t k = sched_.add(r);
+  const int32_t k = sched_.add(sched_arrival(prompt_tokens, max_tokens, true_output_tokens, 0, priority, arrival));
   if (static_cast<size_t>(k) != names_.size()) throw std::logic_error("engine: request index out of sync");
   names_.push_back(id);
   index_.emplace(id, k);
@@ -111,39 +105,6 @@ void Engine::compact() {
   names_ = std::move(names);
   index_.clear();
   for (size_t k = 0; k < names_.size(); ++k) index_.emplace(names_[k], static_cast<int32_t>(k));
-}
-
-Advanced advance(const Prepared& p, const Coeffs& beta, double age_s, int64_t max_steps) {
-  if (p.cfg.async_scheduling) throw std::invalid_argument("staleness compensation needs a sync-mode snapshot");
-  if (!std::isfinite(age_s) || age_s < 0.0) throw std::invalid_argument("age_s must be finite and >= 0");
-  Advanced a(p.cfg);
-  a.sched.load(p.reqs, p.n_running, p.free_blocks);
-  a.names = p.names;
-  std::vector<Scheduler::Item> batch;
-  double t = 0.0;
-  double last_start = 0.0;
-  bool idle = false;
-  while (t < age_s && a.steps < max_steps) {
-    a.sched.schedule(batch);
-    if (batch.empty()) {  // nothing runs: the query enters as soon as it arrives
-      idle = true;
-      break;
-    }
-    last_start = t;
-    t += a.sched.batch_time(batch, beta);
-    a.sched.apply(batch, -1);
-    ++a.steps;
-  }
-  if (idle || a.steps == 0) {
-    a.join_s = age_s;
-    a.valid_from_s = idle ? t : 0.0;
-    a.valid_to_s = idle ? std::numeric_limits<double>::infinity() : 0.0;
-  } else {
-    a.join_s = t;
-    a.valid_from_s = last_start;
-    a.valid_to_s = t;
-  }
-  return a;
 }
 
 }  // namespace bea

@@ -1,5 +1,5 @@
 // See bea/forest.h.
-#include "bea/forest.h"
+#include "bea/predictor/forest.h"
 
 #include <algorithm>
 #include <cmath>

@@ -53,7 +53,7 @@ PieceCounts hashed_features(const uint8_t* data, size_t n, double* out);
 // The text the indicators read (features.py): the first and the last kIndicatorSpan code points of
 // UTF-8 text joined by '\n' (all of it when it has at most 2 * kIndicatorSpan), lower-cased as
 // Python's str.lower, as one byte per code point: ASCII as itself, any other code point as its
-// class in Python's re (bea/prompt_unicode.h): kOtherCp, kSpaceCp (\s), kWordCp (\w) or
+// class in Python's re (bea/predictor/prompt_unicode.h): kOtherCp, kSpaceCp (\s), kWordCp (\w) or
 // kDigitCp + its value (\d, also \w). Surrogates (as Python's "surrogatepass" encodes them) and
 // bytes that are not UTF-8 are kOtherCp; a code point is a byte that does not continue a
 // sequence with the continuation bytes after it.

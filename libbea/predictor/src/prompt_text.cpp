@@ -1,8 +1,8 @@
 // See bea/prompt_text.h. tests/predictor/data/prompt_golden.jsonl.gz holds the outputs these
 // functions must give (recorded from the numpy/regex implementation they replaced).
-#include "bea/prompt_text.h"
+#include "bea/predictor/prompt_text.h"
 
-#include "bea/prompt_unicode.h"
+#include "bea/predictor/prompt_unicode.h"
 
 #include <algorithm>
 #include <array>

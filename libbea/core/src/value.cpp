@@ -1,4 +1,4 @@
-#include "bea/value.h"
+#include "bea/core/value.h"
 
 #include <cmath>
 #include <cstring>

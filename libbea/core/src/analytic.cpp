@@ -1,4 +1,4 @@
-#include "bea/analytic.h"
+#include "bea/core/analytic.h"
 
 #include <cmath>
 #include <limits>

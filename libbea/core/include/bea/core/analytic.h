@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "bea/snapshot.h"
+#include "bea/core/snapshot.h"
 
 namespace bea {
 

@@ -1,78 +1,15 @@
-#include "bea/snapshot.h"
+#include "bea/core/snapshot.h"
 
-#include <cmath>
 #include <stdexcept>
 #include <unordered_set>
+
+#include "bea/core/request_fields.h"
+#include "value_fields.h"
 
 namespace bea {
 namespace {
 
-[[noreturn]] void bad(const std::string& field, const std::string& why) {
-  throw std::invalid_argument("snapshot field '" + field + "': " + why);
-}
-
-const Value& require(const Value& m, const char* key, const std::string& path) {
-  const Value* v = m.get(key);
-  if (v == nullptr) bad(path + key, "missing");
-  return *v;
-}
-
-int64_t as_int(const Value& v, const std::string& field, int64_t lo, int64_t hi) {
-  int64_t x = 0;
-  if (v.type == Value::Type::Int) {
-    x = v.i;
-  } else if (v.type == Value::Type::Float && std::isfinite(v.d) && v.d == std::floor(v.d) &&
-             std::fabs(v.d) < 9.0e15) {
-    x = static_cast<int64_t>(v.d);
-  } else {
-    bad(field, "must be an integer");
-  }
-  if (x < lo || x > hi) bad(field, "out of range [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
-  return x;
-}
-
-int64_t int_field(const Value& m, const char* key, const std::string& path, int64_t lo, int64_t hi) {
-  return as_int(require(m, key, path), path + key, lo, hi);
-}
-
-int64_t opt_int(const Value& m, const char* key, const std::string& path, int64_t lo, int64_t hi,
-                int64_t dflt) {
-  const Value* v = m.get(key);
-  if (v == nullptr || v->type == Value::Type::Nil) return dflt;
-  return as_int(*v, path + key, lo, hi);
-}
-
-double opt_double(const Value& m, const char* key, const std::string& path, double dflt) {
-  const Value* v = m.get(key);
-  if (v == nullptr || v->type == Value::Type::Nil) return dflt;
-  double x = v->type == Value::Type::Int ? static_cast<double>(v->i)
-             : v->type == Value::Type::Float ? v->d
-                                             : (bad(path + key, "must be a number"), 0.0);
-  if (!std::isfinite(x)) bad(path + key, "must be finite");
-  return x;
-}
-
-bool opt_bool(const Value& m, const char* key, const std::string& path, bool dflt) {
-  const Value* v = m.get(key);
-  if (v == nullptr || v->type == Value::Type::Nil) return dflt;
-  if (v->type == Value::Type::Bool) return v->b;
-  if (v->type == Value::Type::Int && (v->i == 0 || v->i == 1)) return v->i == 1;
-  bad(path + key, "must be a boolean");
-}
-
-std::string opt_str(const Value& m, const char* key, const std::string& path, const std::string& dflt) {
-  const Value* v = m.get(key);
-  if (v == nullptr || v->type == Value::Type::Nil) return dflt;
-  if (v->type != Value::Type::Str) bad(path + key, "must be a string");
-  return v->s;
-}
-
-std::string id_field(const Value& m, const std::string& path) {
-  const Value& v = require(m, "id", path);
-  if (v.type != Value::Type::Str) bad(path + "id", "must be a string");
-  if (v.s.empty()) bad(path + "id", "must not be empty");
-  return v.s;
-}
+using namespace fields;
 
 Config config_from(const Value& c) {
   if (c.type != Value::Type::Map) bad("config", "must be a map");
@@ -101,33 +38,13 @@ Config config_from(const Value& c) {
   return k;
 }
 
-Request request_from(const Value& r, const std::string& path, const Config& cfg) {
-  if (r.type != Value::Type::Map) bad(path, "must be a map");
-  const std::string p = path + ".";
-  Request q;
-  q.id = id_field(r, p);
-  q.prompt_tokens = int_field(r, "prompt_tokens", p, 1, kMaxTokens);
-  q.output_tokens = int_field(r, "output_tokens", p, 0, kMaxTokens);
-  q.placeholders = opt_int(r, "placeholders", p, 0, 1 << 16, 0);
-  q.computed_tokens =
-      int_field(r, "computed_tokens", p, 0, q.prompt_tokens + q.output_tokens + q.placeholders);
-  q.max_tokens = int_field(r, "max_tokens", p, 1, kMaxTokens);
-  q.blocks = int_field(r, "blocks", p, 0, cfg.num_gpu_blocks);
-  q.exclusive_blocks = opt_int(r, "exclusive_blocks", p, 0, q.blocks, q.blocks);
-  q.preemptions = opt_int(r, "preemptions", p, 0, kMaxTokens, 0);
-  q.prefix_hit_tokens = opt_int(r, "prefix_hit_tokens", p, 0, kMaxTokens, 0);
-  q.priority = opt_int(r, "priority", p, -kMaxTokens, kMaxTokens, 0);
-  q.arrival = opt_double(r, "arrival", p, 0.0);
-  return q;
-}
-
 std::vector<Request> requests_from(const Value& list, const std::string& name, const Config& cfg) {
   if (list.type != Value::Type::Arr) bad(name, "must be a list");
   if (list.arr.size() > kMaxRequests) bad(name, "too many requests");
   std::vector<Request> out;
   out.reserve(list.arr.size());
   for (size_t k = 0; k < list.arr.size(); ++k)
-    out.push_back(request_from(list.arr[k], name + "[" + std::to_string(k) + "]", cfg));
+    out.push_back(request_from_value(list.arr[k], name + "[" + std::to_string(k) + "]", cfg));
   return out;
 }
 
@@ -185,26 +102,52 @@ Snapshot snapshot_from_value(const Value& v) {
   return s;
 }
 
-Query query_from_value(const Value& v) {
-  if (v.type != Value::Type::Map) bad("request", "must be a map");
-  Query q;
-  q.id = opt_str(v, "id", "request.", "__query__");
-  if (q.id.empty()) bad("request.id", "must not be empty");
-  q.prompt_tokens = int_field(v, "prompt_tokens", "request.", 1, kMaxTokens);
-  q.max_tokens = opt_int(v, "max_tokens", "request.", 1, kMaxTokens, 1);
-  q.prefix_hit_tokens = opt_int(v, "prefix_hit_tokens", "request.", 0, kMaxTokens, 0);
-  q.priority = opt_int(v, "priority", "request.", -kMaxTokens, kMaxTokens, 0);
-  q.arrival = opt_double(v, "arrival", "request.", 0.0);
-  q.predicted_output = opt_int(v, "predicted_output", "request.", -1, kMaxTokens, -1);
-  return q;
-}
-
 std::unordered_map<std::string, int64_t> lengths_from_value(const Value& v) {
   if (v.type != Value::Type::Map) bad("output_lengths", "must be a map id -> tokens");
   std::unordered_map<std::string, int64_t> out;
   out.reserve(v.map.size());
   for (const auto& kv : v.map) out[kv.first] = as_int(kv.second, "output_lengths." + kv.first, 0, kMaxTokens);
   return out;
+}
+
+Value config_to_value(const Config& c) {
+  Value d = map_value();
+  d.map.reserve(14);
+  d.map.emplace_back("max_num_batched_tokens", int_value(c.max_num_batched_tokens));
+  d.map.emplace_back("max_num_scheduled_tokens", int_value(c.max_num_scheduled_tokens));
+  d.map.emplace_back("max_num_seqs", int_value(c.max_num_seqs));
+  d.map.emplace_back("long_prefill_token_threshold", int_value(c.long_prefill_token_threshold));
+  d.map.emplace_back("long_prefill_token_threshold_adaptive", bool_value(c.long_prefill_token_threshold_adaptive));
+  d.map.emplace_back("enable_chunked_prefill", bool_value(c.enable_chunked_prefill));
+  d.map.emplace_back("policy", str_value(c.policy == Policy::Fcfs ? "fcfs" : "priority"));
+  d.map.emplace_back("block_size", int_value(c.block_size));
+  d.map.emplace_back("num_gpu_blocks", int_value(c.num_gpu_blocks));
+  d.map.emplace_back("watermark_blocks", int_value(c.watermark_blocks));
+  d.map.emplace_back("max_model_len", int_value(c.max_model_len));
+  d.map.emplace_back("scheduler_reserve_full_isl", bool_value(c.scheduler_reserve_full_isl));
+  d.map.emplace_back("enable_prefix_caching", bool_value(c.enable_prefix_caching));
+  d.map.emplace_back("async_scheduling", bool_value(c.async_scheduling));
+  return d;
+}
+
+Value snapshot_to_value(const Snapshot& s) {
+  Value d = map_value();
+  d.map.reserve(10);
+  d.map.emplace_back("v", str_value("bear.snapshot/1"));
+  d.map.emplace_back("instance", str_value(s.instance));
+  d.map.emplace_back("model", str_value(s.model));
+  d.map.emplace_back("seq", int_value(s.seq));
+  d.map.emplace_back("time", real_value(s.time));
+  d.map.emplace_back("config", config_to_value(s.config));
+  d.map.emplace_back("free_blocks", int_value(s.free_blocks));
+  for (const auto* list : {&s.running, &s.waiting}) {
+    Value l = list_value();
+    l.arr.reserve(list->size());
+    for (const Request& r : *list) l.arr.push_back(request_to_value(r));
+    d.map.emplace_back(list == &s.running ? "running" : "waiting", std::move(l));
+  }
+  d.map.emplace_back("inflight", Value{});  // sync scheduling: nothing in flight between steps
+  return d;
 }
 
 }  // namespace bea

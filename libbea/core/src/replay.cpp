@@ -1,28 +1,18 @@
-#include "bea/replay.h"
+#include "bea/core/replay.h"
 
-#include "bea/engine.h"
-#include "bea/lazy_sync.h"
+#include "bea/core/ageing.h"
+#include "bea/core/decode_stretch.h"
+#include "bea/core/request_fields.h"
+#include "bea/core/scheduler.h"
+#include "bea/core/sync_fast_path.h"
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <stdexcept>
 
 namespace bea {
 namespace {
-
-int64_t target_output(const Request& r, const ReplayOptions& opt) {
-  int64_t pred = r.predicted_output >= 0 ? r.predicted_output
-                 : opt.default_output_tokens >= 0 ? opt.default_output_tokens
-                                                  : r.max_tokens;
-  pred = std::clamp<int64_t>(pred, 1, r.max_tokens);
-  if (r.output_tokens < pred) return pred;
-  // Already past its prediction: give it `overrun_fraction` of the prediction again (>= 1 token).
-  const double frac = std::isfinite(opt.overrun_fraction) ? std::max(0.0, opt.overrun_fraction) : 0.0;
-  const double extra = std::min(std::ceil(frac * static_cast<double>(pred)), 1.0e12);
-  const int64_t add = std::max<int64_t>(1, static_cast<int64_t>(extra));
-  const int64_t t = std::min(r.max_tokens, r.output_tokens + add);
-  return t > r.output_tokens ? t : r.output_tokens + 1;
-}
 
 // With --trace: the step's composition and the state right after its schedule().
 void record_step(Estimate& est, const Scheduler& sched, const std::vector<Scheduler::Item>& batch) {
@@ -61,36 +51,41 @@ class ArrivalFill {
   double backlog_ = 0.0;
 };
 
+// Whether the estimate runs on the fast path (sync_fast_path.h): decoders advanced as a group,
+// exact fallback when order matters.
+bool fast_path(const Config& cfg, const ReplayOptions& opt) {
+  return !cfg.async_scheduling && opt.collapse && !opt.trace && cfg.block_size <= 4096;
+}
+
 // The sync engine loop (§2) from `sched` as it stands, the query already queued; `now` is the
 // time since the snapshot's capture at which the first schedule() happens; the query arrived at
-// `arrival` (<= now).
-Estimate run_sync(Scheduler& sched, int32_t query, const ReplayOptions& opt, double now, double arrival) {
+// `arrival` (<= now). `fast`: the fast path driving `sched`, or nullptr for the stepwise replay.
+Estimate run_sync(Scheduler& sched, SyncFastPath* fast, int32_t query, const ReplayOptions& opt, double now,
+                  double arrival) {
   Estimate est;
   ArrivalFill fill(opt.arrival_tokens_per_s, arrival);
-  std::vector<Scheduler::Item> batch;
-  batch.reserve(sched.reqs().size());
-  if (opt.collapse && !opt.trace && sched.config().block_size <= 4096) {
-    // Fast path: decoders advanced as a group, exact fallback when order matters (lazy_sync.h).
-    LazySync fast(sched);
+  if (fast != nullptr) {
     while (est.n_batches < opt.max_steps) {
       int64_t steps = 0;
       const double start = now;
-      const LazySync::Result r = fast.step(now, opt.beta, query, opt.max_steps - est.n_batches, steps);
+      const SyncFastPath::Result r = fast->step(now, opt.beta, query, opt.max_steps - est.n_batches, steps);
       est.n_batches += steps;
-      if (steps == 1) now += fill.extra_time(sched, start, fast.last_tokens(), opt.beta);
-      if (r == LazySync::Result::WatchSampled) {
+      if (steps == 1 && opt.arrival_tokens_per_s > 0.0) now += fill.extra_time(sched, start, fast->last_tokens(), opt.beta);
+      if (r == SyncFastPath::Result::WatchSampled) {
         est.ttft_s = now;
         return est;
       }
-      if (r == LazySync::Result::Unschedulable) {
+      if (r == SyncFastPath::Result::Unschedulable) {
         est.status = Status::Unschedulable;
         return est;
       }
     }
   } else {
+    std::vector<Scheduler::Item> batch;
+    batch.reserve(sched.reqs().size());
     while (est.n_batches < opt.max_steps) {
       if (opt.collapse && !opt.trace) {
-        const int64_t k = sched.collapse_decode(now, opt.beta, opt.max_steps - est.n_batches);
+        const int64_t k = fold_decode_stretch(sched, now, opt.beta, opt.max_steps - est.n_batches);
         if (k > 0) {
           est.n_batches += k;
           continue;
@@ -117,17 +112,11 @@ Estimate run_sync(Scheduler& sched, int32_t query, const ReplayOptions& opt, dou
 }
 
 Scheduler::Req query_req(const Query& q, double default_arrival, const ReplayOptions& opt) {
-  Scheduler::Req nq;
-  nq.P = q.prompt_tokens;
-  nq.max_tokens = q.max_tokens;
   const int64_t pred = q.predicted_output >= 0 ? q.predicted_output
                        : opt.default_output_tokens >= 0 ? opt.default_output_tokens
                                                         : q.max_tokens;
-  nq.target_out = std::clamp<int64_t>(pred, 1, q.max_tokens);
-  nq.hit = q.prefix_hit_tokens;
-  nq.prio = q.priority;
-  nq.arrival = q.arrival > 0.0 ? q.arrival : default_arrival;
-  return nq;
+  return sched_arrival(q.prompt_tokens, q.max_tokens, std::clamp<int64_t>(pred, 1, q.max_tokens), q.prefix_hit_tokens,
+                       q.priority, q.arrival > 0.0 ? q.arrival : default_arrival);
 }
 
 // Queue the router's recent dispatches, then the query itself.
@@ -142,57 +131,15 @@ int32_t enqueue(Scheduler& sched, const Query& q, const std::vector<Query>& ahea
 
 }  // namespace
 
-Prepared prepare(const Snapshot& s, const ReplayOptions& opt) {
-  Prepared p;
-  p.cfg = s.config;
-  p.free_blocks = s.free_blocks;
-  p.time = s.time;
-  p.n_running = s.running.size();
-  p.reqs.reserve(s.running.size() + s.waiting.size());
-  p.names.reserve(s.running.size() + s.waiting.size());
-  std::unordered_map<std::string, int32_t> index;
-  for (const auto* list : {&s.running, &s.waiting})
-    for (const auto& r : *list) {
-      Prepared::Req q;
-      q.P = r.prompt_tokens;
-      q.C = r.computed_tokens;
-      q.O = r.output_tokens;
-      q.max_tokens = r.max_tokens;
-      q.blocks = r.blocks;
-      q.excl = r.exclusive_blocks;
-      q.ph = p.cfg.async_scheduling ? r.placeholders : 0;
-      q.hit = r.prefix_hit_tokens;
-      q.prio = r.priority;
-      q.preemptions = r.preemptions;
-      q.arrival = r.arrival;
-      q.target_out = target_output(r, opt);
-      if (s.inflight) index.emplace(r.id, static_cast<int32_t>(p.reqs.size()));
-      p.reqs.push_back(q);
-      p.names.push_back(r.id);
-    }
-  if (s.inflight && p.cfg.async_scheduling) {
-    p.has_inflight = true;
-    p.inflight_start = s.inflight->started - s.time;
-    for (const auto& it : s.inflight->items) {
-      auto f = index.find(it.id);
-      if (f == index.end()) {  // finished since: it still costs device time
-        p.inflight_orphans.emplace_back(it.n, it.context);
-        continue;
-      }
-      const Prepared::Req& r = p.reqs[static_cast<size_t>(f->second)];
-      p.inflight.push_back({f->second, it.n, it.context, it.context + it.n >= r.P + r.O});
-    }
-  }
-  return p;
-}
-
 Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt, const std::vector<Query>& ahead) {
   if (q.prompt_tokens > p.cfg.max_model_len) throw std::invalid_argument("request.prompt_tokens exceeds max_model_len");
   Scheduler sched(p.cfg);
   sched.load(p.reqs, p.n_running, p.free_blocks);
   const int32_t query = enqueue(sched, q, ahead, p.time, opt, p.cfg.max_model_len);
   if (!p.cfg.async_scheduling) {
-    Estimate e = run_sync(sched, query, opt, 0.0, 0.0);
+    std::optional<SyncFastPath> fast;
+    if (fast_path(p.cfg, opt)) fast.emplace(sched, p.decode_start);
+    Estimate e = run_sync(sched, fast ? &*fast : nullptr, query, opt, 0.0, 0.0);
     if (e.status != Status::Ok) e.ttft_s = std::numeric_limits<double>::infinity();
     return e;
   }
@@ -257,9 +204,19 @@ Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions&
     e.ttft_s -= std::max(0.0, age_s);
     return e;
   }
-  Advanced a = advance(p, opt.beta, age_s);
-  const int32_t query = enqueue(a.sched, q, ahead, p.time + age_s, opt, p.cfg.max_model_len);
-  Estimate e = run_sync(a.sched, query, opt, a.join_s, age_s);
+  Estimate e;
+  if (fast_path(p.cfg, opt)) {  // the residents age on the fast path that then runs the estimate
+    Scheduler sched(p.cfg);
+    sched.load(p.reqs, p.n_running, p.free_blocks);
+    SyncFastPath fast(sched, p.decode_start);
+    const AgeWindow w = advance_fast(fast, opt.beta, age_s);
+    const int32_t query = enqueue(sched, q, ahead, p.time + age_s, opt, p.cfg.max_model_len);
+    e = run_sync(sched, &fast, query, opt, w.join_s, age_s);
+  } else {
+    Advanced a = advance(p, opt.beta, age_s);
+    const int32_t query = enqueue(a.sched, q, ahead, p.time + age_s, opt, p.cfg.max_model_len);
+    e = run_sync(a.sched, nullptr, query, opt, a.join_s, age_s);
+  }
   e.ttft_s = e.status == Status::Ok ? e.ttft_s - age_s : std::numeric_limits<double>::infinity();
   return e;
 }

@@ -8,7 +8,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "bea/value.h"
+#include "bea/core/value.h"
 
 namespace bea {
 
@@ -93,9 +93,14 @@ constexpr int64_t kMaxTokens = int64_t{1} << 31;   // bound on any token count
 constexpr int64_t kMaxBlocks = int64_t{1} << 31;   // bound on any block count
 constexpr size_t kMaxRequests = 1u << 20;          // bound on resident requests
 
-// Validation: throws std::invalid_argument naming the offending field.
+// Validation: throws std::invalid_argument naming the offending field. (Requests and the query
+// are read by request_fields.h.)
 Snapshot snapshot_from_value(const Value& v);
-Query query_from_value(const Value& v);
 std::unordered_map<std::string, int64_t> lengths_from_value(const Value& v);
+
+// Export: the bear.snapshot/1 map of a snapshot without an in-flight batch, and of a config
+// (the fields a config map round-trips through).
+Value snapshot_to_value(const Snapshot& s);
+Value config_to_value(const Config& c);
 
 }  // namespace bea
