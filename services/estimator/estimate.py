@@ -2,7 +2,8 @@
 — no I/O, so the worker (``bear.estimate``) and ``bear eval`` run exactly this.
 
 Per candidate: a snapshot younger than ``max_age_s`` → BEA, the replay of vLLM's scheduler from
-that snapshot with the replay's inputs below; an older one, or none, from an instance that is
+that snapshot with the replay's inputs below; an older one, or none, or one whose delta chain broke
+(``resyncing``: never a BEA estimate from a state known to be behind), from an instance that is
 alive (a recent snapshot or registry heartbeat) → the analytic fallback (paper eq. 13-15); else
 down. Every row also carries the load counters of the snapshot held (for the load-based
 policies).
@@ -47,6 +48,8 @@ class EstimatorConfig:
     shard: int = 0  # the shard this worker serves (0 … shards − 1)
     default_deadline_s: float = 1.0
     snapshot_pending_msgs: int = 256
+    delta_pending_msgs: int = 65_536  # deltas are small; a slow consumer that drops one resyncs
+    resync_timeout_s: float = 1.0
     worker_name: str = ""
 
 
@@ -109,7 +112,7 @@ def plan(query: EstimateQuery, candidates: list[EstimateCandidate], store: State
             on_parse(parsed)
         age = st.age(now)
         row.age_s = age
-        if age is not None and age <= cfg.max_age_s:
+        if age is not None and age <= cfg.max_age_s and not st.gapped:
             st.apply_lengths()
             inputs = replay_inputs(st, now, cfg)
             row.ahead = len(inputs.ahead)
@@ -118,7 +121,7 @@ def plan(query: EstimateQuery, candidates: list[EstimateCandidate], store: State
         if not ((age is not None and age <= cfg.down_after_s) or now - st.registry_heartbeat <= cfg.down_after_s):
             continue
         row.stale, row.method = True, "analytic"
-        row.status = "no_snapshot" if age is None else "stale"
+        row.status = "resyncing" if st.gapped else "no_snapshot" if age is None else "stale"
         ttft = analytic_ttft(st, ptoks, now)
         row.ttft_s = ttft if math.isfinite(ttft) else None
         if not math.isfinite(ttft):

@@ -4,6 +4,7 @@ loop and HTTP server, shut down cleanly on SIGINT/SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import structlog
@@ -24,14 +25,15 @@ log = structlog.get_logger("bear.sim")
 async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, host: str = "127.0.0.1",
                 prefix: str = "bear", seed: int | None = None, base_url: str | None = None,
                 heartbeat_s: float = 0.5, min_interval_s: float = 0.0, output_lengths: str = "max",
-                ready: Any = None) -> None:
+                deltas: bool = True, full_every: int = 256, ready: Any = None) -> None:
     from aiohttp import web
 
 
     profile = load_profile(profile_name)
     subjects = Subjects(prefix)
     nc = await connect(nats_url, f"bear-sim-{instance}")
-    publisher = InstancePublisher(nc, instance, subjects, idle_snapshot_s=heartbeat_s, min_interval_s=min_interval_s)
+    publisher = InstancePublisher(nc, instance, subjects, idle_snapshot_s=heartbeat_s, min_interval_s=min_interval_s,
+                                  deltas=deltas, full_every=full_every, generation=time.time_ns())
     sim = SimEngine(profile, instance, publisher, seed=seed, lengths=OutputLengths.parse(output_lengths, seed))
     publisher.initial = lambda: sim.engine.snapshot(instance, profile.model, 0.0)
     runner = SimApi(sim).runner()

@@ -1,5 +1,6 @@
-"""The snapshotter process: reads the plugin's ring, publishes ``bear.snapshot.<id>`` and
-``bear.batches.<id>``, and keeps the instance's entry in the ``bear_instances`` KV bucket.
+"""The snapshotter process: reads the plugin's ring, publishes ``bear.delta.<id>``,
+``bear.snapshot.<id>`` and ``bear.batches.<id>`` (answering ``bear.resync.<id>``), and keeps the
+instance's entry in the ``bear_instances`` KV bucket.
 
 It never talks back to vLLM: whatever happens here (NATS down, slow consumers, a crash) the engine
 only keeps overwriting its ring. While NATS is unreachable snapshots are dropped (a stale snapshot
@@ -44,6 +45,8 @@ class SnapshotterConfig:
     price_output_per_mtok: float = 0.0
     prefix: str = "bear"
     min_interval_s: float = 0.0
+    deltas: bool = True  # publish bear.delta/1 every step (bear.delta.<id>)
+    full_every: int = 256  # a full bear.snapshot/1 every this many steps (1: every step; 0: only when needed)
     batch_flush_s: float = 0.2
     batch_buffer: int = 4096
     snapshot_buffer: int = 256
@@ -76,7 +79,8 @@ class Snapshotter:
             None, cfg.instance, self.subjects, min_interval_s=cfg.min_interval_s,
             idle_snapshot_s=cfg.idle_snapshot_s, snapshot_buffer=cfg.snapshot_buffer,
             batch_flush_s=cfg.batch_flush_s, batch_buffer=cfg.batch_buffer, metrics=self.metrics.publisher,
-            engine_alive=self._engine_alive, initial=self._empty_snapshot)
+            engine_alive=self._engine_alive, initial=self._empty_snapshot, deltas=cfg.deltas,
+            full_every=cfg.full_every)
         self.registration = Registration(
             None, instance_record(cfg.instance, cfg.model, cfg.base_url, gpu=cfg.gpu,
                                   price_input_per_mtok=cfg.price_input_per_mtok,
@@ -184,6 +188,7 @@ class Snapshotter:
         if self._reader is not None:
             self._reader.close()
         self._reader = reader
+        self.publisher.generation = reader.generation  # seq restarts with the engine: deltas never cross it
         self._meta = reader.meta()
         self._builder.reset()
         self._decoder = StepDecoder()

@@ -1,0 +1,44 @@
+"""The delta mirror against the full snapshots of the same states: shared by the tests that collect
+an instance's ``bear.delta.<id>`` and ``bear.snapshot.<id>`` streams (published with
+``full_every=1``, so that every state also goes out in full)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bear import libbea
+from bear.protocol.codec import unpack_map
+
+
+def check_mirror(fulls: list[bytes], deltas: list[bytes]) -> dict[str, Any]:
+    """Apply the deltas in arrival order in libbea, starting from the full snapshot of the state the
+    first one applies to (again after a chain break: a new engine generation), and compare the
+    mirror with the full snapshot of every state it reaches. Returns counts and the first
+    differences (empty when the mirror equals the full state at every step)."""
+    by_state: dict[tuple[int, int], bytes] = {}
+    for raw in fulls:
+        m = unpack_map(raw)
+        if not m.get("idle"):
+            by_state[(int(m.get("generation", 0)), int(m["seq"]))] = raw
+    mirror: Any = None
+    out: dict[str, Any] = {"deltas": len(deltas), "applied": 0, "compared": 0, "restarts": 0, "unchained": 0,
+                           "delta_bytes": sum(map(len, deltas)), "differences": []}
+    for raw in deltas:
+        d = libbea.Delta.from_msgpack(raw)
+        if mirror is None or (mirror.generation, mirror.seq) != (d.generation, d.base):
+            base = by_state.get((d.generation, d.base))
+            if base is None:
+                out["unchained"] += 1
+                mirror = None
+                continue
+            out["restarts"] += mirror is not None
+            mirror = libbea.Snapshot.from_msgpack(base)
+        mirror.apply_delta(d)
+        out["applied"] += 1
+        truth = by_state.get((d.generation, d.seq))
+        if truth is not None:
+            out["compared"] += 1
+            diff = libbea.snapshot_difference(mirror, libbea.Snapshot.from_msgpack(truth))
+            if diff is not None and len(out["differences"]) < 10:
+                out["differences"].append(f"seq {d.seq}: {diff}")
+    return out
