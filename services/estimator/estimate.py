@@ -75,13 +75,15 @@ def replay_inputs(st: InstanceState, now: float, cfg: EstimatorConfig) -> Replay
 
 @dataclass
 class Job:
-    """One BEA replay: the row it fills, the state it reads and the inputs."""
+    """One BEA replay: the row it fills, the state it reads (``snap``: the snapshot as planned, even if
+a newer one is installed while the replay runs off the loop) and the inputs."""
 
     row: EstimateRow
     state: InstanceState
     hit: int
     prompt_tokens: int
     inputs: ReplayInputs
+    snap: Any = None
 
 
 @dataclass
@@ -92,7 +94,7 @@ class Plan:
 
     @property
     def residents(self) -> int:
-        return sum(j.state.snap.n_running + j.state.snap.n_waiting for j in self.jobs)
+        return sum(j.snap.n_running + j.snap.n_waiting for j in self.jobs)
 
 
 def plan(query: EstimateQuery, candidates: list[EstimateCandidate], store: StateStore, now: float,
@@ -116,7 +118,7 @@ def plan(query: EstimateQuery, candidates: list[EstimateCandidate], store: State
             st.apply_lengths()
             inputs = replay_inputs(st, now, cfg)
             row.ahead = len(inputs.ahead)
-            p.jobs.append(Job(row, st, c.prefix_hit_tokens, ptoks, inputs))
+            p.jobs.append(Job(row, st, c.prefix_hit_tokens, ptoks, inputs, st.snap))
             continue
         if not ((age is not None and age <= cfg.down_after_s) or now - st.registry_heartbeat <= cfg.down_after_s):
             continue
@@ -145,7 +147,7 @@ def run_jobs(p: Plan, cfg: EstimatorConfig) -> list[tuple[float, int, str]]:
         jobs = [p.jobs[k] for k in ks]
         try:
             res = libbea.estimate_many(
-                [j.state.snap for j in jobs], qd, [j.inputs.beta for j in jobs],
+                [j.snap for j in jobs], qd, [j.inputs.beta for j in jobs],
                 default_output_tokens=cfg.default_output_tokens, overrun_fraction=cfg.overrun_fraction,
                 ages=[j.inputs.age_s for j in jobs], aheads=[j.inputs.ahead for j in jobs],
                 arrival_rates=[j.inputs.arrival_tokens_per_s for j in jobs])
@@ -158,7 +160,7 @@ def run_jobs(p: Plan, cfg: EstimatorConfig) -> list[tuple[float, int, str]]:
 
 def _one(j: Job, qd: dict[str, Any], cfg: EstimatorConfig) -> tuple[float, int, str]:
     try:
-        r = libbea.estimate(j.state.snap, qd, beta=j.inputs.beta, default_output_tokens=cfg.default_output_tokens,
+        r = libbea.estimate(j.snap, qd, beta=j.inputs.beta, default_output_tokens=cfg.default_output_tokens,
                             overrun_fraction=cfg.overrun_fraction, age_s=j.inputs.age_s, ahead=j.inputs.ahead,
                             arrival_tokens_per_s=j.inputs.arrival_tokens_per_s)
         return float(r["ttft_s"]), int(r["n_batches"]), str(r["status"])

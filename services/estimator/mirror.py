@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("bear.estimator")
 
 PENDING_DELTAS = 64  # deltas held while the state they apply to is on its way
-RESYNC_RETRY_S = 0.5  # a gapped instance is asked again at most this often
+RESYNC_RETRY_S = 0.5  # a gapped instance that stays gapped is asked again at most this often
 MAX_CLOCK_SKEW_S = 2.0  # a delta stamped further in the future than this is refused
 
 
@@ -63,12 +63,30 @@ class DeltaFeed:
 
 def offer_delta(st: InstanceState, data: bytes, now: float) -> str:
     """Take one ``bear.delta/1`` message for ``st``; what happened: applied, old, gap, malformed,
-    unreadable or future."""
+    unreadable, future, or held (a replay off the event loop reads the snapshot: the delta waits
+    until ``release``)."""
     try:
         d = libbea.Delta.from_msgpack(data)
     except ValueError:
         st.event("delta_unreadable")
         return "unreadable"
+    if st.in_use:
+        st.feed.pending.append(d)
+        return "held"
+    return _take(st, d, now)
+
+
+def release(st: InstanceState, now: float) -> None:
+    """The replays off the loop are done: take the deltas that waited for them."""
+    if st.in_use or not st.feed.pending:
+        return
+    held = list(st.feed.pending)
+    st.feed.pending.clear()
+    for d in held:
+        _take(st, d, now)
+
+
+def _take(st: InstanceState, d: Any, now: float) -> str:
     st.ensure_parsed()  # a full snapshot waiting to be parsed is the base of what follows
     feed = st.feed
     key = (int(d.generation), int(d.seq))
@@ -130,6 +148,7 @@ def catch_up(st: InstanceState, now: float) -> None:
     if snap is not None and (snap.generation, snap.seq) >= feed.newest:
         st.gapped = False
         feed.unfit = 0
+        feed.resync_asked = 0.0  # the next gap may ask at once
         feed.pending.clear()
 
 

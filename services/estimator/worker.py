@@ -22,6 +22,7 @@ import structlog
 
 from bear.estimator.estimate import EstimatorConfig, finish, plan, run_jobs
 from bear.estimator.metrics import metrics
+from bear.estimator.mirror import release
 from bear.estimator.state import StateStore
 from bear.protocol.deadline import Deadline
 from bear.protocol.errors import BearError, ErrorCode
@@ -240,6 +241,7 @@ class EstimatorWorker:
             finally:
                 for j in p.jobs:
                     j.state.in_use -= 1
+                    release(j.state, time.time())  # the deltas that arrived meanwhile
         else:
             results = run_jobs(p, self.cfg)
         rows = finish(p, results, self.cfg)

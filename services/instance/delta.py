@@ -9,13 +9,15 @@ exactly what it reads:
 1. ``removed`` (positions in the base state's running ++ waiting) leave, order kept;
 2. ``preempted`` (positions in running after 1) move to the front of waiting, in running order;
 3. ``added`` (full request maps) join the end of waiting;
-4. the first ``admitted`` of waiting move to the end of running;
+4. the first ``admitted`` of waiting move to the end of running (or, a list: those positions of
+   waiting, in that order); ``waiting_order`` (a permutation) reorders what is left (a priority
+   queue);
 5. ``advance`` ``[m, dc, do]``: the first ``m`` running get ``computed += dc``, ``output += do``;
 6. ``set``: rows of 8 integers ``pos, computed, output, blocks, exclusive, preemptions, prefix hit,
    placeholders`` give those fields of the resident at ``pos`` (in the new running ++ waiting).
 
-A change that these rules cannot express (a reordering no vLLM step makes, a static field that
-changed, another generation or config) gets no delta: the publisher sends the full state.
+A change that these rules cannot express (running requests reordered, a static field that changed,
+another generation or config) gets no delta: the publisher sends the full state.
 """
 
 from __future__ import annotations
@@ -61,16 +63,10 @@ def encode_delta(prev: dict[str, Any], cur: dict[str, Any]) -> dict[str, Any] | 
             pos += 1
     r0 = [r["id"] for r in old_r if r["id"] in new_ids] if removed else [r["id"] for r in old_r]
     w0 = [r["id"] for r in old_w if r["id"] in new_ids] if removed else [r["id"] for r in old_w]
-    # 2. preempted: the front of the new waiting queue that was running
+    # 2. preempted: requests that were running and now wait
     r0_pos = {rid: k for k, rid in enumerate(r0)}
-    preempted: list[int] = []
-    for r in new_w:
-        k = r0_pos.get(r["id"])
-        if k is None:
-            break
-        if preempted and k <= preempted[-1]:
-            return None  # not in running order
-        preempted.append(k)
+    new_w_ids = [r["id"] for r in new_w]
+    preempted = sorted(k for rid in new_w_ids if (k := r0_pos.get(rid)) is not None)
     if preempted:
         gone = set(preempted)
         q = [r0[k] for k in preempted] + w0
@@ -81,14 +77,29 @@ def encode_delta(prev: dict[str, Any], cur: dict[str, Any]) -> dict[str, Any] | 
     added = [r for r in new_r if r["id"] not in old_rows] + [r for r in new_w if r["id"] not in old_rows]
     if added:
         q = q + [r["id"] for r in added]
-    # 4. admissions: running = r1 + q[:k], waiting = q[k:]
-    k = len(new_r) - len(r1)
-    if k < 0 or len(q) - k != len(new_w):
-        return None
-    if [r["id"] for r in new_r] != r1 + q[:k] or [r["id"] for r in new_w] != q[k:]:
-        return None
-    # 5./6. field changes
+    # 4. admissions: running = r1 + the admitted, waiting = the rest of the queue (in its order, or
+    # in the order given: a priority queue)
+    new_r_ids = [r["id"] for r in new_r]
     m = len(r1)
+    if new_r_ids[:m] != r1:
+        return None
+    adm_ids = new_r_ids[m:]
+    admitted: int | list[int] = len(adm_ids)
+    rest = q[len(adm_ids):]
+    if q[:len(adm_ids)] != adm_ids:
+        q_pos = {rid: i for i, rid in enumerate(q)}
+        if any(rid not in q_pos for rid in adm_ids):
+            return None
+        admitted = [q_pos[rid] for rid in adm_ids]
+        taken = set(admitted)
+        rest = [rid for i, rid in enumerate(q) if i not in taken]
+    order: list[int] | None = None
+    if rest != new_w_ids:
+        rest_pos = {rid: i for i, rid in enumerate(rest)}
+        if len(rest) != len(new_w_ids) or any(rid not in rest_pos for rid in new_w_ids):
+            return None
+        order = [rest_pos[rid] for rid in new_w_ids]
+    # 5./6. field changes
     adv = (0, 0)
     if m:
         counts = Counter((r["computed_tokens"] - old_rows[r["id"]]["computed_tokens"],
@@ -119,8 +130,10 @@ def encode_delta(prev: dict[str, Any], cur: dict[str, Any]) -> dict[str, Any] | 
         d["preempted"] = preempted
     if added:
         d["added"] = added
-    if k:
-        d["admitted"] = k
+    if admitted:
+        d["admitted"] = admitted
+    if order is not None:
+        d["waiting_order"] = order
     if m and adv != (0, 0):
         d["advance"] = [m, adv[0], adv[1]]
     if sets:

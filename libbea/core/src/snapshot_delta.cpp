@@ -139,7 +139,34 @@ std::vector<std::string> apply_delta(Snapshot& s, ResidentIds& ids, const Value&
     }
   }
   const size_t w1 = preempted.size() + w0 + added.size();
-  const auto admitted = static_cast<size_t>(opt_int(v, "admitted", "delta.", 0, static_cast<int64_t>(w1), 0));
+  // admitted: the first k of the queue (an int), or queue positions in the order they join running
+  size_t admitted = 0;
+  std::vector<size_t> admitted_at;
+  if (const Value* a = v.get("admitted"); a != nullptr && a->type == Value::Type::Arr) {
+    std::vector<char> taken(w1, 0);
+    for (size_t k = 0; k < a->arr.size(); ++k) {
+      const std::string f = "delta.admitted[" + std::to_string(k) + "]";
+      const auto p = static_cast<size_t>(as_int(a->arr[k], f, 0, static_cast<int64_t>(w1) - 1));
+      if (taken[p]++) bad(f, "position admitted twice");
+      admitted_at.push_back(p);
+    }
+    admitted = admitted_at.size();
+  } else {
+    admitted = static_cast<size_t>(opt_int(v, "admitted", "delta.", 0, static_cast<int64_t>(w1), 0));
+  }
+  // waiting_order: the rest of the queue in a new order (a permutation), when not the queue's own
+  std::vector<size_t> order;
+  if (const Value* o = v.get("waiting_order"); o != nullptr && o->type != Value::Type::Nil) {
+    if (o->type != Value::Type::Arr || o->arr.size() != w1 - admitted)
+      bad("delta.waiting_order", "must be a permutation of the waiting queue");
+    std::vector<char> taken(w1 - admitted, 0);
+    for (size_t k = 0; k < o->arr.size(); ++k) {
+      const std::string f = "delta.waiting_order[" + std::to_string(k) + "]";
+      const auto p = static_cast<size_t>(as_int(o->arr[k], f, 0, static_cast<int64_t>(w1 - admitted) - 1));
+      if (taken[p]++) bad(f, "position given twice");
+      order.push_back(p);
+    }
+  }
   const size_t r_new = r0 - preempted.size() + admitted, n_new = n_old - removed.size() + added.size();
 
   int64_t adv_m = 0, adv_c = 0, adv_o = 0;
@@ -210,10 +237,20 @@ std::vector<std::string> apply_delta(Snapshot& s, ResidentIds& ids, const Value&
   }
   for (auto& r : added) ids.insert(r.id);
   s.waiting.insert(s.waiting.end(), std::make_move_iterator(added.begin()), std::make_move_iterator(added.end()));
-  if (admitted > 0) {
+  if (!admitted_at.empty()) {
+    for (size_t p : admitted_at) s.running.push_back(std::move(s.waiting[p]));
+    std::sort(admitted_at.begin(), admitted_at.end());
+    erase_sorted(s.waiting, admitted_at);
+  } else if (admitted > 0) {
     const auto end = s.waiting.begin() + static_cast<std::ptrdiff_t>(admitted);
     s.running.insert(s.running.end(), std::make_move_iterator(s.waiting.begin()), std::make_move_iterator(end));
     s.waiting.erase(s.waiting.begin(), end);
+  }
+  if (!order.empty()) {
+    std::vector<Request> rest;
+    rest.reserve(order.size());
+    for (size_t p : order) rest.push_back(std::move(s.waiting[p]));
+    s.waiting = std::move(rest);
   }
 
   // ---- field changes: the common advance, then the explicit rows; then check what changed ----
