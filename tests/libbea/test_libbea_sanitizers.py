@@ -18,6 +18,28 @@ import pytest
 from bea_helpers import decoding, req, snapshot
 
 
+def delta_chains() -> list[list[dict]]:
+    """[snapshot, delta, ...] inputs: the driver applies the deltas before the replay."""
+    from bear import libbea
+    from bear.instance.delta import encode_delta
+
+    eng = libbea.Engine({"max_num_batched_tokens": 256, "max_num_seqs": 8, "block_size": 16, "num_gpu_blocks": 60,
+                         "max_model_len": 2048})
+    rng = random.Random(5)
+    states = [eng.snapshot("i", "m", 0.0)]
+    for step in range(120):
+        if rng.random() < 0.3:
+            eng.add(f"r{step}", rng.randint(5, 300), rng.randint(1, 40), rng.randint(1, 40))
+        if eng.has_work and eng.step():
+            eng.finish_step()
+        states.append(eng.snapshot("i", "m", float(step)))
+    chains = []
+    for start in range(0, 110, 10):
+        ds = [encode_delta(a, b) for a, b in zip(states[start:start + 10], states[start + 1:start + 11], strict=True)]
+        chains.append([states[start], *[d for d in ds if d is not None]])
+    return chains
+
+
 @pytest.mark.slow
 def test_sanitized_fuzz(tmp_path: Path, sanitized_tool: Callable[[str], Path]) -> None:
     bea_check = sanitized_tool("bea_check")
@@ -29,6 +51,7 @@ def test_sanitized_fuzz(tmp_path: Path, sanitized_tool: Callable[[str], Path]) -
                  inflight={"started": 100.0, "items": [{"id": "A", "n": 1, "context": 15}]}),
         snapshot([], [req("W", 5000)], free=4, num_gpu_blocks=5, policy="priority"),
     ]
+    seeds += delta_chains()
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     n = 0
