@@ -32,15 +32,21 @@ const std::vector<Value>& int_list(const Value& v, const char* key) {
   return l->arr;
 }
 
+// An element of a delta's integer list, in [lo, hi]; the field is named only on an error.
+int64_t int_at(const Value& x, const char* list, size_t k, int64_t lo, int64_t hi) {
+  if (x.type == Value::Type::Int && x.i >= lo && x.i <= hi) return x.i;
+  return as_int(x, std::string("delta.") + list + "[" + std::to_string(k) + "]", lo, hi);
+}
+
 // Strictly ascending positions below `limit`.
 std::vector<size_t> positions(const Value& v, const char* key, size_t limit) {
   const auto& l = int_list(v, key);
   std::vector<size_t> out;
   out.reserve(l.size());
   for (size_t k = 0; k < l.size(); ++k) {
-    const std::string f = std::string("delta.") + key + "[" + std::to_string(k) + "]";
-    const auto p = static_cast<size_t>(as_int(l[k], f, 0, static_cast<int64_t>(limit) - 1));
-    if (!out.empty() && p <= out.back()) bad(f, "positions must be strictly ascending");
+    const auto p = static_cast<size_t>(int_at(l[k], key, k, 0, static_cast<int64_t>(limit) - 1));
+    if (!out.empty() && p <= out.back())
+      bad(std::string("delta.") + key + "[" + std::to_string(k) + "]", "positions must be strictly ascending");
     out.push_back(p);
   }
   return out;
@@ -65,16 +71,22 @@ void erase_sorted(std::vector<Request>& v, const std::vector<size_t>& pos, std::
 
 Request& at(Snapshot& s, size_t pos) { return pos < s.running.size() ? s.running[pos] : s.waiting[pos - s.running.size()]; }
 
-void check_row(const Request& r, const Config& cfg, size_t pos) {
-  const std::string p = "delta: resident " + std::to_string(pos) + " ('" + r.id + "') ";
-  if (r.output_tokens < 0 || r.output_tokens > kMaxTokens) refuse(p + "output_tokens out of range");
-  if (r.placeholders < 0 || r.placeholders > kMaxPlaceholders) refuse(p + "placeholders out of range");
+// The field of a changed resident that is out of its bounds, or nullptr.
+const char* bad_field(const Request& r, const Config& cfg) {
+  if (r.output_tokens < 0 || r.output_tokens > kMaxTokens) return "output_tokens";
+  if (r.placeholders < 0 || r.placeholders > kMaxPlaceholders) return "placeholders";
   if (r.computed_tokens < 0 || r.computed_tokens > r.prompt_tokens + r.output_tokens + r.placeholders)
-    refuse(p + "computed_tokens out of range");
-  if (r.blocks < 0 || r.blocks > cfg.num_gpu_blocks) refuse(p + "blocks out of range");
-  if (r.exclusive_blocks < 0 || r.exclusive_blocks > r.blocks) refuse(p + "exclusive_blocks out of range");
-  if (r.preemptions < 0 || r.preemptions > kMaxTokens) refuse(p + "preemptions out of range");
-  if (r.prefix_hit_tokens < 0 || r.prefix_hit_tokens > kMaxTokens) refuse(p + "prefix_hit_tokens out of range");
+    return "computed_tokens";
+  if (r.blocks < 0 || r.blocks > cfg.num_gpu_blocks) return "blocks";
+  if (r.exclusive_blocks < 0 || r.exclusive_blocks > r.blocks) return "exclusive_blocks";
+  if (r.preemptions < 0 || r.preemptions > kMaxTokens) return "preemptions";
+  if (r.prefix_hit_tokens < 0 || r.prefix_hit_tokens > kMaxTokens) return "prefix_hit_tokens";
+  return nullptr;
+}
+
+void check_row(const Request& r, const Config& cfg, size_t pos) {
+  if (const char* f = bad_field(r, cfg))
+    refuse("resident " + std::to_string(pos) + " ('" + r.id + "') " + f + " out of range");
 }
 
 }  // namespace
@@ -145,9 +157,8 @@ std::vector<std::string> apply_delta(Snapshot& s, ResidentIds& ids, const Value&
   if (const Value* a = v.get("admitted"); a != nullptr && a->type == Value::Type::Arr) {
     std::vector<char> taken(w1, 0);
     for (size_t k = 0; k < a->arr.size(); ++k) {
-      const std::string f = "delta.admitted[" + std::to_string(k) + "]";
-      const auto p = static_cast<size_t>(as_int(a->arr[k], f, 0, static_cast<int64_t>(w1) - 1));
-      if (taken[p]++) bad(f, "position admitted twice");
+      const auto p = static_cast<size_t>(int_at(a->arr[k], "admitted", k, 0, static_cast<int64_t>(w1) - 1));
+      if (taken[p]++) bad("delta.admitted[" + std::to_string(k) + "]", "position admitted twice");
       admitted_at.push_back(p);
     }
     admitted = admitted_at.size();
@@ -161,9 +172,9 @@ std::vector<std::string> apply_delta(Snapshot& s, ResidentIds& ids, const Value&
       bad("delta.waiting_order", "must be a permutation of the waiting queue");
     std::vector<char> taken(w1 - admitted, 0);
     for (size_t k = 0; k < o->arr.size(); ++k) {
-      const std::string f = "delta.waiting_order[" + std::to_string(k) + "]";
-      const auto p = static_cast<size_t>(as_int(o->arr[k], f, 0, static_cast<int64_t>(w1 - admitted) - 1));
-      if (taken[p]++) bad(f, "position given twice");
+      const auto p =
+          static_cast<size_t>(int_at(o->arr[k], "waiting_order", k, 0, static_cast<int64_t>(w1 - admitted) - 1));
+      if (taken[p]++) bad("delta.waiting_order[" + std::to_string(k) + "]", "position given twice");
       order.push_back(p);
     }
   }
@@ -181,8 +192,7 @@ std::vector<std::string> apply_delta(Snapshot& s, ResidentIds& ids, const Value&
   std::vector<int64_t> set_vals(sets.size());
   for (size_t k = 0; k < sets.size(); ++k) {
     const bool is_pos = k % kSetWidth == 0;
-    set_vals[k] = as_int(sets[k], "delta.set[" + std::to_string(k) + "]", is_pos ? 0 : -kMaxTokens,
-                         is_pos ? static_cast<int64_t>(n_new) - 1 : kMaxTokens);
+    set_vals[k] = int_at(sets[k], "set", k, is_pos ? 0 : -kMaxTokens, is_pos ? static_cast<int64_t>(n_new) - 1 : kMaxTokens);
   }
   const int64_t free_blocks = int_field(v, "free_blocks", "delta.", 0, cfg.num_gpu_blocks);
 
@@ -204,10 +214,10 @@ std::vector<std::string> apply_delta(Snapshot& s, ResidentIds& ids, const Value&
     const auto& items = int_list(*f, "items");
     if (items.size() % 3 != 0) bad("delta.inflight.items", "must hold rows of 3 integers");
     for (size_t k = 0; k < items.size(); k += 3) {
-      const std::string p = "delta.inflight.items[" + std::to_string(k) + "]";
-      const int64_t ref = as_int(items[k], p, -static_cast<int64_t>(orphans.size()), static_cast<int64_t>(n_new) - 1);
-      const int64_t n = as_int(items[k + 1], p, 1, kMaxTokens);
-      const int64_t ctx = as_int(items[k + 2], p, 0, kMaxTokens);
+      const int64_t ref =
+          int_at(items[k], "inflight.items", k, -static_cast<int64_t>(orphans.size()), static_cast<int64_t>(n_new) - 1);
+      const int64_t n = int_at(items[k + 1], "inflight.items", k + 1, 1, kMaxTokens);
+      const int64_t ctx = int_at(items[k + 2], "inflight.items", k + 2, 0, kMaxTokens);
       inflight_refs.push_back({ref, {n, ctx}});
     }
     fl.items.reserve(inflight_refs.size());
