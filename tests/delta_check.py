@@ -15,18 +15,17 @@ def check_mirror(fulls: list[bytes], deltas: list[bytes]) -> dict[str, Any]:
     first one applies to (again after a chain break: a new engine generation), and compare the
     mirror with the full snapshot of every state it reaches. Returns counts and the first
     differences (empty when the mirror equals the full state at every step)."""
-    by_state: dict[tuple[int, int], bytes] = {}
+    by_state: dict[tuple[int, int, float], bytes] = {}  # (generation, seq, time) names one state
     for raw in fulls:
         m = unpack_map(raw)
-        if not m.get("idle"):
-            by_state[(int(m.get("generation", 0)), int(m["seq"]))] = raw
+        by_state[(int(m.get("generation", 0)), int(m["seq"]), float(m["time"]))] = raw
     mirror: Any = None
     out: dict[str, Any] = {"deltas": len(deltas), "applied": 0, "compared": 0, "restarts": 0, "unchained": 0,
                            "delta_bytes": sum(map(len, deltas)), "differences": []}
     for raw in deltas:
         d = libbea.Delta.from_msgpack(raw)
-        if mirror is None or (mirror.generation, mirror.seq) != (d.generation, d.base):
-            base = by_state.get((d.generation, d.base))
+        if mirror is None or (mirror.generation, mirror.seq, mirror.time) != (d.generation, d.base, d.base_time):
+            base = by_state.get((d.generation, d.base, d.base_time))
             if base is None:
                 out["unchained"] += 1
                 mirror = None
@@ -35,7 +34,7 @@ def check_mirror(fulls: list[bytes], deltas: list[bytes]) -> dict[str, Any]:
             mirror = libbea.Snapshot.from_msgpack(base)
         mirror.apply_delta(d)
         out["applied"] += 1
-        truth = by_state.get((d.generation, d.seq))
+        truth = by_state.get((d.generation, d.seq, d.time))
         if truth is not None:
             out["compared"] += 1
             diff = libbea.snapshot_difference(mirror, libbea.Snapshot.from_msgpack(truth))

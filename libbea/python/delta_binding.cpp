@@ -69,6 +69,8 @@ void bind_delta(py::module_& m) {
       .def_property_readonly("instance", [](const PyDelta& d) { return d.header.instance; })
       .def_property_readonly("generation", [](const PyDelta& d) { return d.header.generation; })
       .def_property_readonly("base", [](const PyDelta& d) { return d.header.base; }, "seq of the state it applies to")
+      .def_property_readonly("base_time", [](const PyDelta& d) { return d.header.base_time; },
+                             "capture time of the state it applies to")
       .def_property_readonly("seq", [](const PyDelta& d) { return d.header.seq; }, "seq of the state it makes")
       .def_property_readonly("time", [](const PyDelta& d) { return d.header.time; })
       .def_property_readonly("idle", [](const PyDelta& d) { return d.header.idle; })
@@ -82,7 +84,7 @@ void bind_delta(py::module_& m) {
       py::name("apply_delta"), py::is_method(cls), py::arg("delta"), py::arg("lengths") = py::none(),
       "Apply a Delta in place; returns the ids of the requests that arrived (their predicted lengths are\n"
       "looked up in `lengths`, a dict {id: tokens}). ValueError when the delta is for another state\n"
-      "(generation or base seq differ: nothing changed) or is malformed (the snapshot is then `broken`).");
+      "(generation, base seq or base time differ: nothing changed) or is malformed (the snapshot is then `broken`).");
 
   m.def(
       "snapshot_difference",

@@ -40,11 +40,11 @@ class PySnapshot {
     return prep_;
   }
   // Apply a bear.delta/1 in place (bea/core/snapshot_delta.h): the arrivals' ids. A delta for
-  // another state throws and changes nothing; a malformed one throws and leaves the snapshot
+  // another state (generation, seq, time) throws and changes nothing; a malformed one throws and leaves the snapshot
   // broken (never estimated again).
   std::vector<std::string> apply_delta(const bea::Value& v, const bea::DeltaHeader& h, const bea::LengthLookup& lookup) {
     if (broken_) throw std::invalid_argument("snapshot: a delta failed to apply to it; its state is unknown");
-    if (h.generation != snap_.generation || h.base != snap_.seq)
+    if (h.generation != snap_.generation || h.base != snap_.seq || h.base_time != snap_.time)
       return bea::apply_delta(snap_, resident_ids_, v, h);  // throws before changing anything
     if (!have_ids_) {
       resident_ids_ = bea::resident_ids(snap_);

@@ -2,8 +2,9 @@
 libbea snapshot in C++ on the worker's event loop (no Python object per resident), with gap
 detection, reordering and the need for a resync (docs/estimator.md, "Ingest").
 
-* A delta applies when the state held is the one it names (generation, base seq): libbea changes
-  the snapshot in place; the arrivals get their predicted lengths from the router's dispatches.
+* A delta applies when the state held is the one it names (generation, base seq and that state's
+  capture time: an engine's initial state and its first step share seq 0): libbea changes the
+  snapshot in place; the arrivals get their predicted lengths from the router's dispatches.
 * A delta for a state already passed (same generation, seq at most the one held) is old: ignored.
 * Any other delta — another base, another generation, no state held — is a gap: the state is
   *gapped* (no BEA estimate from it: the worker answers ``resyncing`` from the analytic
@@ -98,7 +99,7 @@ def _take(st: InstanceState, d: Any, now: float) -> str:
         return "future"
     snap = st.snap
     if snap is not None and d.generation == snap.generation:
-        if d.base == snap.seq:
+        if d.base == snap.seq and d.base_time == snap.time:
             out = _apply(st, d, now)
             if out == "applied":
                 catch_up(st, now)
@@ -137,7 +138,7 @@ def catch_up(st: InstanceState, now: float) -> None:
         gen, seq = snap.generation, snap.seq
         nxt = None
         for d in feed.pending:
-            if d.generation == gen and d.base == seq:
+            if d.generation == gen and d.base == seq and d.base_time == snap.time:
                 nxt = d
                 break
         feed.pending = deque((d for d in feed.pending if d is not nxt and (d.generation != gen or d.seq > seq)),

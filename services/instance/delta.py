@@ -43,8 +43,8 @@ def _static(r: dict[str, Any]) -> tuple[Any, ...]:
 def encode_delta(prev: dict[str, Any], cur: dict[str, Any]) -> dict[str, Any] | None:
     """The ``bear.delta/1`` map that turns state ``prev`` into ``cur`` (both ``bear.snapshot/1``
     maps), or None when the rules above cannot express the change."""
-    if prev.get("generation", 0) != cur.get("generation", 0) or cur["seq"] < prev["seq"]:
-        return None
+    if prev.get("generation", 0) != cur.get("generation", 0) or cur["seq"] <= prev["seq"]:
+        return None  # another engine, or a state that is not a later step (an engine's initial state)
     if prev["config"] is not cur["config"] and prev["config"] != cur["config"]:
         return None
     old_r, old_w = prev["running"], prev["waiting"]
@@ -122,7 +122,8 @@ def encode_delta(prev: dict[str, Any], cur: dict[str, Any]) -> dict[str, Any] | 
             sets.append(p)
             sets.extend(now)
     d: dict[str, Any] = {"v": DELTA_SCHEMA, "instance": cur.get("instance", ""),
-                         "generation": cur.get("generation", 0), "base": prev["seq"], "seq": cur["seq"],
+                         "generation": cur.get("generation", 0), "base": prev["seq"],
+                         "base_time": prev.get("time", 0.0), "seq": cur["seq"],
                          "time": cur["time"], "free_blocks": cur["free_blocks"]}
     if removed:
         d["removed"] = removed

@@ -45,14 +45,20 @@ class Instance:
         return dict(self.engine.snapshot("i", "m", self.t), generation=self.generation)
 
     def step(self) -> dict[str, Any]:
-        rng = self.rng
-        for _ in range(rng.choice([0, 0, 0, 1, 2])):
-            self.n += 1
-            self.engine.add(f"r{self.n}", rng.randint(10, 1500), rng.randint(1, 80), rng.randint(1, 80), self.t)
-        if self.engine.has_work and self.engine.step():
-            self.engine.finish_step()
-        self.t += 0.01
-        return self.state()
+        """The state after the next engine step (a publisher sends one per step; idle time passes
+        without one)."""
+        rng, e = self.rng, self.engine
+        seq = e.seq
+        for _ in range(1000):
+            for _ in range(rng.choice([0, 0, 0, 1, 2]) if e.has_work else 1):
+                self.n += 1
+                e.add(f"r{self.n}", rng.randint(10, 1500), rng.randint(1, 80), rng.randint(1, 80), self.t)
+            if e.step():
+                e.finish_step()
+            self.t += 0.01
+            if e.seq != seq:
+                return self.state()
+        raise AssertionError("the engine does not step")
 
 
 def chain(inst: Instance, steps: int) -> tuple[dict[str, Any], list[tuple[dict[str, Any], bytes]]]:
@@ -146,7 +152,9 @@ def test_malformed_delta_drops_the_state_and_a_new_generation_resyncs() -> None:
     st.offer_snapshot(pack(steps[0][0]), now)
     assert st.ensure_parsed() and not st.gapped
     # the engine restarted: its deltas name another generation
-    first2, steps2 = chain(Instance(seed=5, generation=12), 3)
+    restarted = Instance(seed=5, generation=12)
+    restarted.t = steps[-1][0]["time"] + 1.0  # it started after the old engine's last step
+    first2, steps2 = chain(restarted, 3)
     assert st.offer_delta(steps2[0][1], now) == "gap" and st.gapped
     st.offer_snapshot(pack(first2), now)
     assert st.ensure_parsed() and not st.gapped and same(st, steps2[0][0])

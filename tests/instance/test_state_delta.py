@@ -36,7 +36,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def engine_states(config: str, steps: int, seed: int, generation: int = 7) -> list[dict[str, Any]]:
-    """The published state after every step of a random workload (bursts, aborts, idle gaps)."""
+    """The initial state and the published state after every step of a random workload (bursts,
+    aborts, idle gaps)."""
     rng = random.Random(seed)
     cfg = {**BASE, **CONFIGS[config]}
     e = libbea.Engine(cfg)
@@ -52,7 +53,8 @@ def engine_states(config: str, steps: int, seed: int, generation: int = 7) -> li
             e.abort(f"r{rng.randint(1, n)}")
         if e.has_work and e.step():
             e.finish_step()
-        out.append(dict(e.snapshot("i", "m", 0.5 * step), generation=generation))
+        if e.seq != out[-1]["seq"]:  # a publisher sends a state after each step (aborts show in the next)
+            out.append(dict(e.snapshot("i", "m", 0.5 * step), generation=generation))
     return out
 
 
@@ -119,6 +121,23 @@ def test_async_states_with_inflight_batch_and_placeholders() -> None:
     assert res["deltas"] == len(states) - 1
 
 
+def test_a_state_is_named_by_generation_seq_and_time() -> None:
+    """An engine's initial (empty) state and its first step share seq 0: a delta names its base by
+    capture time too, so it never applies to the other one; and a step that does not advance seq
+    gets no delta."""
+    states = engine_states("fcfs", 20, seed=8)
+    initial, first, second = states[0], states[1], states[2]
+    assert encode_delta(initial, dict(first, seq=initial["seq"])) is None
+    d = libbea.Delta.from_msgpack(pack(encode_delta(first, second)))
+    other = libbea.Snapshot.from_dict(dict(first, time=first["time"] + 0.5))  # same seq, another state
+    with pytest.raises(ValueError, match="another time"):
+        other.apply_delta(d)
+    assert not other.broken
+    mine = libbea.Snapshot.from_dict(first)
+    mine.apply_delta(d)
+    assert libbea.snapshot_difference(mine, libbea.Snapshot.from_dict(second)) is None
+
+
 def test_a_static_field_or_an_unknown_order_gets_a_full_snapshot() -> None:
     states = engine_states("fcfs", 80, seed=3)
     prev, cur = states[-2], states[-1]
@@ -159,7 +178,7 @@ def _mutate(rng: random.Random, d: dict[str, Any]) -> dict[str, Any]:
 def test_malformed_deltas_are_refused_and_break_only_the_mirror() -> None:
     """Random corruptions of a real delta: libbea applies it or raises ValueError (never a crash);
     a refused body marks the snapshot broken (no estimate from it); a delta for another state
-    (generation, base) changes nothing."""
+    (generation, base seq and time) changes nothing."""
     base, good = _valid_pair()
     rng = random.Random(0)
     query = {"prompt_tokens": 100, "max_tokens": 10}
@@ -178,7 +197,7 @@ def test_malformed_deltas_are_refused_and_break_only_the_mirror() -> None:
             libbea.estimate(snap, query)  # whatever it applied is a valid state
         except ValueError:
             outcomes["refused"] += 1
-            if delta.base == snap.seq and delta.generation == snap.generation:
+            if (delta.base, delta.base_time, delta.generation) == (snap.seq, snap.time, snap.generation):
                 assert snap.broken
                 with pytest.raises(ValueError, match="delta failed"):
                     libbea.estimate(snap, query)
@@ -187,7 +206,9 @@ def test_malformed_deltas_are_refused_and_break_only_the_mirror() -> None:
                     snap, libbea.Snapshot.from_msgpack(base)) is None
     assert outcomes["refused"] > 1000 and outcomes["applied"] > 100, outcomes
     for bad in (b"", b"\x81", pack([1, 2]), pack({"v": "bear.snapshot/1", "seq": 1, "base": 0}),
-                pack({"v": DELTA_SCHEMA, "seq": 1}), pack({"v": DELTA_SCHEMA, "seq": 1, "base": 2})):
+                pack({"v": DELTA_SCHEMA, "seq": 1}), pack({"v": DELTA_SCHEMA, "seq": 1, "base": 2, "base_time": 0}),
+                pack({"v": DELTA_SCHEMA, "seq": 1, "base": 1, "base_time": 0}),
+                pack({"v": DELTA_SCHEMA, "seq": 2, "base": 1})):
         with pytest.raises(ValueError):
             libbea.Delta.from_msgpack(bad)
 
@@ -208,7 +229,7 @@ def test_duplicate_arrival_ids_are_refused() -> None:
 
 
 def test_stream_full_every_n_and_on_request() -> None:
-    states = engine_states("fcfs", 40, seed=2)
+    states = engine_states("fcfs", 60, seed=2)
     s = StateStream(deltas=True, full_every=10)
     kinds = []
     for k, st in enumerate(states):
@@ -216,8 +237,9 @@ def test_stream_full_every_n_and_on_request() -> None:
             s.want_full()
         full, delta = s.encode(st)
         kinds.append(("F" if full else "") + ("D" if delta else ""))
-    assert kinds[0] == "F" and kinds[10] == "FD" and kinds[20] == "FD" and kinds[25] == "FD"
-    assert kinds.count("D") == len(states) - 5, kinds
+    fulls = [0, 10, 20, 25, *range(35, len(states), 10)]  # every 10 states, restarted by a request
+    assert len(states) > 36 and [k for k, kind in enumerate(kinds) if kind != "D"] == fulls, kinds
+    assert kinds[0] == "F" and {kinds[k] for k in fulls[1:]} == {"FD"}, kinds
     assert [k for k in StateStream(deltas=False).encode(states[1])] [1] is None
 
 

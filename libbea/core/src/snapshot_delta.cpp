@@ -100,8 +100,10 @@ DeltaHeader delta_header(const Value& v) {
   DeltaHeader h;
   h.instance = opt_str(v, "instance", "", "");
   h.generation = opt_int(v, "generation", "", 0, INT64_MAX, 0);
-  h.base = int_field(v, "base", "", 0, INT64_MAX);
-  h.seq = int_field(v, "seq", "", h.base, INT64_MAX);
+  h.base = int_field(v, "base", "", 0, INT64_MAX - 1);
+  h.seq = int_field(v, "seq", "", h.base + 1, INT64_MAX);
+  if (v.get("base_time") == nullptr) bad("base_time", "missing");
+  h.base_time = opt_double(v, "base_time", "", 0.0);
   h.time = opt_double(v, "time", "", 0.0);
   h.idle = opt_bool(v, "idle", "", false);
   return h;
@@ -121,6 +123,7 @@ std::vector<std::string> apply_delta(Snapshot& s, ResidentIds& ids, const Value&
     refuse("generation " + std::to_string(h.generation) + " does not match the state's " + std::to_string(s.generation));
   if (h.base != s.seq)
     refuse("applies to seq " + std::to_string(h.base) + ", the state is at seq " + std::to_string(s.seq));
+  if (h.base_time != s.time) refuse("applies to the state captured at another time");
   const Config& cfg = s.config;
 
   // ---- validate the body against the state's shape (nothing changes until this is done) ----

@@ -19,8 +19,9 @@ namespace bea {
 struct DeltaHeader {
   std::string instance;
   int64_t generation = 0;
-  int64_t base = 0;  // seq of the state it applies to
-  int64_t seq = 0;   // seq of the state it makes (>= base)
+  int64_t base = 0;        // seq of the state it applies to
+  double base_time = 0.0;  // and that state's capture time: (generation, seq, time) names one state
+  int64_t seq = 0;         // seq of the state it makes (> base)
   double time = 0.0;
   bool idle = false;
 };
@@ -39,7 +40,7 @@ using LengthLookup = std::function<int64_t(const std::string&)>;
 
 // Apply delta `v` (header `h`, from delta_header(v)) to `s`, whose resident ids are `ids`; returns
 // the ids of the arrivals. Throws std::invalid_argument when the delta does not apply to `s`
-// (generation or base seq differ: `s` is untouched) or when its body is malformed or inconsistent
+// (generation, base seq or base time differ: `s` is untouched) or when its body is malformed or inconsistent
 // with `s`; in the latter case `s` and `ids` may be partly updated (still memory-safe) and must be
 // discarded: the state is unknown, exactly as if the delta had been lost.
 std::vector<std::string> apply_delta(Snapshot& s, ResidentIds& ids, const Value& v, const DeltaHeader& h,
