@@ -10,11 +10,13 @@ from bear import libbea
 from bear.protocol.codec import unpack_map
 
 
-def check_mirror(fulls: list[bytes], deltas: list[bytes]) -> dict[str, Any]:
+def check_mirror(fulls: list[bytes], deltas: list[bytes], final: bytes | None = None) -> dict[str, Any]:
     """Apply the deltas in arrival order in libbea, starting from the full snapshot of the state the
     first one applies to (again after a chain break: a new engine generation), and compare the
     mirror with the full snapshot of every state it reaches. Returns counts and the first
-    differences (empty when the mirror equals the full state at every step)."""
+    differences (empty when the mirror equals the full state at every step); with ``final`` (a full
+    snapshot of the newest state, e.g. a resync answer), the mirror at the end is compared with it
+    too, capture time aside (an idle re-send refreshes it)."""
     by_state: dict[tuple[int, int, float], bytes] = {}  # (generation, seq, time) names one state
     for raw in fulls:
         m = unpack_map(raw)
@@ -40,4 +42,10 @@ def check_mirror(fulls: list[bytes], deltas: list[bytes]) -> dict[str, Any]:
             diff = libbea.snapshot_difference(mirror, libbea.Snapshot.from_msgpack(truth))
             if diff is not None and len(out["differences"]) < 10:
                 out["differences"].append(f"seq {d.seq}: {diff}")
+    if final is not None:
+        truth = libbea.Snapshot.from_msgpack(final)
+        if mirror is None or (mirror.generation, mirror.seq) != (truth.generation, truth.seq):
+            out["differences"].append(f"final: the mirror is not at seq {truth.seq}")
+        elif (diff := libbea.snapshot_difference(mirror, truth, compare_time=False)) is not None:
+            out["differences"].append(f"final seq {truth.seq}: {diff}")
     return out
