@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import structlog
 
@@ -21,6 +23,8 @@ from bear.runtime.kv import watch_kv
 from bear.runtime.shutdown import cancel_all
 
 log = structlog.get_logger("bear.router")
+
+MAX_INSTANCES = 1024  # registry entries a router follows; more are refused (counted), not grown into
 
 @dataclass
 class InstanceInfo:
@@ -38,6 +42,7 @@ class InstanceInfo:
     calibration: Calibration = NOMINAL_CALIBRATION  # θ for eq. 8 and SCORE (the calibrator's)
     obs: Observations = field(default_factory=Observations)
     failed_until: float = 0.0  # this router saw a connection failure: avoid until then (monotonic)
+    max_model_len: int | None = None  # the engine's context (its registered config), when known
 
     def healthy(self, now: float, down_after_s: float) -> bool:
         return (bool(self.base_url) and self.status == "up" and now - self.heartbeat <= down_after_s
@@ -50,19 +55,55 @@ def predictor_name(model: str, aliases: dict[str, str]) -> str:
     return aliases.get(model) or model.rsplit("/", 1)[-1]
 
 
+def url_allowed(url: str, allowed: tuple[str, ...]) -> bool:
+    """Whether ``url`` lies under one of the ``allowed`` base URLs (same scheme and host, the same
+    port where one is given, a path below it); an empty list allows every URL."""
+    if not allowed:
+        return True
+    try:
+        u = urlsplit(url)
+        for a in allowed:
+            p = urlsplit(a)
+            if (u.scheme, u.hostname) == (p.scheme, p.hostname) and (p.port is None or u.port == p.port) \
+                    and u.path.startswith(p.path.rstrip("/")):
+                return True
+    except ValueError:
+        return False
+    return False
+
+
 class Registry:
-    """Watches the buckets and outcome events; ``healthy()`` is the candidate list of a query."""
+    """Watches the buckets and outcome events; ``healthy()`` is the candidate list of a query.
+
+    An entry is taken only when its record names the key it is stored under (with NATS
+    authorization on, only that instance's identity can write the key: bear.runtime.nats_auth)
+    and its base URL is under ``allowed_base_urls`` (when given). At most ``max_instances``
+    instances are followed; calibrations of instances not registered (yet) wait in a bounded
+    buffer of the same size. What is refused is counted (``rejected``), never raised."""
 
     def __init__(self, nc: Any, subjects: Subjects, *, down_after_s: float = 10.0,
-                 aliases: dict[str, str] | None = None) -> None:
+                 aliases: dict[str, str] | None = None, allowed_base_urls: tuple[str, ...] = (),
+                 max_instances: int = MAX_INSTANCES) -> None:
         self.nc = nc
         self.subjects = subjects
         self.down_after_s = down_after_s
         self.aliases = aliases or {}
+        self.allowed_base_urls = allowed_base_urls
+        self.max_instances = max_instances
         self.instances: dict[str, InstanceInfo] = {}
+        self._calibrations: OrderedDict[str, Calibration] = OrderedDict()  # of instances not registered
+        self.rejected: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._sub: Any = None
         self.loaded = asyncio.Event()
+
+    def _reject(self, reason: str, key: str, detail: str = "") -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        with contextlib.suppress(Exception):
+            from bear.router.outcomes import metrics
+
+            metrics().registry_rejected.labels(reason=reason).inc()
+        log.warning("registry entry refused", reason=reason, key=key[:128], detail=detail[:200])
 
     def get(self, instance: str) -> InstanceInfo:
         info = self.instances.get(instance)
@@ -103,9 +144,20 @@ class Registry:
         try:
             rec = decode(InstanceRecord, value)
         except BearError as exc:
-            log.warning("malformed registry entry ignored", instance=key, error=exc.message)
+            self._reject("malformed", key, exc.message)
             return
-        info = self.get(key)
+        if rec.id != key:
+            self._reject("id_mismatch", key, f"record names {rec.id!r}")
+            return
+        if not url_allowed(rec.base_url, self.allowed_base_urls):
+            self._reject("base_url", key, rec.base_url)
+            return
+        info = self.instances.get(key)
+        if info is None:
+            if len(self.instances) >= self.max_instances:
+                self._reject("full", key)
+                return
+            info = self.instances[key] = InstanceInfo(key, calibration=self._calibrations.pop(key, NOMINAL_CALIBRATION))
         info.model = rec.model
         info.base_url = rec.base_url.rstrip("/")
         info.price_in = rec.prices.input_per_mtok
@@ -114,16 +166,28 @@ class Registry:
         info.status = rec.status
         info.backend = rec.backend
         info.predictor_model = rec.predictor_model or predictor_name(rec.model, self.aliases)
+        mml = (rec.config or {}).get("max_model_len")
+        info.max_model_len = mml if isinstance(mml, int) and not isinstance(mml, bool) and mml > 0 else None
 
     def _on_calibration(self, key: str, value: bytes | None) -> None:
-        info = self.get(key)
+        info = self.instances.get(key)
         if value is None:
-            info.calibration = NOMINAL_CALIBRATION
+            self._calibrations.pop(key, None)
+            if info is not None:
+                info.calibration = NOMINAL_CALIBRATION
             return
         try:
-            info.calibration = decode(Calibration, value)
-        except BearError:
-            pass
+            cal = decode(Calibration, value)
+        except BearError as exc:
+            self._reject("malformed_calibration", key, exc.message)
+            return
+        if info is not None:
+            info.calibration = cal
+            return
+        self._calibrations[key] = cal
+        self._calibrations.move_to_end(key)
+        while len(self._calibrations) > self.max_instances:
+            self._calibrations.popitem(last=False)
 
     async def _on_outcome(self, msg: Any) -> None:
         try:

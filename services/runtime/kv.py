@@ -10,7 +10,6 @@ from typing import Any
 
 from nats.errors import TimeoutError as NatsTimeout
 
-
 DEDUP_TTL_S = 600.0  # how long a claimed query id is remembered (bear.router.dedup)
 
 
