@@ -89,7 +89,11 @@ class InstanceState:
         self.lengths_dirty = True
         return True
 
-    def on_dispatch(self, d: Dispatch) -> None:
+    def on_dispatch(self, d: Dispatch, now: float | None = None) -> bool:
+        """Take one dispatch; False (refused) when it is stamped more than MAX_CLOCK_SKEW_S after
+        ``now``: it would sort after every real dispatch and stay "ahead" of each new query."""
+        if now is not None and d.t > now + MAX_CLOCK_SKEW_S:
+            return False
         self.lengths[d.request_id] = d.predicted_output_tokens
         self.lengths.move_to_end(d.request_id)
         while len(self.lengths) > MAX_LENGTHS_PER_INSTANCE:
@@ -102,6 +106,7 @@ class InstanceState:
             self.dispatches.popleft()
         self.mean_prompt = _ewma(self.mean_prompt, float(d.prompt_tokens))
         self.mean_output = _ewma(self.mean_output, float(d.predicted_output_tokens))
+        return True
 
     def apply_lengths(self) -> None:
         """Hand the predicted lengths of the snapshot's residents to libbea (once per change, and

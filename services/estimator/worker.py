@@ -119,7 +119,8 @@ class EstimatorWorker:
         except BearError:
             self.m.dispatch_malformed.inc()
             return
-        self.store.get(Subjects.instance_of(msg.subject)).on_dispatch(d)
+        if not self.store.get(Subjects.instance_of(msg.subject)).on_dispatch(d, time.time()):
+            self.m.dispatch_malformed.inc()
 
     def _on_calibration(self, key: str, value: bytes | None) -> None:
         st = self.store.get(key)
