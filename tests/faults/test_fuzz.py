@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import nats
 import pytest
-from aiohttp import web
+from fakes import FakeEngine
 from fuzz import hostile, kv_key
 
 from bear import libbea
@@ -43,7 +43,7 @@ from bear.protocol.messages import Calibration, Dispatch, EstimateRequest, Insta
 from bear.protocol.subjects import Subjects
 from bear.router.service import RouterConfig, RouterService
 from bear.runtime.kv import ensure_kv
-from bear.runtime.nats_server import LocalNatsServer, free_port
+from bear.runtime.nats_server import LocalNatsServer
 from bear.sim.profile import load_profile
 
 S = Subjects()
@@ -51,36 +51,6 @@ N = 2000  # messages per subject and per bucket
 REAL = {"good-a": "Qwen/Qwen3-8B", "good-b": "Qwen/Qwen3-0.6B"}
 CODES = {str(c) for c in ErrorCode}
 BETA = (3e-3, 2e-5, 5e-8, 4e-9)
-
-
-class FakeEngine:
-    """An OpenAI streaming endpoint that answers every request with three tokens."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.runner: web.AppRunner | None = None
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        with contextlib.suppress(Exception):
-            await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for k in range(3):
-            await resp.write(f"data: {json.dumps({'choices': [{'text': f't{k} ', 'finish_reason': None}]})}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
-    async def start(self) -> None:
-        app = web.Application(client_max_size=8 << 20)
-        app.router.add_post("/v1/completions", self.handle)
-        app.router.add_post("/v1/chat/completions", self.handle)
-        self.runner = web.AppRunner(app, access_log=None)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
 
 
 def snapshot(instance: str, at: float) -> dict[str, Any]:
