@@ -63,12 +63,20 @@ def _engine_keys(path: Path | None) -> dict[str, str]:
 
 
 def _base_urls(raw: list[str]) -> list[str]:
+    import ipaddress
     from urllib.parse import urlsplit
 
     for u in raw:
+        if "://" not in u:
+            try:
+                ipaddress.ip_network(u, strict=False)
+                continue
+            except ValueError:
+                pass
         parts = urlsplit(u)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise typer.BadParameter(f"expected http(s)://HOST[:PORT][/PATH], got {u!r}", param_hint="--allow-base-url")
+            raise typer.BadParameter(f"expected http(s)://HOST[:PORT][/PATH] or a network (10.0.0.0/8), got {u!r}",
+                                     param_hint="--allow-base-url")
     return raw
 
 
@@ -94,7 +102,8 @@ def router(
              "(bear up writes one per run)"),
     allow_base_url: list[str] = typer.Option(
         [], "--allow-base-url", help="Route only to instances whose registered base URL is under this one "
-                                     "(scheme, host, optional port and path; repeatable); default: any"),
+                                     "(scheme, host, optional port and path) or whose host is an address in this "
+                                     "network (e.g. 10.0.0.0/8); repeatable; default: any"),
     estimator_shards: int = typer.Option(1, "--estimator-shards", min=1,
                                          help="Estimator shards of the deployment (the workers' --shards)"),
     down_after: float = typer.Option(10.0, "--down-after", help="Registry heartbeat older than this (s): down"),

@@ -57,12 +57,22 @@ def predictor_name(model: str, aliases: dict[str, str]) -> str:
 
 def url_allowed(url: str, allowed: tuple[str, ...]) -> bool:
     """Whether ``url`` lies under one of the ``allowed`` base URLs (same scheme and host, the same
-    port where one is given, a path below it); an empty list allows every URL."""
+    port where one is given, a path below it) or, for an entry that is a network (``10.0.0.0/8``),
+    has an IP address host inside it; an empty list allows every URL."""
     if not allowed:
         return True
+    import ipaddress
+
     try:
         u = urlsplit(url)
         for a in allowed:
+            if "://" not in a:
+                try:
+                    if u.hostname and ipaddress.ip_address(u.hostname) in ipaddress.ip_network(a, strict=False):
+                        return True
+                except ValueError:
+                    pass
+                continue
             p = urlsplit(a)
             if (u.scheme, u.hostname) == (p.scheme, p.hostname) and (p.port is None or u.port == p.port) \
                     and u.path.startswith(p.path.rstrip("/")):

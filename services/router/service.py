@@ -12,7 +12,7 @@ import math
 import os
 import time
 import uuid
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,8 @@ SUBMIT_SCHEMA = "bear.submit/1"
 MAX_PROMPT_BYTES = 4 * 1024 * 1024
 MAX_MESSAGE_DEPTH = 8  # chat messages: role/content maps, content parts, their fields
 DISPATCH_MARGIN_S = 0.05  # a query is not dispatched this close to its client's deadline
+RESEND_S = 3.0  # terminal messages sent this long before a reconnect are sent again after it
+RESEND_MAX = 20_000
 CANCEL_MEMORY = 4096  # ids of cancelled queries remembered (a cancel may overtake its submission)
 CANCEL_MEMORY_S = 60.0
 
@@ -201,11 +203,12 @@ def peek_deadline(data: bytes) -> float | None:
 class ClientStream:
     """Messages to one client inbox; guarantees exactly one terminal message (done or error)."""
 
-    def __init__(self, nc: Any, inbox: str, query_id: str) -> None:
+    def __init__(self, nc: Any, inbox: str, query_id: str, recent: deque[tuple[float, str, bytes]] | None = None) -> None:
         self.nc = nc
         self.inbox = inbox
         self.query_id = query_id
         self.finished = False
+        self.recent = recent  # the router's recently sent terminal messages (resent after a reconnect)
 
     async def send(self, msg: dict[str, Any]) -> None:
         if self.finished:
@@ -217,8 +220,20 @@ class ClientStream:
             log.warning("reply to client failed", query_id=self.query_id, error=str(exc))
 
     async def finish(self, msg: dict[str, Any]) -> None:
-        await self.send(msg)
+        if self.finished:
+            return
+        msg.setdefault("query_id", self.query_id)
+        data = pack(msg)
+        try:
+            await self.nc.publish(self.inbox, data)
+        except Exception as exc:
+            log.warning("reply to client failed", query_id=self.query_id, error=str(exc))
         self.finished = True
+        if self.recent is not None:
+            now = time.monotonic()
+            self.recent.append((now, self.inbox, data))
+            while self.recent and (now - self.recent[0][0] > RESEND_S or len(self.recent) > RESEND_MAX):
+                self.recent.popleft()
 
     async def error(self, code: ErrorCode, message: str, **extra: Any) -> None:
         m = error_reply(code, message)
@@ -253,6 +268,10 @@ class RouterService:
         self._cancel_sub: Any = None
         self._session: Any = None
         self._lag_task: asyncio.Task[None] | None = None
+        self._resend_task: asyncio.Task[None] | None = None
+        # A NATS node that dies takes the messages in its buffers with it: the terminal messages
+        # of the last RESEND_S go out again after a reconnect (a client ends on the first one).
+        self._recent: deque[tuple[float, str, bytes]] = deque()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -261,6 +280,7 @@ class RouterService:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
         await self.registry.start()
         self._lag_task = asyncio.create_task(self.admission.watch_loop())
+        self._resend_task = asyncio.create_task(self._resend_after_reconnect())
         self._sub = await self.nc.subscribe(self.subjects.submit, queue="bear-router", cb=self._on_submit,
                                             pending_msgs_limit=65536)
         # every router hears every cancel (no queue group): only the one serving the query acts
@@ -280,8 +300,7 @@ class RouterService:
             _, pending = await asyncio.wait(list(self._tasks), timeout=drain_s)
             await cancel_all(pending)
         await self.registry.stop()
-        if self._lag_task is not None:
-            await cancel_all([self._lag_task])
+        await cancel_all([t for t in (self._lag_task, self._resend_task) if t is not None])
         if self._session is not None:
             await self._session.close()
         self.outcomes.close()
@@ -302,6 +321,20 @@ class RouterService:
         task = asyncio.create_task(self._serve(msg.data, msg.reply, t0, msg.headers))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _resend_after_reconnect(self) -> None:
+        seen = int(self.nc.stats.get("reconnects", 0))
+        while True:
+            await asyncio.sleep(0.05)
+            now_seen = int(self.nc.stats.get("reconnects", 0))
+            if now_seen == seen:
+                continue
+            seen = now_seen
+            recent = list(self._recent)
+            for _, inbox, data in recent:
+                with contextlib.suppress(Exception):
+                    await self.nc.publish(inbox, data)
+            log.info("reconnected: terminal messages sent again", count=len(recent))
 
     async def _on_cancel(self, msg: Any) -> None:
         """``bear.cancel/1``: abort the query if this router serves it, and remember the id for a
@@ -334,7 +367,7 @@ class RouterService:
                               "router": self.name, "target_s": q.ttft_target_s, **extra})
 
     async def _serve(self, data: bytes, inbox: str, t0: float, headers: dict[str, str] | None = None) -> None:
-        out = ClientStream(self.nc, inbox, "")
+        out = ClientStream(self.nc, inbox, "", self._recent)
         self.m.inflight.inc()
         q: Query | None = None
         try:
@@ -435,6 +468,16 @@ class RouterService:
         cands, used = build_candidates(ptoks, insts, preds, rows, asked.decided_at,
                                        default_output_tokens=self.cfg.default_output_tokens, local=self.local)
         ctx = QueryContext(q.query_id, q.ttft_target_s, q.lam, ptoks)
+        if q.deadline is not None and cands and rows is not None:
+            soonest = min(c.ttft for c in cands)
+            if math.isfinite(soonest) and time.time() + soonest > q.deadline:
+                # every instance is predicted to start it after its client has given up
+                await out.error(ErrorCode.OVERLOADED, f"the soonest predicted first token ({soonest * 1e3:.0f} ms) "
+                                                      "comes after the client's deadline; not executed")
+                self.m.shed.labels(reason="pool_deadline").inc()
+                self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "overloaded",
+                                      "policy": self.policy.name, "target_s": q.ttft_target_s})
+                return
         excluded: set[str] = set()
         attempts: list[dict[str, Any]] = []
         for attempt in range(1, self.cfg.max_attempts + 1):

@@ -3,9 +3,12 @@ subscribe to what, and the server configuration that enforces it (``bear up`` ge
 run; ``bear nats config`` writes one for a deployment).
 
 Every identity subscribes only to its own inbox prefix (``_INBOX_<name>.>``), so nobody reads
-another's replies; services answer requests only through *response permissions*
-(``allow_responses``: a reply subject they were sent, a bounded number of times), so nobody injects
-into an inbox it was not asked to answer. Each instance publishes only its own snapshots, batch
+another's replies. The predictor and the estimator answer only through *response permissions*
+(``allow_responses``: a reply subject they were sent, once); the routers — trusted with every
+prompt anyway — may publish into the client applications' inboxes (``_INBOX_<client>.>``) and
+nobody else may. Response permissions would not do for the routers: they are state of one server
+connection, so after a reconnect (a NATS restart, a cluster node lost) the new server refuses the
+rest of every answer in flight — the cluster test lost streams that way. Each instance publishes only its own snapshots, batch
 records and registry key. JetStream API rights name the exact streams a part uses and never
 include deleting, purging or reconfiguring one: only ``admin`` (``bear up`` itself, or the
 operator's provisioning step) creates the KV buckets. The subjects each rule came from were found
@@ -22,7 +25,6 @@ from bear.protocol.subjects import Subjects
 from bear.runtime.identity import Identity, new_identity
 
 ACCOUNT = "BEAR"
-ROUTER_RESPONSES = {"max": 1_000_000, "expires": "10m"}  # one submit → a stream of chunks, then done
 SERVICES = ("router", "predictor", "estimator", "calibrator", "gateway", "client")
 INSTANCE_PREFIX = "instance-"
 
@@ -67,9 +69,11 @@ def _kv_claim(bucket: str) -> list[str]:
     return [*_kv_write(bucket), f"$JS.API.STREAM.MSG.GET.{s}", f"$JS.API.DIRECT.GET.{s}", f"$JS.API.DIRECT.GET.{s}.>"]
 
 
-def permissions(role: str, name: str, subjects: Subjects | None = None, instance: str | None = None) -> Permissions:
+def permissions(role: str, name: str, subjects: Subjects | None = None, instance: str | None = None,
+                clients: tuple[str, ...] = ("client", "gateway")) -> Permissions:
     """The rights of identity ``name`` in ``role`` (admin, router, predictor, estimator, calibrator,
-    gateway, client, instance — the last with its ``instance`` id)."""
+    gateway, client, instance — the last with its ``instance`` id); ``clients``: the client
+    applications' identities, whose inboxes the routers answer."""
     s = subjects or Subjects()
     p = s.prefix
     inbox = f"_INBOX_{name}.>"
@@ -78,8 +82,9 @@ def permissions(role: str, name: str, subjects: Subjects | None = None, instance
     if role == "router":
         return Permissions(
             publish=(s.predict, s.estimate, f"{s.estimate}.*", s.dispatch_all, s.outcome_all,
-                     *_kv_claim(s.queries_bucket), *_kv_read(s.instances_bucket), *_kv_read(s.calibration_bucket)),
-            subscribe=(s.submit, s.cancel, s.outcome_all, inbox), responses=ROUTER_RESPONSES)
+                     *_kv_claim(s.queries_bucket), *_kv_read(s.instances_bucket), *_kv_read(s.calibration_bucket),
+                     *(f"_INBOX_{c}.>" for c in clients)),
+            subscribe=(s.submit, s.cancel, s.outcome_all, inbox))
     if role == "predictor":
         return Permissions(subscribe=(s.predict, "$SRV.>", inbox), responses=True)
     if role == "estimator":
@@ -168,7 +173,7 @@ def generate(directory: Path, instances: list[str], subjects: Subjects | None = 
     for name, role, inst in plan(instances, clients):
         ident = new_identity(name)
         files.creds[name] = ident.save(directory / f"{name}.json")
-        users.append((ident, permissions(role, name, subjects, inst)))
+        users.append((ident, permissions(role, name, subjects, inst, (*clients, "admin"))))  # admin probes too
     fd_path = files.config
     fd_path.write_text(server_config(users))
     fd_path.chmod(0o600)

@@ -78,7 +78,7 @@ async def connect(url: str, name: str, *, connect_within_s: float = CONNECT_WITH
     attempts = max(1, math.ceil(connect_within_s / _RETRY_WAIT_S))
     wait = options.pop("reconnect_time_wait", 0.2)
     try:
-        await asyncio.wait_for(nc.connect(url, name=name, error_cb=on_error, connect_timeout=connect_timeout,
+        await asyncio.wait_for(nc.connect(servers(url), name=name, error_cb=on_error, connect_timeout=connect_timeout,
                                           max_reconnect_attempts=attempts, reconnect_time_wait=min(wait, _RETRY_WAIT_S),
                                           **options), connect_within_s + connect_timeout)
     except (NoServersError, OSError, TimeoutError, nats.errors.Error) as exc:
@@ -98,6 +98,11 @@ async def connect(url: str, name: str, *, connect_within_s: float = CONNECT_WITH
     nc.options["max_reconnect_attempts"] = max_reconnect_attempts
     nc.options["reconnect_time_wait"] = wait
     return nc
+
+
+def servers(url: str) -> str | list[str]:
+    """``url`` for nats-py: a comma-separated list of servers (a cluster) as a list."""
+    return [u.strip() for u in url.split(",") if u.strip()] if "," in url else url
 
 
 def _auth_refused(exc: BaseException) -> bool:

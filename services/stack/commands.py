@@ -282,9 +282,45 @@ def bench_router(
         out.write_text(json.dumps(json_safe(res), indent=2))
 
 
+def _fault_list(value: str) -> str:
+    from bear.stack.faults_bench import FAULTS
+
+    bad = [f for f in value.split(",") if f.strip() not in FAULTS]
+    if bad:
+        raise typer.BadParameter(f"unknown fault {', '.join(map(repr, bad))}; valid: {', '.join(FAULTS)}")
+    return value
+
+
+def bench_faults(
+    faults: str = typer.Option("worker-kill,worker-hang,predictor-kill,engine-kill,nats-restart,node-kill,overload",
+                               "--faults", callback=_fault_list,
+                               help="Comma-separated faults: worker-kill, worker-hang, predictor-kill, engine-kill, "
+                                    "nats-restart, node-kill (3-node NATS cluster), overload"),
+    rate: float = typer.Option(8.0, "--rate", callback=positive, help="Poisson load during each fault (q/s, > 0)"),
+    duration: float = typer.Option(12.0, "--duration", callback=positive, help="Seconds of load per fault (> 0)"),
+    at: float = typer.Option(3.0, "--at", min=0.0, help="The fault is injected this many seconds into the load"),
+    overload_rate: float = typer.Option(300.0, "--overload-rate", callback=positive,
+                                        help="Offered rate of the overload fault (q/s)"),
+    out: Path | None = typer.Option(None, "--out", help="Write the figures as JSON here"),
+) -> None:
+    """Inject faults under load into a local stack (authentication on, children supervised) and
+    print per fault: queries sent / done / coded errors / lost, and the recovery time."""
+    from rich.console import Console
+
+    from bear.stack.faults_bench import faults_table, run_faults
+
+    err = Console(stderr=True, highlight=False)
+    res = run_faults(tuple(f.strip() for f in faults.split(",")), rate=rate, duration=duration, at=at,
+                     overload_rate=overload_rate, log=lambda line: err.print(line, soft_wrap=True, markup=False))
+    print(faults_table(res))
+    if out is not None:
+        out.write_text(json.dumps(json_safe(res), indent=2))
+
+
 def register(app: typer.Typer) -> None:
     app.command("up")(up_cmd)
 
 
 def register_bench(bench: typer.Typer) -> None:
     bench.command("router")(bench_router)
+    bench.command("faults")(bench_faults)

@@ -43,7 +43,7 @@ from bear.runtime.children import spawn
 from bear.runtime.identity import CREDS_ENV
 from bear.runtime.metrics import LOOPBACK, port_free, port_in_use_error
 from bear.runtime.nats_auth import AuthFiles, generate, instance_identity_name
-from bear.runtime.nats_server import LocalNatsServer, free_port
+from bear.runtime.nats_server import LocalNatsCluster, LocalNatsServer, free_port
 
 VLLM_TINY_ARGS = ("--max-model-len", "2048", "--max-num-batched-tokens", "256", "--max-num-seqs", "8")
 PAPER_POOL = ("qwen3-0.6b-h100", "qwen3-8b-h100", "qwen3-32b-2xh100-tp2")
@@ -150,6 +150,7 @@ class StackConfig:
     gateway_key_file: Path | None = None  # its API keys; None: --no-auth (it listens on loopback)
     insecure: bool = False  # no NATS authentication, no engine API keys (experiments only)
     auth_dir: Path | None = None  # with nats_url: identities from `bear nats config` (else anonymous)
+    nats_cluster: int = 1  # nodes of the local NATS; > 1: a cluster on loopback, KV buckets replicated
     restart_backoff_s: tuple[float, float] = (1.0, 30.0)  # first and longest wait before a restart
     healthy_after_s: float = 60.0  # a child that ran this long starts its backoff afresh
 
@@ -158,6 +159,7 @@ class Stack:
     def __init__(self, cfg: StackConfig) -> None:
         self.cfg = cfg
         self.nats: LocalNatsServer | None = None
+        self.cluster: LocalNatsCluster | None = None  # nats_cluster > 1
         self.children: dict[str, Child] = {}
         self.instances: dict[str, int] = {}  # instance id → HTTP port
         self.shms: list[str] = []  # vLLM plugin rings in /dev/shm, removed by stop()
@@ -325,7 +327,10 @@ class Stack:
         self._prune_runs()
         if cfg.backend == "vllm":
             self._prepare_vllm()
-        if not self.url:
+        if not self.url and cfg.nats_cluster > 1:
+            self.cluster = LocalNatsCluster(cfg.nats_cluster, log_dir=self.log_dir)
+            self.url = self.cluster.url
+        elif not self.url:
             self.nats = LocalNatsServer(store_dir=str(self.run_dir / "jetstream"),
                                         log_path=self.log_dir / "nats-server.log")
             self.url = self.nats.url  # the port is chosen: the children's command lines can name it
@@ -337,8 +342,11 @@ class Stack:
         self._set_up_auth()
         if self.nats is not None:
             self.nats.start()
-        if self.auth is not None:
-            aio.run(_provision(self.url, self.creds("admin"), cfg.prefix))
+        if self.cluster is not None:
+            self._spread()
+            self.cluster.start()
+        if self.auth is not None or self.cluster is not None:
+            aio.run(_provision(self.url, self.creds("admin"), cfg.prefix, min(3, cfg.nats_cluster)))
         for c in self.children.values():
             c.start(self._env())
         if cfg.backend == "vllm":
@@ -352,9 +360,10 @@ class Stack:
         cfg = self.cfg
         if cfg.insecure:
             return
-        if self.nats is not None:
+        if self.nats is not None or self.cluster is not None:
             self.auth = generate(self.auth_path, list(self.instances), Subjects(cfg.prefix))
-            self.nats.config = self.auth.config
+            for node in [self.nats] if self.nats is not None else self.cluster.nodes:  # type: ignore[union-attr]
+                node.config = self.auth.config
         elif cfg.auth_dir is not None:
             self.auth = AuthFiles(cfg.auth_dir, cfg.auth_dir / "auth.conf",
                                   {p.stem: p for p in sorted(cfg.auth_dir.glob("*.json"))})
@@ -366,6 +375,22 @@ class Stack:
                 if path is None:
                     raise StackError(f"no NATS identity {c.identity!r} for {c.name} in {self.auth.directory}")
                 c.env[CREDS_ENV] = str(path)
+
+    def _spread(self) -> None:
+        """Each child connects to one node of the cluster, round robin (it learns the others from
+        the server and fails over to them)."""
+        assert self.cluster is not None
+        urls = [node.url for node in self.cluster.nodes]
+        for k, c in enumerate(self.children.values()):
+            if "--nats" in c.argv:
+                c.argv[c.argv.index("--nats") + 1] = urls[k % len(urls)]
+
+    def node_of(self, name: str) -> int | None:
+        """The cluster node ``name`` was started against (None: not on a cluster)."""
+        if self.cluster is None or "--nats" not in self.children[name].argv:
+            return None
+        url = self.children[name].argv[self.children[name].argv.index("--nats") + 1]
+        return [n.url for n in self.cluster.nodes].index(url)
 
     def _env(self) -> dict[str, str]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -444,6 +469,9 @@ class Stack:
             self.nats.stop()
             self.nats = None
             shutil.rmtree(self.run_dir / "jetstream", ignore_errors=True)  # temporary: this run's only
+        if self.cluster is not None:
+            self.cluster.close()
+            self.cluster = None
         if self.shms:
             from bear.vllm_instance.launch import remove_shm
 
@@ -471,15 +499,23 @@ def _private_file(path: Path, text: str) -> Path:
     return path
 
 
-async def _provision(url: str, admin: Path | None, prefix: str) -> None:
-    """Create the KV buckets as ``admin`` (the other identities may not)."""
-    from bear.protocol.subjects import Subjects
+async def _provision(url: str, admin: Path | None, prefix: str, replicas: int = 1, within_s: float = 30.0) -> None:
+    """Create the KV buckets as ``admin`` (the other identities may not); a cluster's JetStream
+    needs a few seconds to elect its leader first."""
     from bear.runtime.kv import provision
     from bear.runtime.service import connect
 
-    nc = await connect(url, "bear-up-provision", creds=admin)
+    nc = await connect(url, "bear-up-provision", creds=admin if admin is not None else "")
+    end = time.monotonic() + within_s
     try:
-        await provision(nc.jetstream(timeout=5.0), Subjects(prefix))
+        while True:
+            try:
+                await provision(nc.jetstream(timeout=2.0), Subjects(prefix), replicas=replicas)
+                return
+            except Exception:
+                if time.monotonic() > end:
+                    raise
+                await asyncio.sleep(0.5)
     finally:
         await nc.close()
 

@@ -128,6 +128,9 @@ def test_base_url_allow_list() -> None:
     assert not url_allowed("http://10.0.0.50:8000/v1", allowed)
     assert not url_allowed("http://evil.example/v1", allowed)
     assert url_allowed("http://anything/v1", ())
+    assert url_allowed("http://10.1.2.3:8000/v1", ("10.0.0.0/8",))
+    assert not url_allowed("http://192.168.1.2:8000/v1", ("10.0.0.0/8",))
+    assert not url_allowed("http://engine.internal/v1", ("10.0.0.0/8",))
 
 
 async def test_registry_refuses_mismatched_deep_and_foreign_entries(nats_server, tmp_path) -> None:

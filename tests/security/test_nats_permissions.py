@@ -143,7 +143,8 @@ async def test_an_instance_publishes_its_own_state(env: Env) -> None:
 
 async def test_inboxes_are_private(env: Env) -> None:
     """A client's answer reaches only that client: nobody else may subscribe to its inbox, and
-    nobody may publish into it unless answering a request it was sent."""
+    nobody but a router may publish into it (the predictor and the estimator only answer requests
+    they were sent)."""
     client = await env.nc("client")
     router = await env.nc("router")
     answered = asyncio.Event()
@@ -151,13 +152,12 @@ async def test_inboxes_are_private(env: Env) -> None:
     async def serve(msg: Any) -> None:
         for k in range(5):  # a streamed answer: many responses to one submit
             await router.publish(msg.reply, b"chunk %d" % k)
-        await router.publish("_INBOX_client.forged", b"forged")  # not a reply it was asked for
         await router.flush()
         answered.set()
 
     await router.subscribe(S.submit, queue="bear-router", cb=serve)
     await router.flush()
-    snoopers = [await env.nc(w) for w in ("gateway", "estimator", "predictor", "instance-a")]
+    snoopers = [await env.nc(w) for w in ("gateway", "estimator", "predictor", "calibrator", "instance-a")]
     snooped: list[Any] = []
 
     async def snoop(msg: Any) -> None:
@@ -218,6 +218,9 @@ async def test_each_part_can_do_its_job(env: Env) -> None:
     await svc.add_endpoint(name="predict", subject=S.predict, handler=handle, queue_group="bear-predictor")
     router = await env.nc("router")
     assert (await router.request(S.predict, b"q", timeout=2.0)).data == b"prediction"
+    # ... but only as an answer: publishing into the router's (or a client's) inbox unasked is refused
+    got = await _received(router, "_INBOX_router.>", lambda: _publish(predictor, "_INBOX_router.x", b"forged"))
+    assert got == []
     admin = await env.nc("admin")
     assert (await admin.request("$SRV.PING.bear-predictor", b"", timeout=2.0)).data
     # the router's dedup: create-only claims of query ids
