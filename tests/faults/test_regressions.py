@@ -16,7 +16,6 @@ from typing import Any
 import msgpack
 import nats
 import pytest
-from fakes import FakeEngine, register
 
 from bear.calibrator.service import MAX_INSTANCES, OnlineCalibrator
 from bear.client.submit import submit
@@ -32,6 +31,8 @@ from bear.router.registry import url_allowed
 from bear.router.service import RouterConfig, RouterService, parse_submit
 from bear.runtime.kv import ensure_kv
 from bear.stack.stack import Child, Stack, StackConfig
+
+from fake_engine import FakeEngine, register
 
 S = Subjects()
 FAST = {"predict_budget_s": 0.05, "predict_try_s": 0.025, "estimate_budget_s": 0.05, "estimate_try_s": 0.025}

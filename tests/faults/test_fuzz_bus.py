@@ -24,8 +24,6 @@ from typing import Any
 import msgspec
 import nats
 import pytest
-from fakes import FakeEngine
-from fuzz import hostile, kv_key
 
 from bear import libbea
 from bear.calibrator.service import OnlineCalibrator, valid_record
@@ -45,6 +43,9 @@ from bear.router.service import RouterConfig, RouterService
 from bear.runtime.kv import ensure_kv
 from bear.runtime.nats_server import LocalNatsServer
 from bear.sim.profile import load_profile
+
+from bus_fuzz import hostile, kv_key
+from fake_engine import FakeEngine
 
 S = Subjects()
 N = 2000  # messages per subject and per bucket
