@@ -444,9 +444,11 @@ class RouterService:
         fits = [i for i in insts if i.max_model_len is None or need <= i.max_model_len]
         if not fits:
             most = max(i.max_model_len or 0 for i in insts)
-            await out.error(ErrorCode.TOO_LARGE, f"the query needs ≥ {need} tokens (prompt + max_tokens); the "
-                                                 f"largest max_model_len of the candidate instances is {most}")
-            self.m.queries.labels(status="too_large").inc()
+            reason = (f"the query needs ≥ {need} tokens (prompt + max_tokens); the largest max_model_len of the "
+                      f"candidate instances is {most}")
+            await out.error(ErrorCode.TOO_LARGE, reason)
+            self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "too_large", "reason": reason,
+                                  "policy": self.policy.name, "target_s": q.ttft_target_s})
             return
         insts = fits
         ptoks = q.token_estimate()
