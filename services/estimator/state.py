@@ -44,6 +44,7 @@ class InstanceState:
     calibration: Calibration = NOMINAL_CALIBRATION
     calibrated: bool = False
     registry_heartbeat: float = 0.0
+    nbytes: int = 0  # size of the newest snapshot message (what the store's byte budget counts)
 
     # ------------------------------------------------------------------ feeds
     def offer_snapshot(self, data: bytes, now: float) -> bool:
@@ -168,28 +169,47 @@ def _ewma(prev: float | None, x: float) -> float:
 
 
 class StateStore:
-    """All instances one estimator knows, created on first mention and bounded in number: past
-    ``max_instances`` the one mentioned least recently is forgotten (a flood of snapshots for
-    made-up instance ids cannot grow the worker without bound)."""
+    """All instances one estimator knows, created on first mention and bounded in number and in
+    bytes: past ``max_instances``, or past ``max_bytes`` of snapshot messages held, the instance
+    mentioned least recently is forgotten (a flood of snapshots for made-up instance ids cannot
+    grow the worker without bound)."""
 
-    def __init__(self, max_instances: int = 4096) -> None:
+    def __init__(self, max_instances: int = 4096, max_bytes: int = 256 << 20) -> None:
         self.instances: OrderedDict[str, InstanceState] = OrderedDict()
         self.max_instances = max_instances
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self.evicted = 0
+
+    def offer(self, instance: str, data: bytes, now: float) -> bool:
+        """``InstanceState.offer_snapshot`` within the byte budget; True when an unparsed
+        snapshot was replaced."""
+        st = self.get(instance)
+        self.nbytes += len(data) - st.nbytes
+        st.nbytes = len(data)
+        dropped = st.offer_snapshot(data, now)
+        while self.nbytes > self.max_bytes and len(self.instances) > 1:
+            _, old = self.instances.popitem(last=False)
+            self.nbytes -= old.nbytes
+            self.evicted += 1
+        return dropped
 
     def get(self, instance: str) -> InstanceState:
         st = self.instances.get(instance)
         if st is None:
             st = self.instances[instance] = InstanceState(instance)
             while len(self.instances) > self.max_instances:
-                self.instances.popitem(last=False)
+                _, old = self.instances.popitem(last=False)
+                self.nbytes -= old.nbytes
                 self.evicted += 1
         else:
             self.instances.move_to_end(instance)
         return st
 
     def forget(self, instance: str) -> None:
-        self.instances.pop(instance, None)
+        old = self.instances.pop(instance, None)
+        if old is not None:
+            self.nbytes -= old.nbytes
 
     def peek(self, instance: str) -> InstanceState | None:
         return self.instances.get(instance)

@@ -109,8 +109,7 @@ class EstimatorWorker:
 
     # ------------------------------------------------------------------ feeds
     async def _on_snapshot(self, msg: Any) -> None:
-        st = self.store.get(Subjects.instance_of(msg.subject))
-        if st.offer_snapshot(msg.data, time.time()):
+        if self.store.offer(Subjects.instance_of(msg.subject), msg.data, time.time()):
             self.m.snapshots_dropped.inc()
 
     async def _on_dispatch(self, msg: Any) -> None:

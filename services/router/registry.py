@@ -103,6 +103,8 @@ class Registry:
         self.instances: dict[str, InstanceInfo] = {}
         self._calibrations: OrderedDict[str, Calibration] = OrderedDict()  # of instances not registered
         self.rejected: dict[str, int] = {}
+        self._reconnects = 0
+        self._reconnected_at = -1e9  # monotonic time of the last reconnect seen
         self._tasks: list[asyncio.Task[None]] = []
         self._sub: Any = None
         self.loaded = asyncio.Event()
@@ -123,8 +125,23 @@ class Registry:
         return info
 
     def healthy(self) -> list[InstanceInfo]:
+        """The instances to route to. While NATS is away, or shortly after it came back, every
+        heartbeat goes stale together: that is the broker's silence, not the instances dying, so
+        each heartbeat is then judged against the newest one seen instead of the clock."""
         now = time.time()
-        return [i for i in sorted(self.instances.values(), key=lambda i: i.id) if i.healthy(now, self.down_after_s)]
+        ref = now
+        if self._broker_silent():
+            ref = min(now, max((i.heartbeat for i in self.instances.values()), default=now))
+        return [i for i in sorted(self.instances.values(), key=lambda i: i.id) if i.healthy(ref, self.down_after_s)]
+
+    def _broker_silent(self) -> bool:
+        stats = getattr(self.nc, "stats", None)
+        reconnects = int(stats.get("reconnects", 0)) if isinstance(stats, dict) else 0
+        if reconnects != self._reconnects:
+            self._reconnects = reconnects
+            self._reconnected_at = time.monotonic()
+        connected = bool(getattr(self.nc, "is_connected", True))
+        return not connected or time.monotonic() - self._reconnected_at < self.down_after_s
 
     async def start(self, *, observe: bool = True) -> None:
         """Follow the registry; ``observe=False``: only the instances (no θ, no outcome events —
@@ -172,7 +189,7 @@ class Registry:
         info.base_url = rec.base_url.rstrip("/")
         info.price_in = rec.prices.input_per_mtok
         info.price_out = rec.prices.output_per_mtok
-        info.heartbeat = rec.heartbeat
+        info.heartbeat = min(rec.heartbeat, time.time() + 2.0)  # a future heartbeat would never go stale
         info.status = rec.status
         info.backend = rec.backend
         info.predictor_model = rec.predictor_model or predictor_name(rec.model, self.aliases)

@@ -172,6 +172,43 @@ async def test_router_is_bounded_in_instances(nats_server, tmp_path) -> None:
         await nc.close()
 
 
+def test_estimator_is_bounded_in_snapshot_bytes() -> None:
+    """100 snapshots of 900 KB for new instance ids used to add 87 MB for good."""
+    from bear.estimator.state import StateStore
+
+    store = StateStore(max_bytes=10 << 20)
+    for k in range(100):
+        store.offer(f"fake-{k}", b"\x80" * 900_000, time.time())
+    assert store.nbytes <= 10 << 20 and len(store.instances) == 11 and store.evicted == 89
+    store.forget("fake-99")
+    assert store.nbytes == 10 * 900_000
+
+
+def test_registry_tolerates_a_silent_broker() -> None:
+    """While NATS is away (and for down_after_s after it is back) every heartbeat ages together:
+    instances are judged against the newest heartbeat, not the clock — routing does not stop."""
+    from bear.instance.record import instance_record
+    from bear.router.registry import Registry
+
+    class Conn:
+        is_connected = True
+        stats = {"reconnects": 0}
+
+    nc = Conn()
+    reg = Registry(nc, S, down_after_s=10.0)
+    for inst, age in (("a", 30.0), ("b", 31.0), ("dead", 60.0)):
+        rec = instance_record(inst, "m", "http://127.0.0.1:1/v1")
+        reg._on_instance(inst, encode(__import__("msgspec").structs.replace(rec, heartbeat=time.time() - age)))
+    assert reg.healthy() == []  # connected all along: 30 s old heartbeats are dead instances
+    nc.is_connected = False
+    assert [i.id for i in reg.healthy()] == ["a", "b"]  # the broker is silent: not the instances
+    nc.is_connected, nc.stats = True, {"reconnects": 1}
+    assert [i.id for i in reg.healthy()] == ["a", "b"]  # just reconnected: heartbeats are on their way
+    rec = instance_record("future", "m", "http://127.0.0.1:1/v1")
+    reg._on_instance("future", encode(__import__("msgspec").structs.replace(rec, heartbeat=time.time() + 1e6)))
+    assert reg.instances["future"].heartbeat <= time.time() + 2.0
+
+
 async def test_calibrator_is_bounded_in_instances(nats_server) -> None:
     nc = await nats.connect(nats_server.url)
     cal = OnlineCalibrator(nc)
