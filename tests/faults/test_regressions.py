@@ -191,8 +191,9 @@ def test_registry_tolerates_a_silent_broker() -> None:
     from bear.router.registry import Registry
 
     class Conn:
-        is_connected = True
-        stats = {"reconnects": 0}
+        def __init__(self) -> None:
+            self.is_connected = True
+            self.stats = {"reconnects": 0}
 
     nc = Conn()
     reg = Registry(nc, S, down_after_s=10.0)
