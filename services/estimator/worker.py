@@ -109,8 +109,7 @@ class EstimatorWorker:
 
     # ------------------------------------------------------------------ feeds
     async def _on_snapshot(self, msg: Any) -> None:
-        st = self.store.get(Subjects.instance_of(msg.subject))
-        if st.offer_snapshot(msg.data, time.time()):
+        if self.store.offer(Subjects.instance_of(msg.subject), msg.data, time.time()):
             self.m.snapshots_dropped.inc()
 
     async def _on_dispatch(self, msg: Any) -> None:
@@ -119,7 +118,8 @@ class EstimatorWorker:
         except BearError:
             self.m.dispatch_malformed.inc()
             return
-        self.store.get(Subjects.instance_of(msg.subject)).on_dispatch(d)
+        if not self.store.get(Subjects.instance_of(msg.subject)).on_dispatch(d, time.time()):
+            self.m.dispatch_malformed.inc()
 
     def _on_calibration(self, key: str, value: bytes | None) -> None:
         st = self.store.get(key)
