@@ -94,7 +94,7 @@ def router(
                                      help="Queries in progress (answers streaming included) before `overloaded`"),
     max_deciding: int = typer.Option(256, "--max-deciding", min=1,
                                      help="Queries being decided (not yet dispatched) before `overloaded`"),
-    shed_lag: float = typer.Option(0.25, "--shed-lag", min=0.001,
+    shed_lag: float = typer.Option(1.0, "--shed-lag", min=0.001,
                                    help="Event-loop lag (s) beyond which new submits are refused `overloaded`"),
     engine_keys: Path | None = typer.Option(
         None, "--engine-keys", dir_okay=False,

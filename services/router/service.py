@@ -71,7 +71,7 @@ class RouterConfig:
     default_output_tokens: int = 256  # fallback prediction of the output length
     max_inflight: int = 4096  # queries in progress (streaming included) before `overloaded`
     max_deciding: int = 256  # queries being decided (before dispatch) before `overloaded`
-    shed_lag_s: float = 0.25  # event-loop lag beyond which new submits are refused
+    shed_lag_s: float = 1.0  # event-loop lag beyond which new submits are refused (GC and a busy host stay below)
     down_after_s: float = 10.0
     fail_backoff_s: float = 5.0  # an instance that refused a connection is avoided this long
     max_attempts: int = 2  # instances tried per query before an `unavailable` error
