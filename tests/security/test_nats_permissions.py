@@ -62,16 +62,19 @@ async def _received(nc: Any, subject: str, act: Any, wait_s: float = 0.4, expect
     arrives within ``wait_s`` (refusals: nothing may arrive), or, with ``expect``, until that many
     arrived (allowed messages; bounded by 10 s on a loaded host) and ``wait_s`` more for extras."""
     got: list[Any] = []
+    enough = asyncio.Event()
 
     async def cb(msg: Any) -> None:
         got.append(msg)
+        if len(got) >= expect:
+            enough.set()
 
     sub = await nc.subscribe(subject, cb=cb)
     await nc.flush()
     await act()
-    end = asyncio.get_running_loop().time() + 10.0
-    while len(got) < expect and asyncio.get_running_loop().time() < end:
-        await asyncio.sleep(0.02)
+    if expect:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(enough.wait(), 10.0)
     await asyncio.sleep(wait_s)
     await sub.unsubscribe()
     return got
