@@ -48,6 +48,7 @@ def _root(debug: bool = typer.Option(False, "--debug", envvar="BEAR_DEBUG",
 # Each module exposes ``register(app)`` and, if it has benchmarks, ``register_bench(bench_app)``.
 COMMAND_MODULES = [
     "bear.stack.commands",
+    "bear.stack.nats_commands",
     "bear.client.commands",
     "bear.load.commands",
     "bear.router.commands",

@@ -5,10 +5,17 @@ Each is a ``typing.Annotated`` alias for a typer option, so a command declares
 other command. ``--nats`` is resolved here, in one place, for every command: the flag, else
 ``$BEAR_NATS_URL``, else the stack ``bear up`` runs for this directory (bear.stack.discovery);
 with none of them it is empty, and connecting (bear.runtime.service.connect) is the one-line error
-"no BEAR stack found" — after the command has checked the rest of its input."""
+"no BEAR stack found" — after the command has checked the rest of its input.
+
+``--nats-creds`` names the NATS identity file the command connects as (bear.runtime.identity);
+it is exported as ``$BEAR_NATS_CREDS``, where ``bear.runtime.service.connect`` finds it. A service
+takes it from the flag or the environment (``bear up`` sets it per child); a client command
+(``bear submit``, ``bear load``) also finds the ``client`` identity of the stack ``bear up`` runs
+for this directory."""
 
 from __future__ import annotations
 
+import os
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -31,6 +38,25 @@ class LogLevel(StrEnum):
 
 PolicyName = StrEnum("PolicyName", {name: name for name in REGISTRY})  # type: ignore[misc]
 """Routing policies by registry name (bear, bear-lagrange and the baselines)."""
+
+
+def _export_creds(value: str | None) -> str:
+    from bear.runtime.identity import CREDS_ENV
+
+    if value:
+        os.environ[CREDS_ENV] = value
+    return value or ""
+
+
+def _resolve_client_creds(value: str | None) -> str:
+    """flag > $BEAR_NATS_CREDS > the running stack's client identity (none: anonymous)."""
+    if not value:
+        from bear.stack.discovery import read_state
+
+        rec = read_state()
+        found = rec.get("client_creds") if rec is not None else None
+        value = found if isinstance(found, str) else ""
+    return _export_creds(value)
 
 
 def _resolve_nats(value: str | None) -> str:
@@ -73,6 +99,13 @@ NatsUrl = Annotated[str, typer.Option(
     "--nats", envvar="BEAR_NATS_URL", callback=_resolve_nats, show_default=False,
     help="NATS server URL, e.g. nats://127.0.0.1:4222. Default: $BEAR_NATS_URL, else the stack `bear up` "
          "runs for this directory.")]
+_CREDS_HELP = ("NATS identity file to connect as (bear.identity/1 JSON, written by `bear up` or `bear nats config`). "
+               "Default: $BEAR_NATS_CREDS")
+NatsCreds = Annotated[str, typer.Option("--nats-creds", envvar="BEAR_NATS_CREDS", callback=_export_creds,
+                                        show_default=False, help=_CREDS_HELP + "; none: connect without one.")]
+ClientNatsCreds = Annotated[str, typer.Option(
+    "--nats-creds", envvar="BEAR_NATS_CREDS", callback=_resolve_client_creds, show_default=False,
+    help=_CREDS_HELP + ", else the client identity of the stack `bear up` runs for this directory.")]
 Prefix = Annotated[str, typer.Option("--prefix", help="Subject prefix of the deployment (bear.submit, bear_instances, …).")]
 LogFormatOpt = Annotated[LogFormat, typer.Option("--log-format", help="Log format: console (humans) or json (machines).")]
 LogLevelOpt = Annotated[LogLevel, typer.Option("--log-level", help="Log level.")]

@@ -16,6 +16,7 @@ from bear.options import (
     LogLevelOpt,
     MetricsHost,
     MetricsPort,
+    NatsCreds,
     NatsUrl,
     Prefix,
 )
@@ -33,6 +34,7 @@ def _check_objective(value: str) -> str:
 
 def calibrator(
     nats_url: NatsUrl = FIND_NATS,
+    nats_creds: NatsCreds = "",
     window: int = typer.Option(2000, "--window", min=10, help="Batch records kept per instance (sliding window)"),
     min_records: int = typer.Option(50, "--min-records", min=4, help="Records needed before the first fit"),
     refit_s: float = typer.Option(5.0, "--refit-every", help="Seconds between refits"),

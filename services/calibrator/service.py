@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 import msgspec
@@ -29,6 +29,9 @@ from bear.runtime.shutdown import cancel_all, close_nats
 
 log = structlog.get_logger("bear.calibrator")
 
+MAX_INSTANCES = 1024  # instances followed (least recently heard of forgotten first)
+MAX_ITEMS = 8192  # requests in one batch record: more is no engine's batch
+
 
 def valid_record(r: Any) -> bool:
     if not isinstance(r, dict):
@@ -37,15 +40,22 @@ def valid_record(r: Any) -> bool:
     if d is not None and (not isinstance(d, int | float) or isinstance(d, bool) or not math.isfinite(d) or d < 0):
         return False
     items = r.get("items")
-    if not isinstance(items, list):
+    if not isinstance(items, list) or len(items) > MAX_ITEMS:
         return False
     for it in items:
         if not isinstance(it, dict):
             return False
         n, c = it.get("n"), it.get("context")
-        if not isinstance(n, int) or not isinstance(c, int) or n < 0 or c < 0 or not isinstance(it.get("decode"), bool):
+        if not isinstance(n, int) or not isinstance(c, int) or not 0 <= n < 2**31 or not 0 <= c < 2**31 \
+                or not isinstance(it.get("decode"), bool):
             return False
     return True
+
+
+def compact(r: dict[str, Any]) -> dict[str, Any]:
+    """Only what the fit reads (a record's other fields would be kept for nothing)."""
+    return {"duration_s": float(r["duration_s"]),
+            "items": [{"n": it["n"], "context": it["context"], "decode": it["decode"]} for it in r["items"]]}
 
 
 class OnlineCalibrator:
@@ -55,13 +65,13 @@ class OnlineCalibrator:
             raise ValueError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")
         self.nc = nc
         self.objective = objective
-        self.ttft: dict[str, deque[tuple[float, float]]] = {}  # (predicted, observed) BEA TTFTs
+        self.ttft: OrderedDict[str, deque[tuple[float, float]]] = OrderedDict()  # (predicted, observed) BEA TTFTs
         self.ttft_window = ttft_window
         self.subjects = subjects or Subjects()
         self.window = window
         self.min_records = min_records
         self.refit_s = refit_s
-        self.records: dict[str, deque[dict[str, Any]]] = {}
+        self.records: OrderedDict[str, deque[dict[str, Any]]] = OrderedDict()
         self.new: dict[str, int] = {}
         self.malformed = 0
         self.fits: dict[str, Calibration] = {}
@@ -95,14 +105,27 @@ class OnlineCalibrator:
         if not isinstance(group, list):
             self.malformed += 1
             return
-        buf = self.records.setdefault(instance, deque(maxlen=self.window))
+        buf = self._bounded(self.records, instance, self.window)
         for r in group:
             if not valid_record(r):
                 self.malformed += 1
                 continue
             if r.get("duration_s") and r["items"]:
-                buf.append(r)
+                buf.append(compact(r))
                 self.new[instance] = self.new.get(instance, 0) + 1
+
+    def _bounded(self, table: OrderedDict[str, deque[Any]], instance: str, maxlen: int) -> deque[Any]:
+        """``table[instance]``, created if new; the least recently heard-of instance is forgotten
+        past MAX_INSTANCES (made-up instance ids cannot grow the calibrator)."""
+        buf = table.get(instance)
+        if buf is None:
+            buf = table[instance] = deque(maxlen=maxlen)
+            while len(table) > MAX_INSTANCES:
+                old, _ = table.popitem(last=False)
+                self.new.pop(old, None)
+        else:
+            table.move_to_end(instance)
+        return buf
 
     async def _on_outcome(self, msg: Any) -> None:
         """A finished query: its BEA-predicted and observed TTFT, for the instance's TTFT error."""
@@ -111,8 +134,7 @@ class OnlineCalibrator:
         except BearError:
             return
         if o.method == "bea" and o.predicted_ttft_s is not None and o.ttft_s is not None and o.ttft_s > 0:
-            buf = self.ttft.setdefault(o.instance, deque(maxlen=self.ttft_window))
-            buf.append((o.predicted_ttft_s, o.ttft_s))
+            self._bounded(self.ttft, o.instance, self.ttft_window).append((o.predicted_ttft_s, o.ttft_s))
 
     def ttft_error(self, instance: str) -> tuple[float | None, float | None, int]:
         """(MAPE, median relative error, n) of the recent BEA TTFTs at ``instance``."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from bear.options import FIND_NATS, NatsUrl, Prefix, positive
+from bear.options import FIND_NATS, ClientNatsCreds, NatsUrl, Prefix, positive
 from bear.protocol.codec import json_safe
 from bear.runtime import aio
 
@@ -47,6 +47,7 @@ def submit_cmd(
     model: str | None = typer.Option(None, "--model", help="Only this model's instances (served name, e.g. "
                                                            "Qwen/Qwen3-8B, or predictor name); default: BEAR chooses"),
     nats_url: NatsUrl = FIND_NATS,
+    nats_creds: ClientNatsCreds = "",
     prefix: Prefix = "bear",
     as_json: bool = typer.Option(False, "--json", help="Print every message as a JSON line"),
 ) -> None:

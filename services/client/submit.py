@@ -9,13 +9,18 @@ nothing, or a stream silent for ``idle_timeout_s`` → a client-made ``bear.erro
 true``), so the caller always gets a terminal message.
 
 A caller that stops before the router's terminal message (closes or cancels the iterator, or the
-client gave up on a silent stream) publishes ``bear.cancel/1`` on ``<prefix>.cancel``: the router
-serving the query aborts the engine's generation (docs/router.md). A query larger than the NATS
+client gave up on a silent stream) publishes ``bear.cancel/1`` on ``<prefix>.cancel``, naming the
+answer's inbox: the router serving the query aborts the engine's generation (docs/router.md).
+
+Every submission carries its ``deadline``: when this client stops waiting for the query to start
+(after the last resubmission's ``accept_timeout_s``). A router does not start a query after it —
+the answer would go to nobody. A query larger than the NATS
 server's ``max_payload`` is not sent: it gets a client-made ``too_large`` error at once."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -85,7 +90,7 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
     subjects = subjects or Subjects()
     qid = query_id or uuid.uuid4().hex
     req: dict[str, Any] = {"v": "bear.submit/1", "query_id": qid, "ttft_target_s": ttft_target_s,
-                           "max_tokens": max_tokens}
+                           "max_tokens": max_tokens, "deadline": time.time() + accept_timeout_s * (resubmits + 1)}
     if messages is not None:
         req["messages"] = messages
     else:
@@ -160,13 +165,14 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
             except Exception:
                 pass
         if not answered:
-            await cancel(nc, qid, subjects)
+            await cancel(nc, qid, inbox, subjects)
 
 
-async def cancel(nc: Any, query_id: str, subjects: Subjects | None = None) -> None:
-    """Tell the routers that nobody waits for ``query_id`` any more (best effort: with NATS down the
-    generation runs to its end)."""
+async def cancel(nc: Any, query_id: str, inbox: str, subjects: Subjects | None = None) -> None:
+    """Tell the routers that nobody waits for ``query_id`` (answered to ``inbox``) any more (best
+    effort: with NATS down the generation runs to its end)."""
     try:
-        await nc.publish((subjects or Subjects()).cancel, pack({"v": CANCEL_SCHEMA, "query_id": query_id}))
+        await nc.publish((subjects or Subjects()).cancel,
+                         pack({"v": CANCEL_SCHEMA, "query_id": query_id, "inbox": inbox}))
     except Exception:
         pass

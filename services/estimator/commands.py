@@ -18,6 +18,7 @@ from bear.options import (
     LogLevel,
     LogLevelOpt,
     MetricsHost,
+    NatsCreds,
     NatsUrl,
     Prefix,
 )
@@ -140,6 +141,7 @@ def bench_estimator(
 
 def estimator(
     nats_url: NatsUrl = FIND_NATS,
+    nats_creds: NatsCreds = "",
     workers: int = typer.Option(1, "--workers", min=1, help="Worker processes to start (they share only NATS)"),
     max_age_s: float = typer.Option(1.0, "--max-age", help="Snapshots older than this (s) use the analytic fallback"),
     down_after_s: float = typer.Option(

@@ -51,6 +51,7 @@ class InstanceState:
     calibration: Calibration = NOMINAL_CALIBRATION
     calibrated: bool = False
     registry_heartbeat: float = 0.0
+    nbytes: int = 0  # size of the newest snapshot message (what the store's byte budget counts)
 
     # ------------------------------------------------------------------ feeds
     def offer_snapshot(self, data: bytes, now: float) -> bool:
@@ -120,7 +121,11 @@ class InstanceState:
         mirror.catch_up(self, received)
         return True
 
-    def on_dispatch(self, d: Dispatch) -> None:
+    def on_dispatch(self, d: Dispatch, now: float | None = None) -> bool:
+        """Take one dispatch; False (refused) when it is stamped more than MAX_CLOCK_SKEW_S after
+        ``now``: it would sort after every real dispatch and stay "ahead" of each new query."""
+        if now is not None and d.t > now + MAX_CLOCK_SKEW_S:
+            return False
         self.lengths[d.request_id] = d.predicted_output_tokens
         self.lengths.move_to_end(d.request_id)
         while len(self.lengths) > MAX_LENGTHS_PER_INSTANCE:
@@ -135,6 +140,7 @@ class InstanceState:
             self.dispatches.popleft()
         self.mean_prompt = _ewma(self.mean_prompt, float(d.prompt_tokens))
         self.mean_output = _ewma(self.mean_output, float(d.predicted_output_tokens))
+        return True
 
     def apply_lengths(self) -> None:
         """Hand the predicted lengths of the snapshot's residents to libbea (all of them for a new
@@ -201,29 +207,49 @@ def _ewma(prev: float | None, x: float) -> float:
 
 
 class StateStore:
-    """All instances one estimator knows, created on first mention and bounded in number: past
-    ``max_instances`` the one mentioned least recently is forgotten (a flood of snapshots for
-    made-up instance ids cannot grow the worker without bound)."""
+    """All instances one estimator knows, created on first mention and bounded in number and in
+    bytes: past ``max_instances``, or past ``max_bytes`` of snapshot messages held, the instance
+    mentioned least recently is forgotten (a flood of snapshots for made-up instance ids cannot
+    grow the worker without bound)."""
 
-    def __init__(self, max_instances: int = 4096, on_event: Callable[[str], None] | None = None) -> None:
+    def __init__(self, max_instances: int = 4096, max_bytes: int = 256 << 20,
+                 on_event: Callable[[str], None] | None = None) -> None:
         self.instances: OrderedDict[str, InstanceState] = OrderedDict()
         self.max_instances = max_instances
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self.evicted = 0
         self.on_event = on_event
+
+    def offer(self, instance: str, data: bytes, now: float) -> bool:
+        """``InstanceState.offer_snapshot`` within the byte budget; True when an unparsed
+        snapshot was replaced."""
+        st = self.get(instance)
+        self.nbytes += len(data) - st.nbytes
+        st.nbytes = len(data)
+        dropped = st.offer_snapshot(data, now)
+        while self.nbytes > self.max_bytes and len(self.instances) > 1:
+            _, old = self.instances.popitem(last=False)
+            self.nbytes -= old.nbytes
+            self.evicted += 1
+        return dropped
 
     def get(self, instance: str) -> InstanceState:
         st = self.instances.get(instance)
         if st is None:
             st = self.instances[instance] = InstanceState(instance, on_event=self.on_event)
             while len(self.instances) > self.max_instances:
-                self.instances.popitem(last=False)
+                _, old = self.instances.popitem(last=False)
+                self.nbytes -= old.nbytes
                 self.evicted += 1
         else:
             self.instances.move_to_end(instance)
         return st
 
     def forget(self, instance: str) -> None:
-        self.instances.pop(instance, None)
+        old = self.instances.pop(instance, None)
+        if old is not None:
+            self.nbytes -= old.nbytes
 
     def peek(self, instance: str) -> InstanceState | None:
         return self.instances.get(instance)

@@ -150,14 +150,14 @@ class EstimatorWorker:
             return
         if self.store.peek(instance) is not st:
             return  # forgotten meanwhile (deregistered)
-        st.offer_snapshot(data, time.time())
+        self.store.offer(instance, data, time.time())  # within the store's byte budget
         parsed = st.ensure_parsed()
         if parsed is not None:
             self._count_parse(parsed)
         self.m.resyncs.labels(outcome="installed" if parsed else "refused").inc()
+
     async def _on_snapshot(self, msg: Any) -> None:
-        st = self.store.get(Subjects.instance_of(msg.subject))
-        if st.offer_snapshot(msg.data, time.time()):
+        if self.store.offer(Subjects.instance_of(msg.subject), msg.data, time.time()):
             self.m.snapshots_dropped.inc()
 
     async def _on_dispatch(self, msg: Any) -> None:
@@ -166,7 +166,8 @@ class EstimatorWorker:
         except BearError:
             self.m.dispatch_malformed.inc()
             return
-        self.store.get(Subjects.instance_of(msg.subject)).on_dispatch(d)
+        if not self.store.get(Subjects.instance_of(msg.subject)).on_dispatch(d, time.time()):
+            self.m.dispatch_malformed.inc()
 
     def _on_calibration(self, key: str, value: bytes | None) -> None:
         st = self.store.get(key)

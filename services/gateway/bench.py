@@ -166,7 +166,7 @@ async def _via_gateway(session: Any, url: str, messages: list[dict[str, str]], m
 
 
 async def measure(nats_url: str, gateway_url: str, key: str, rate: float, duration: float, max_tokens: int,
-                  seed: int) -> dict[str, Any]:
+                  seed: int, nats_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """One rate: Poisson arrivals, alternate requests on the two paths."""
     import aiohttp
     import nats
@@ -176,7 +176,7 @@ async def measure(nats_url: str, gateway_url: str, key: str, rate: float, durati
     rng = np.random.default_rng(seed)
     n = max(2, round(rate * duration))
     times = arrivals("poisson", rate, n, seed=seed)
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(nats_url, **(nats_options or {}))
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                     headers={"Authorization": f"Bearer {key}"})
     url = gateway_url + "/chat/completions"
@@ -243,7 +243,8 @@ def run_bench(rates: list[float], duration: float, *, max_tokens: int = 1, seed:
             floor = aio.run(http_echo_floor(rate / 2, min(1000, max(50, round(rate * duration / 2))), seed + k))
             cpu0 = _cpu_s(gw.pid) if gw else float("nan")
             s0, n0 = aio.run(gateway_own_overhead(stack.gateway_url))
-            r = aio.run(measure(stack.url, stack.gateway_url, key, rate, duration, max_tokens, seed + k))
+            r = aio.run(measure(stack.url, stack.gateway_url, key, rate, duration, max_tokens, seed + k,
+                                nats_options=stack.nats_options("client")))
             s1, n1 = aio.run(gateway_own_overhead(stack.gateway_url))
             r["gateway_cpu_ms_per_request"] = (_cpu_s(gw.pid) - cpu0) * 1e3 / max(r["sent"] / 2 + WARMUP, 1) if gw else None
             r["gateway_own_overhead_mean_ms"] = (s1 - s0) * 1e3 / max(n1 - n0, 1)

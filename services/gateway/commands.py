@@ -13,6 +13,7 @@ from bear.options import (
     LogFormatOpt,
     LogLevel,
     LogLevelOpt,
+    NatsCreds,
     NatsUrl,
     OtlpEndpoint,
     Prefix,
@@ -27,6 +28,7 @@ from bear.runtime.tracing import Exporter
 
 def gateway(
     nats_url: NatsUrl = FIND_NATS,
+    nats_creds: NatsCreds = "",
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)"),
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="HTTP port; the API is at /v1"),
     api_key_file: Path | None = typer.Option(

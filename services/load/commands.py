@@ -13,7 +13,7 @@ from typing import Any
 
 import typer
 
-from bear.options import FIND_NATS, NatsUrl, Prefix, positive
+from bear.options import FIND_NATS, ClientNatsCreds, NatsUrl, Prefix, positive
 from bear.predictor.tasks import TASKS
 from bear.protocol.codec import json_safe
 from bear.protocol.errors import BearError, ErrorCode
@@ -93,6 +93,7 @@ def load_cmd(
     burst_ratio: float = typer.Option(3.0, "--burst-ratio", min=1.0, help="MMPP-2 high/low rate ratio (≥ 1)"),
     out: Path | None = typer.Option(None, "--out", help="Write the summary as JSON here"),
     nats_url: NatsUrl = FIND_NATS,
+    nats_creds: ClientNatsCreds = "",
     prefix: Prefix = "bear",
 ) -> None:
     """Drive a synthetic workload through the router and report OnTimeUtility and SLO attainment.

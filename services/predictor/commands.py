@@ -22,6 +22,7 @@ from bear.options import (
     LogLevel,
     LogLevelOpt,
     MetricsHost,
+    NatsCreds,
     NatsUrl,
     Prefix,
 )
@@ -43,6 +44,7 @@ data_app = typer.Typer(help="Datasets for the predictor.", no_args_is_help=True)
 def predictor_service(
     ctx: typer.Context,
     nats_url: NatsUrl = FIND_NATS,
+    nats_creds: NatsCreds = "",
     model_dir: Path | None = typer.Option(None, "--model-dir", help="Directory written by `bear predictor train`."),
     tokenizer_dir: Path | None = typer.Option(
         None, "--tokenizer-dir", help="Folder with <model>/tokenizer.json files (else the HF cache, else fallback)."

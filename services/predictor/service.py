@@ -79,8 +79,10 @@ class _Metrics:
 def parse_request(data: bytes, limits: ServiceLimits) -> tuple[dict[str, Any], Deadline]:
     """Validate a ``bear.predict/1`` request; raises ``BearError`` with the right code."""
     req = unpack_map(data, max_bytes=limits.max_request_bytes)
-    if req.get("v") != REQUEST_SCHEMA:
-        raise BearError(ErrorCode.BAD_REQUEST, f"expected v={REQUEST_SCHEMA!r}, got {req.get('v')!r}")
+    v = req.get("v")
+    if v != REQUEST_SCHEMA:
+        got = repr(v[:64]) if isinstance(v, str) else type(v).__name__  # never the repr of a client's structure
+        raise BearError(ErrorCode.BAD_REQUEST, f"expected v={REQUEST_SCHEMA!r}, got {got}")
     deadline = Deadline.from_request(req, limits.default_deadline_s)
     prompt = req.get("prompt")
     if not isinstance(prompt, str):
@@ -169,6 +171,11 @@ class PredictorService:
             deadline.check()
         except BearError as exc:
             await self._reply(request, exc.reply(), str(exc.code), t0)
+            return
+        except Exception as exc:  # a request that breaks the parser: still one coded answer
+            log.warning("request_rejected", error=repr(exc)[:200])
+            await self._reply(request, error_reply(ErrorCode.BAD_REQUEST, f"malformed request: {type(exc).__name__}"),
+                              "bad_request", t0)
             return
         if self._inflight >= self.limits.max_inflight:
             await self._reply(request, error_reply(ErrorCode.OVERLOADED, "predictor at its in-flight limit"),

@@ -21,6 +21,9 @@ from bear.protocol.errors import BearError, ErrorCode
 NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 PosInt = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+# An instance id is one NATS subject token (bear.snapshot.<id>; a dot would split it in two, a
+# wildcard would match other instances' subjects) and an identity name (bear.runtime.identity).
+InstanceId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
 
 # β used when an instance has no calibration yet: a nominal mid-size model on one modern GPU
 # (8 ms per step, 40 µs/token) — a placeholder until the first fit replaces it.
@@ -114,7 +117,7 @@ class Prices(msgspec.Struct, kw_only=True):
 class InstanceRecord(Message, tag="bear.instance/1", kw_only=True):
     """``bear_instances`` KV value: what a router needs to send an instance queries."""
 
-    id: Id
+    id: InstanceId
     model: str = ""  # the served model name (the OpenAI ``model`` field)
     base_url: str = ""  # OpenAI base URL, ending in /v1
     gpu: str = ""

@@ -102,6 +102,7 @@ def build_candidates(prompt_tokens: int, insts: Sequence[InstanceView],
 
 def dispatch_for(query_id: str, request_id: str, p: ModelPrediction, max_tokens: int, t: float) -> Dispatch:
     """The ``bear.dispatch`` message of sending the query to an instance, under prediction ``p``."""
-    return Dispatch(query_id=query_id, request_id=request_id, prompt_tokens=p.prompt_tokens,
-                    predicted_output_tokens=int(max(1, round(min(p.out_len, max_tokens)))), max_tokens=max_tokens,
+    out = p.out_len if math.isfinite(p.out_len) else float(max_tokens)  # a prediction of inf/nan: the cap
+    return Dispatch(query_id=query_id, request_id=request_id, prompt_tokens=min(p.prompt_tokens, 2**31 - 1),
+                    predicted_output_tokens=int(max(1, round(min(out, max_tokens)))), max_tokens=max_tokens,
                     t=t)

@@ -14,6 +14,7 @@ from bear.options import (
     LogLevelOpt,
     MetricsHost,
     MetricsPort,
+    NatsCreds,
     NatsUrl,
     OtlpEndpoint,
     PolicyName,
@@ -47,8 +48,41 @@ def _aliases(raw: list[str]) -> dict[str, str]:
     return out
 
 
+def _engine_keys(path: Path | None) -> dict[str, str]:
+    if path is None:
+        return {}
+    import json
+
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(f"cannot read {path}: {exc}", param_hint="--engine-keys") from exc
+    if not isinstance(d, dict) or not all(isinstance(k, str) and isinstance(v, str) and v for k, v in d.items()):
+        raise typer.BadParameter(f"{path} must map instance ids to keys (strings)", param_hint="--engine-keys")
+    return d
+
+
+def _base_urls(raw: list[str]) -> list[str]:
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    for u in raw:
+        if "://" not in u:
+            try:
+                ipaddress.ip_network(u, strict=False)
+                continue
+            except ValueError:
+                pass
+        parts = urlsplit(u)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise typer.BadParameter(f"expected http(s)://HOST[:PORT][/PATH] or a network (10.0.0.0/8), got {u!r}",
+                                     param_hint="--allow-base-url")
+    return raw
+
+
 def router(
     nats_url: NatsUrl = FIND_NATS,
+    nats_creds: NatsCreds = "",
     policy: PolicyOpt = PolicyName.bear,
     param: list[str] = typer.Option([], "--param", help="Policy parameter NAME=VALUE (e.g. delta=0.5); repeatable"),
     lam: float = typer.Option(5e-4, "--lambda", help="Default λ of U = acc − λ·cost (cost in micro-USD)"),
@@ -56,7 +90,20 @@ def router(
     estimate_budget: float = typer.Option(0.2, "--estimate-budget", help="Seconds the estimator may take (2 tries)"),
     default_output_tokens: int = typer.Option(
         256, "--default-output-tokens", help="Output length assumed when the predictor does not answer"),
-    max_inflight: int = typer.Option(4096, "--max-inflight", help="Queries in progress before `overloaded`"),
+    max_inflight: int = typer.Option(4096, "--max-inflight", min=1,
+                                     help="Queries in progress (answers streaming included) before `overloaded`"),
+    max_deciding: int = typer.Option(256, "--max-deciding", min=1,
+                                     help="Queries being decided (not yet dispatched) before `overloaded`"),
+    shed_lag: float = typer.Option(1.0, "--shed-lag", min=0.001,
+                                   help="Event-loop lag (s) beyond which new submits are refused `overloaded`"),
+    engine_keys: Path | None = typer.Option(
+        None, "--engine-keys", dir_okay=False,
+        help="JSON file {instance id (or \"*\"): API key} of the engines; sent as Authorization: Bearer "
+             "(bear up writes one per run)"),
+    allow_base_url: list[str] = typer.Option(
+        [], "--allow-base-url", help="Route only to instances whose registered base URL is under this one "
+                                     "(scheme, host, optional port and path) or whose host is an address in this "
+                                     "network (e.g. 10.0.0.0/8); repeatable; default: any"),
     estimator_shards: int = typer.Option(1, "--estimator-shards", min=1,
                                          help="Estimator shards of the deployment (the workers' --shards)"),
     down_after: float = typer.Option(10.0, "--down-after", help="Registry heartbeat older than this (s): down"),
@@ -80,9 +127,10 @@ def router(
     cfg = RouterConfig(policy=str(policy), policy_params=_params(param), lam=lam, predict_budget_s=predict_budget,
                        predict_try_s=predict_budget / 2, estimate_budget_s=estimate_budget,
                        estimate_try_s=estimate_budget / 2, default_output_tokens=default_output_tokens,
-                       max_inflight=max_inflight, down_after_s=down_after, outcome_log=outcome_log,
-                       estimator_shards=estimator_shards,
-                       aliases=_aliases(model_alias))
+                       max_inflight=max_inflight, max_deciding=max_deciding, shed_lag_s=shed_lag,
+                       down_after_s=down_after, outcome_log=outcome_log, estimator_shards=estimator_shards,
+                       aliases=_aliases(model_alias), engine_keys=_engine_keys(engine_keys),
+                       allowed_base_urls=tuple(_base_urls(allow_base_url)))
     start_metrics_server(metrics_port, metrics_host)
     aio.run(serve(nats_url, cfg, prefix))
 

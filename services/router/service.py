@@ -12,11 +12,12 @@ import math
 import os
 import time
 import uuid
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 
 from bear.estimator.client import EstimatorClient
@@ -25,6 +26,7 @@ from bear.protocol.errors import BearError, ErrorCode, error_reply
 from bear.protocol.messages import EstimateQuery, EstimateRow, Outcome, encode
 from bear.protocol.sampling import check_sampling
 from bear.protocol.subjects import CANCEL_SCHEMA, Subjects
+from bear.router.admission import Admission
 from bear.router.candidates import LocalLoad, ModelPrediction, build_candidates, dispatch_for
 from bear.router.dedup import Deduplicator
 from bear.router.dispatch import (
@@ -46,6 +48,10 @@ log = structlog.get_logger("bear.router")
 
 SUBMIT_SCHEMA = "bear.submit/1"
 MAX_PROMPT_BYTES = 4 * 1024 * 1024
+MAX_MESSAGE_DEPTH = 8  # chat messages: role/content maps, content parts, their fields
+DISPATCH_MARGIN_S = 0.05  # a query is not dispatched this close to its client's deadline
+RESEND_S = 3.0  # terminal messages sent this long before a reconnect are sent again after it
+RESEND_MAX = 20_000
 CANCEL_MEMORY = 4096  # ids of cancelled queries remembered (a cancel may overtake its submission)
 CANCEL_MEMORY_S = 60.0
 
@@ -63,7 +69,9 @@ class RouterConfig:
     estimate_try_s: float = 0.1
     estimator_shards: int = 1  # estimator shards of the deployment (each its own queue group)
     default_output_tokens: int = 256  # fallback prediction of the output length
-    max_inflight: int = 4096
+    max_inflight: int = 4096  # queries in progress (streaming included) before `overloaded`
+    max_deciding: int = 256  # queries being decided (before dispatch) before `overloaded`
+    shed_lag_s: float = 1.0  # event-loop lag beyond which new submits are refused (GC and a busy host stay below)
     down_after_s: float = 10.0
     fail_backoff_s: float = 5.0  # an instance that refused a connection is avoided this long
     max_attempts: int = 2  # instances tried per query before an `unavailable` error
@@ -74,6 +82,8 @@ class RouterConfig:
     outcome_log: Path | None = None
     aliases: dict[str, str] = field(default_factory=dict)  # served model → predictor model
     name: str = ""
+    engine_keys: dict[str, str] = field(default_factory=dict)  # instance (or "*") → its engine's API key
+    allowed_base_urls: tuple[str, ...] = ()  # instances only under these base URLs (empty: any)
 
 
 @dataclass
@@ -89,6 +99,9 @@ class Query:
     sampling: dict[str, Any] = field(default_factory=dict)  # engine sampling fields, validated
     trace: dict[str, str] | None = None  # trace-context headers for the calls this query makes
     served_by: str | None = None  # the instance it was last dispatched to
+    deadline: float | None = None  # the client stops waiting for the start then (epoch s)
+    inbox: str = ""  # where the answer goes (a cancel must name it)
+    deciding: bool = True  # counted in Admission.deciding until dispatched or finished
 
     @property
     def text(self) -> str:
@@ -129,23 +142,73 @@ def parse_submit(data: bytes, cfg: RouterConfig) -> Query:
     model = d.get("model")
     if model is not None and (not isinstance(model, str) or not model or len(model) > 256):
         raise BearError(ErrorCode.BAD_REQUEST, "model must be a non-empty string (≤ 256 chars)")
+    if messages is not None:
+        for m in messages:
+            _check_json(m, "messages", MAX_MESSAGE_DEPTH)
+    deadline = d.get("deadline")
+    if deadline is not None and (not isinstance(deadline, int | float) or isinstance(deadline, bool)
+                                 or not math.isfinite(deadline)):
+        raise BearError(ErrorCode.BAD_REQUEST, "deadline must be a finite number (epoch seconds)")
+    max_tokens = num("max_tokens", cfg.default_max_tokens, 1)
+    if max_tokens > 2**31 - 1:
+        raise BearError(ErrorCode.BAD_REQUEST, "max_tokens must be < 2^31")
     q = Query(query_id=qid, prompt=prompt, messages=messages,
               ttft_target_s=num("ttft_target_s", cfg.default_ttft_target_s, 0.0),
-              max_tokens=int(num("max_tokens", cfg.default_max_tokens, 1)), lam=num("lam", cfg.lam, 0.0),
-              prompt_tokens=pt, model=model, sampling=check_sampling(d.get("sampling")))
+              max_tokens=int(max_tokens), lam=num("lam", cfg.lam, 0.0),
+              prompt_tokens=pt, model=model, sampling=check_sampling(d.get("sampling")),
+              deadline=None if deadline is None else float(deadline))
     if len(q.text.encode()) > MAX_PROMPT_BYTES:
         raise BearError(ErrorCode.TOO_LARGE, f"prompt larger than {MAX_PROMPT_BYTES} bytes")
     return q
 
 
+def _check_json(v: Any, where: str, depth: int) -> None:
+    """``v`` is what the engine's JSON body can carry: maps with string keys, lists, strings,
+    finite numbers, booleans, null — at most ``depth`` levels (a msgpack timestamp or bytes would
+    fail only after dispatch, inside the HTTP client)."""
+    if depth < 0:
+        raise BearError(ErrorCode.BAD_REQUEST, f"{where} nested too deeply")
+    if isinstance(v, dict):
+        for k, x in v.items():
+            if not isinstance(k, str):
+                raise BearError(ErrorCode.BAD_REQUEST, f"{where}: keys must be strings")
+            _check_json(x, where, depth - 1)
+    elif isinstance(v, list):
+        for x in v:
+            _check_json(x, where, depth - 1)
+    elif isinstance(v, float):
+        if not math.isfinite(v):
+            raise BearError(ErrorCode.BAD_REQUEST, f"{where}: numbers must be finite")
+    elif not (v is None or isinstance(v, str | int | bool)):
+        raise BearError(ErrorCode.BAD_REQUEST, f"{where}: {type(v).__name__} values are not JSON")
+
+
+class _Peek(msgspec.Struct):
+    """The fields admission reads before the submit is parsed (cheap: the rest is skipped)."""
+
+    deadline: float | None = None
+
+
+_peek = msgspec.msgpack.Decoder(_Peek)
+
+
+def peek_deadline(data: bytes) -> float | None:
+    try:
+        d = _peek.decode(data).deadline
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None  # the full parse answers bad_request
+    return d if d is not None and math.isfinite(d) else None
+
+
 class ClientStream:
     """Messages to one client inbox; guarantees exactly one terminal message (done or error)."""
 
-    def __init__(self, nc: Any, inbox: str, query_id: str) -> None:
+    def __init__(self, nc: Any, inbox: str, query_id: str, recent: deque[tuple[float, str, bytes]] | None = None) -> None:
         self.nc = nc
         self.inbox = inbox
         self.query_id = query_id
         self.finished = False
+        self.recent = recent  # the router's recently sent terminal messages (resent after a reconnect)
 
     async def send(self, msg: dict[str, Any]) -> None:
         if self.finished:
@@ -157,8 +220,20 @@ class ClientStream:
             log.warning("reply to client failed", query_id=self.query_id, error=str(exc))
 
     async def finish(self, msg: dict[str, Any]) -> None:
-        await self.send(msg)
+        if self.finished:
+            return
+        msg.setdefault("query_id", self.query_id)
+        data = pack(msg)
+        try:
+            await self.nc.publish(self.inbox, data)
+        except Exception as exc:
+            log.warning("reply to client failed", query_id=self.query_id, error=str(exc))
         self.finished = True
+        if self.recent is not None:
+            now = time.monotonic()
+            self.recent.append((now, self.inbox, data))
+            while self.recent and (now - self.recent[0][0] > RESEND_S or len(self.recent) > RESEND_MAX):
+                self.recent.popleft()
 
     async def error(self, code: ErrorCode, message: str, **extra: Any) -> None:
         m = error_reply(code, message)
@@ -173,7 +248,10 @@ class RouterService:
         self.subjects = subjects or Subjects()
         self.name = self.cfg.name or f"{os.uname().nodename}:{os.getpid()}:{id(self) & 0xFFFF:x}"
         self.policy: Policy = make_policy(self.cfg.policy, **self.cfg.policy_params)
-        self.registry = Registry(nc, self.subjects, down_after_s=self.cfg.down_after_s, aliases=self.cfg.aliases)
+        self.registry = Registry(nc, self.subjects, down_after_s=self.cfg.down_after_s, aliases=self.cfg.aliases,
+                                 allowed_base_urls=self.cfg.allowed_base_urls)
+        self.admission = Admission(max_inflight=self.cfg.max_inflight, max_deciding=self.cfg.max_deciding,
+                                   shed_lag_s=self.cfg.shed_lag_s)
         shards = max(1, self.cfg.estimator_shards)
         self.estimators = [EstimatorClient(nc, self.subjects, try_timeout_s=self.cfg.estimate_try_s,
                                            subject=self.subjects.estimate_shard(k, shards)) for k in range(shards)]
@@ -184,10 +262,16 @@ class RouterService:
         self.local = LocalLoad(defaultdict(int), defaultdict(int))  # in flight here: the eq. 8 fallback
         self._tasks: set[asyncio.Task[None]] = set()
         self._by_query: dict[str, asyncio.Task[None]] = {}  # query_id → the task serving it here
-        self._cancelled: OrderedDict[str, float] = OrderedDict()  # recently cancelled ids → monotonic time
+        self._inboxes: dict[str, str] = {}  # query_id → its answer's inbox, while served here
+        self._cancelled: OrderedDict[str, tuple[float, str]] = OrderedDict()  # id → (monotonic time, inbox)
         self._sub: Any = None
         self._cancel_sub: Any = None
         self._session: Any = None
+        self._lag_task: asyncio.Task[None] | None = None
+        self._resend_task: asyncio.Task[None] | None = None
+        # A NATS node that dies takes the messages in its buffers with it: the terminal messages
+        # of the last RESEND_S go out again after a reconnect (a client ends on the first one).
+        self._recent: deque[tuple[float, str, bytes]] = deque()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -195,6 +279,8 @@ class RouterService:
 
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
         await self.registry.start()
+        self._lag_task = asyncio.create_task(self.admission.watch_loop())
+        self._resend_task = asyncio.create_task(self._resend_after_reconnect())
         self._sub = await self.nc.subscribe(self.subjects.submit, queue="bear-router", cb=self._on_submit,
                                             pending_msgs_limit=65536)
         # every router hears every cancel (no queue group): only the one serving the query acts
@@ -214,6 +300,7 @@ class RouterService:
             _, pending = await asyncio.wait(list(self._tasks), timeout=drain_s)
             await cancel_all(pending)
         await self.registry.stop()
+        await cancel_all([t for t in (self._lag_task, self._resend_task) if t is not None])
         if self._session is not None:
             await self._session.close()
         self.outcomes.close()
@@ -223,13 +310,31 @@ class RouterService:
         t0 = time.perf_counter()
         if not msg.reply:
             return  # nowhere to answer: a malformed publish
-        if len(self._tasks) >= self.cfg.max_inflight:
-            await ClientStream(self.nc, msg.reply, "").error(ErrorCode.OVERLOADED, "router at max_inflight")
-            self.m.queries.labels(status="overloaded").inc()
+        refusal = self.admission.refuse(len(self._tasks), peek_deadline(msg.data), time.time())
+        if refusal is not None:
+            self.m.loop_lag.set(self.admission.lag)
+            await ClientStream(self.nc, msg.reply, "").error(refusal.code, refusal.message)
+            self.m.queries.labels(status=str(refusal.code)).inc()
+            self.m.shed.labels(reason=refusal.reason).inc()
             return
+        self.admission.deciding += 1
         task = asyncio.create_task(self._serve(msg.data, msg.reply, t0, msg.headers))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _resend_after_reconnect(self) -> None:
+        seen = int(self.nc.stats.get("reconnects", 0))
+        while True:
+            await asyncio.sleep(0.05)
+            now_seen = int(self.nc.stats.get("reconnects", 0))
+            if now_seen == seen:
+                continue
+            seen = now_seen
+            recent = list(self._recent)
+            for _, inbox, data in recent:
+                with contextlib.suppress(Exception):
+                    await self.nc.publish(inbox, data)
+            log.info("reconnected: terminal messages sent again", count=len(recent))
 
     async def _on_cancel(self, msg: Any) -> None:
         """``bear.cancel/1``: abort the query if this router serves it, and remember the id for a
@@ -238,25 +343,31 @@ class RouterService:
             d = unpack_map(msg.data)
         except BearError:
             return
-        qid = d.get("query_id")
-        if d.get("v") != CANCEL_SCHEMA or not isinstance(qid, str):
+        qid, inbox = d.get("query_id"), d.get("inbox")
+        if d.get("v") != CANCEL_SCHEMA or not isinstance(qid, str) or not isinstance(inbox, str) or not inbox:
             return
         now = time.monotonic()
-        self._cancelled[qid] = now
+        self._cancelled[qid] = (now, inbox)
         self._cancelled.move_to_end(qid)
         while self._cancelled and (len(self._cancelled) > CANCEL_MEMORY
-                                   or now - next(iter(self._cancelled.values())) > CANCEL_MEMORY_S):
+                                   or now - next(iter(self._cancelled.values()))[0] > CANCEL_MEMORY_S):
             self._cancelled.popitem(last=False)
         task = self._by_query.get(qid)
-        if task is not None:
+        if task is not None and self._is_cancelled(qid, self._inboxes.get(qid, "")):
             task.cancel()
+
+    def _is_cancelled(self, query_id: str, inbox: str) -> bool:
+        """A cancel counts only from whoever holds the answer's inbox (it names the inbox, which
+        only that client and the router serving it know: a query id alone is not enough)."""
+        c = self._cancelled.get(query_id)
+        return c is not None and c[1] == inbox
 
     def _record_cancelled(self, q: Query, **extra: Any) -> None:
         self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "cancelled", "policy": self.policy.name,
                               "router": self.name, "target_s": q.ttft_target_s, **extra})
 
     async def _serve(self, data: bytes, inbox: str, t0: float, headers: dict[str, str] | None = None) -> None:
-        out = ClientStream(self.nc, inbox, "")
+        out = ClientStream(self.nc, inbox, "", self._recent)
         self.m.inflight.inc()
         q: Query | None = None
         try:
@@ -267,16 +378,18 @@ class RouterService:
                 self.m.queries.labels(status="bad_request").inc()
                 return
             out.query_id = q.query_id
-            if q.query_id in self._cancelled:  # the client gave up before it got here
+            q.inbox = inbox
+            if self._is_cancelled(q.query_id, inbox):  # the client gave up before it got here
                 out.finished = True
                 self._record_cancelled(q)
                 return
-            self._by_query.setdefault(q.query_id, asyncio.current_task())  # type: ignore[arg-type]
+            if self._by_query.setdefault(q.query_id, asyncio.current_task()) is asyncio.current_task():  # type: ignore[arg-type]
+                self._inboxes[q.query_id] = inbox
             with tracing.child("router.query", headers, kind="server", query_id=q.query_id) as span:
                 q.trace = span.headers
                 await self._route(q, out, t0)
         except asyncio.CancelledError:
-            if q is not None and q.query_id in self._cancelled:  # the client cancelled: nobody to answer
+            if q is not None and self._is_cancelled(q.query_id, inbox):  # the client cancelled: nobody to answer
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
                 out.finished = True
                 self._record_cancelled(q, instance=q.served_by)
@@ -289,8 +402,11 @@ class RouterService:
             self.m.queries.labels(status="internal").inc()
         finally:
             self.m.inflight.dec()
+            if q is None or q.deciding:
+                self.admission.deciding = max(0, self.admission.deciding - 1)
             if q is not None and self._by_query.get(q.query_id) is asyncio.current_task():
                 del self._by_query[q.query_id]
+                self._inboxes.pop(q.query_id, None)
             if not out.finished:  # defensive: every accepted query ends in done or error
                 await out.error(ErrorCode.INTERNAL, "no terminal message")
 
@@ -324,6 +440,17 @@ class RouterService:
             await out.error(ErrorCode.UNAVAILABLE, f"no healthy instance{what} registered")
             self.m.queries.labels(status="unavailable").inc()
             return
+        need = (q.prompt_tokens or 0) + q.max_tokens  # tokens the query needs at least
+        fits = [i for i in insts if i.max_model_len is None or need <= i.max_model_len]
+        if not fits:
+            most = max(i.max_model_len or 0 for i in insts)
+            reason = (f"the query needs ≥ {need} tokens (prompt + max_tokens); the largest max_model_len of the "
+                      f"candidate instances is {most}")
+            await out.error(ErrorCode.TOO_LARGE, reason)
+            self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "too_large", "reason": reason,
+                                  "policy": self.policy.name, "target_s": q.ttft_target_s})
+            return
+        insts = fits
         ptoks = q.token_estimate()
         # The dedup claim (a JetStream round trip) runs concurrently with the two questions.
         asked = await self._ask(q, insts, ptoks)
@@ -343,12 +470,30 @@ class RouterService:
         cands, used = build_candidates(ptoks, insts, preds, rows, asked.decided_at,
                                        default_output_tokens=self.cfg.default_output_tokens, local=self.local)
         ctx = QueryContext(q.query_id, q.ttft_target_s, q.lam, ptoks)
+        if q.deadline is not None and cands and rows is not None:
+            soonest = min(c.ttft for c in cands)
+            if math.isfinite(soonest) and time.time() + soonest > q.deadline:
+                # every instance is predicted to start it after its client has given up
+                await out.error(ErrorCode.OVERLOADED, f"the soonest predicted first token ({soonest * 1e3:.0f} ms) "
+                                                      "comes after the client's deadline; not executed")
+                self.m.shed.labels(reason="pool_deadline").inc()
+                self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "overloaded",
+                                      "policy": self.policy.name, "target_s": q.ttft_target_s})
+                return
         excluded: set[str] = set()
         attempts: list[dict[str, Any]] = []
         for attempt in range(1, self.cfg.max_attempts + 1):
             live = [c for c in cands if c.instance not in excluded]
             if not live:
                 break
+            if q.deadline is not None and time.time() > q.deadline - DISPATCH_MARGIN_S:
+                # the client has given up (or will before the answer starts): do not execute
+                await out.error(ErrorCode.DEADLINE_EXCEEDED, "the client's deadline passed before dispatch; "
+                                                             "not executed")
+                self.m.shed.labels(reason="expired").inc()
+                self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "deadline_exceeded",
+                                      "policy": self.policy.name, "attempt": attempt, "target_s": q.ttft_target_s})
+                return
             d = self.policy.decide(ctx, live)
             inst = self.registry.get(d.candidate.instance)
             p = used[inst.id]
@@ -357,6 +502,9 @@ class RouterService:
                                   encode(dispatch_for(q.query_id, request_id, p, q.max_tokens, time.time())))
             q.served_by = inst.id
             decision_s = time.perf_counter() - t0
+            if q.deciding:
+                q.deciding = False
+                self.admission.decided(decision_s)
             if attempt == 1:
                 self.m.decision.observe(decision_s)
                 self.m.overhead.observe(max(0.0, decision_s - waited))
@@ -406,10 +554,14 @@ class RouterService:
         with tracing.child("router.engine", q.trace, kind="client", instance=inst.id, model=inst.model,
                            request_id=request_id, attempt=attempt, ttft_method=d.candidate.ttft_method,
                            predicted_ttft_s=_finite(predicted)) as span:
+            headers = dict(span.headers or {})
+            key = self.cfg.engine_keys.get(inst.id) or self.cfg.engine_keys.get("*")
+            if key:
+                headers["Authorization"] = f"Bearer {key}"
             try:
                 async for piece in stream_completion(self._session, inst.base_url, request_id, path, body,
                                                      connect_timeout_s=self.cfg.connect_timeout_s,
-                                                     idle_timeout_s=self.cfg.idle_timeout_s, headers=span.headers):
+                                                     idle_timeout_s=self.cfg.idle_timeout_s, headers=headers):
                     if piece.text:
                         if first is None:
                             first = time.perf_counter()

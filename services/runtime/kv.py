@@ -10,9 +10,13 @@ from typing import Any
 
 from nats.errors import TimeoutError as NatsTimeout
 
+DEDUP_TTL_S = 600.0  # how long a claimed query id is remembered (bear.router.dedup)
 
-async def ensure_kv(js: Any, bucket: str) -> Any:
-    """The JetStream KV bucket ``bucket``, created (history 1) when it does not exist yet."""
+
+async def ensure_kv(js: Any, bucket: str, *, ttl_s: float | None = None, replicas: int = 1) -> Any:
+    """The JetStream KV bucket ``bucket``, created (history 1) when it does not exist yet. Under
+    least-privilege credentials only ``admin`` may create one (``provision``): for any other
+    identity a missing bucket is an error that its caller retries."""
     from nats.js.errors import BucketNotFoundError
 
     try:
@@ -20,7 +24,18 @@ async def ensure_kv(js: Any, bucket: str) -> Any:
     except BucketNotFoundError:
         from nats.js.api import KeyValueConfig
 
-        return await js.create_key_value(KeyValueConfig(bucket=bucket, history=1))
+        return await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, replicas=replicas))
+
+
+async def provision(js: Any, subjects: Any, *, replicas: int = 1, dedup_ttl_s: float = DEDUP_TTL_S) -> list[str]:
+    """Create the deployment's KV buckets (``bear up`` and ``bear nats provision`` do it as
+    ``admin`` before any service starts): the registry, the calibration and the dedup bucket
+    (entries expire after ``dedup_ttl_s``), each replicated ``replicas`` times in a cluster."""
+    buckets = [(subjects.instances_bucket, None), (subjects.calibration_bucket, None),
+               (subjects.queries_bucket, dedup_ttl_s)]
+    for bucket, ttl in buckets:
+        await ensure_kv(js, bucket, ttl_s=ttl, replicas=replicas)
+    return [b for b, _ in buckets]
 
 
 @dataclass

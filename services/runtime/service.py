@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import structlog
 
 from bear.protocol.errors import BearError, ErrorCode
+from bear.runtime.identity import CREDS_ENV
 
 log = structlog.get_logger("bear.runtime")
 
@@ -32,15 +35,28 @@ def stop_event() -> asyncio.Event:
     return stop
 
 
+def auth_options(creds: str | Path | None = None) -> dict[str, Any]:
+    """nats-py options that authenticate as the identity in ``creds`` (default:
+    ``$BEAR_NATS_CREDS``; none: anonymous, for a server run with ``--insecure``)."""
+    from bear.runtime.identity import creds_from_env, load_identity
+
+    path = creds if creds is not None else creds_from_env()
+    return load_identity(path).connect_options() if path else {}
+
+
 async def connect(url: str, name: str, *, connect_within_s: float = CONNECT_WITHIN_S,
-                  max_reconnect_attempts: int = -1, **options: Any) -> Any:
-    """A NATS connection named ``name``. The first connection is tried for about
-    ``connect_within_s`` and then raises ``BearError(UNAVAILABLE)`` naming the URL and the last
-    failure; once connected it reconnects ``max_reconnect_attempts`` times (-1: forever).
-    Slow-consumer drops and other asynchronous errors are logged, not fatal. An empty ``url`` (a
-    command's ``--nats`` found no stack, bear.options) is the error "no BEAR stack found"."""
+                  max_reconnect_attempts: int = -1, creds: str | Path | None = None, **options: Any) -> Any:
+    """A NATS connection named ``name``, authenticated as the identity in ``creds`` (default
+    ``$BEAR_NATS_CREDS``, which ``bear up`` sets for each child; ``--nats-creds`` sets it for a
+    command). The first connection is tried for about ``connect_within_s`` and then raises
+    ``BearError(UNAVAILABLE)`` naming the URL and the last failure (a refused identity:
+    ``BearError(BAD_REQUEST)`` saying so); once connected it reconnects
+    ``max_reconnect_attempts`` times (-1: forever). Slow-consumer drops, permission violations and
+    other asynchronous errors are logged, not fatal. An empty ``url`` (a command's ``--nats``
+    found no stack, bear.options) is the error "no BEAR stack found"."""
     if not url:
         raise BearError(ErrorCode.UNAVAILABLE, NO_STACK)
+    options = {**auth_options(creds), **options}
     import nats
     from nats.aio.client import Client
     from nats.errors import NoServersError
@@ -62,13 +78,19 @@ async def connect(url: str, name: str, *, connect_within_s: float = CONNECT_WITH
     attempts = max(1, math.ceil(connect_within_s / _RETRY_WAIT_S))
     wait = options.pop("reconnect_time_wait", 0.2)
     try:
-        await asyncio.wait_for(nc.connect(url, name=name, error_cb=on_error, connect_timeout=connect_timeout,
+        await asyncio.wait_for(nc.connect(servers(url), name=name, error_cb=on_error, connect_timeout=connect_timeout,
                                           max_reconnect_attempts=attempts, reconnect_time_wait=min(wait, _RETRY_WAIT_S),
                                           **options), connect_within_s + connect_timeout)
     except (NoServersError, OSError, TimeoutError, nats.errors.Error) as exc:
         with contextlib.suppress(Exception):
             await nc.close()
         why = last[-1] if last else exc
+        if _auth_refused(why) or any(_auth_refused(e) for e in last):
+            who = "the identity in " + str(creds or os.environ.get(CREDS_ENV, "")) if options.get("nkeys_seed_str") \
+                else "a connection without credentials"
+            raise BearError(ErrorCode.BAD_REQUEST, f"NATS at {_redacted(url)} refused {who} (authorization "
+                                                   "violation): pass --nats-creds FILE, or run in the bear up "
+                                                   "directory") from exc
         raise BearError(ErrorCode.UNAVAILABLE, f"cannot connect to NATS at {_redacted(url)}: {_describe(why)}") from exc
     except ValueError as exc:  # a malformed URL
         raise BearError(ErrorCode.BAD_REQUEST, f"invalid NATS URL {_redacted(url)!r}: {exc}") from exc
@@ -76,6 +98,16 @@ async def connect(url: str, name: str, *, connect_within_s: float = CONNECT_WITH
     nc.options["max_reconnect_attempts"] = max_reconnect_attempts
     nc.options["reconnect_time_wait"] = wait
     return nc
+
+
+def servers(url: str) -> str | list[str]:
+    """``url`` for nats-py: a comma-separated list of servers (a cluster) as a list."""
+    return [u.strip() for u in url.split(",") if u.strip()] if "," in url else url
+
+
+def _auth_refused(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "authorization violation" in text or "authentication" in text or "user authentication" in text
 
 
 def _redacted(url: str) -> str:

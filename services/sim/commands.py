@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 from bear.options import (
@@ -11,6 +13,7 @@ from bear.options import (
     LogFormatOpt,
     LogLevel,
     LogLevelOpt,
+    NatsCreds,
     NatsUrl,
     OtlpEndpoint,
     Prefix,
@@ -38,6 +41,7 @@ def sim_engine(
     port: int = typer.Option(8000, "--port", help="HTTP port of the OpenAI-compatible API"),
     instance: str = typer.Option(..., "--instance", help="Instance id (the last token of its NATS subjects)"),
     nats_url: NatsUrl = FIND_NATS,
+    nats_creds: NatsCreds = "",
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on"),
     base_url: str = typer.Option("", "--base-url", help="URL to advertise in bear_instances (default: from host/port)"),
     seed: int = typer.Option(-1, "--seed", help="Seed of the batch-time noise; -1: random"),
@@ -49,6 +53,10 @@ def sim_engine(
         "lognormal:256:0.8", "--output-lengths", callback=_check_lengths,
         help="Tokens the simulated model generates: 'max' (never EOS: max_tokens) or "
              "'lognormal:MEDIAN:SIGMA' (a seeded draw per request, capped by max_tokens)"),
+    api_key_file: Path | None = typer.Option(
+        None, "--api-key-file", dir_okay=False,
+        help="Require Authorization: Bearer <key> on /v1/* with a key from this file (one per line), as "
+             "vLLM's --api-key does; default: no key (bear up always gives one)"),
     prefix: Prefix = "bear",
     trace_exporter: TraceExporterOpt = Exporter.auto,
     otlp_endpoint: OtlpEndpoint = None,
@@ -56,6 +64,21 @@ def sim_engine(
     log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
     """Run a simulated vLLM instance (roofline-timed, vLLM V1 scheduling) with the OpenAI API."""
+    from bear.runtime.identity import NAME
+
+    if not NAME.match(instance):
+        raise typer.BadParameter("must be 1-128 letters, digits, '-' or '_' (it is one NATS subject token)",
+                                 param_hint="--instance")
+    keys = None
+    if api_key_file is not None:
+        from bear.gateway.auth import ApiKeys, AuthConfigError, load_keys
+
+        try:
+            keys = ApiKeys(load_keys(api_key_file, env={}))
+        except AuthConfigError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--api-key-file") from exc
+        if not len(keys):
+            raise typer.BadParameter(f"no key in {api_key_file}", param_hint="--api-key-file")
     configure_logging(log_format, log_level)
     setup_tracing(f"bear-sim-{instance}", trace_exporter, otlp_endpoint)
     from bear.sim.run import serve
@@ -63,7 +86,7 @@ def sim_engine(
     aio.run(serve(profile, port, instance, nats_url, host=host, prefix=prefix,
                       seed=None if seed < 0 else seed, base_url=base_url or None,
                       heartbeat_s=heartbeat_s, min_interval_s=min_interval_s, output_lengths=output_lengths,
-                      deltas=deltas, full_every=full_every))
+                      api_keys=keys, deltas=deltas, full_every=full_every))
 
 
 

@@ -25,9 +25,9 @@ log = structlog.get_logger("bear.sim")
 async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, host: str = "127.0.0.1",
                 prefix: str = "bear", seed: int | None = None, base_url: str | None = None,
                 heartbeat_s: float = 0.5, min_interval_s: float = 0.0, output_lengths: str = "max",
-                deltas: bool = True, full_every: int = 256, ready: Any = None) -> None:
+                api_keys: Any = None, deltas: bool = True, full_every: int = 256, ready: Any = None) -> None:
+    """``api_keys``: a ``bear.gateway.auth.ApiKeys`` the HTTP API requires (None: open)."""
     from aiohttp import web
-
 
     profile = load_profile(profile_name)
     subjects = Subjects(prefix)
@@ -36,7 +36,7 @@ async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, h
                                   deltas=deltas, full_every=full_every, generation=time.time_ns())
     sim = SimEngine(profile, instance, publisher, seed=seed, lengths=OutputLengths.parse(output_lengths, seed))
     publisher.initial = lambda: sim.engine.snapshot(instance, profile.model, 0.0)
-    runner = SimApi(sim).runner()
+    runner = SimApi(sim, api_keys).runner()
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -44,7 +44,8 @@ async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, h
     registration = Registration(nc, instance_record(
         instance, profile.model, url, gpu=f"{profile.gpu.count}x{profile.gpu.name}", backend="sim",
         price_input_per_mtok=profile.prices.get("input_per_mtok", 0.0),
-        price_output_per_mtok=profile.prices.get("output_per_mtok", 0.0)), subjects)
+        price_output_per_mtok=profile.prices.get("output_per_mtok", 0.0),
+        config={"max_model_len": sim.max_model_len}), subjects)
     tasks = [asyncio.create_task(publisher.run()), asyncio.create_task(sim.run()),
              asyncio.create_task(registration.run())]
     stop = stop_event()

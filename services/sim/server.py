@@ -83,8 +83,12 @@ def filler(start: int, count: int) -> str:
 
 
 class SimApi:
-    def __init__(self, sim: SimEngine) -> None:
+    """``api_keys``: require ``Authorization: Bearer <key>`` on ``/v1/*``, as vLLM's ``--api-key``
+    does (``/health`` stays open for probes); None: no key."""
+
+    def __init__(self, sim: SimEngine, api_keys: Any = None) -> None:
         self.sim = sim
+        self.api_keys = api_keys
 
     def runner(self) -> web.AppRunner:
         """The server's runner. ``handler_cancellation``: a client that goes away cancels its
@@ -93,8 +97,17 @@ class SimApi:
         (with aiohttp's default the handler would only notice at its next write)."""
         return web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
 
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.api_keys is not None and request.path.startswith("/v1/"):
+            why = self.api_keys.check(request.headers.get("Authorization"))
+            if why is not None:
+                return web.json_response({"error": {"message": why, "type": "invalid_request_error",
+                                                    "code": "invalid_api_key"}}, status=401)
+        return await handler(request)
+
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._auth])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)

@@ -18,6 +18,7 @@ from bear.options import (
     LogLevelOpt,
     MetricsHost,
     MetricsPort,
+    NatsCreds,
     NatsUrl,
     Prefix,
 )
@@ -31,6 +32,7 @@ def snapshotter(
         str, typer.Option(help="Shared-memory region the plugin writes (BEAR_SNAPSHOT_SHM of vLLM).")
     ],
     nats: NatsUrl = FIND_NATS,
+    nats_creds: NatsCreds = "",
     model: Annotated[str, typer.Option(help="Model name served by the instance (registry entry).")] = "",
     base_url: Annotated[
         str, typer.Option(help="OpenAI-compatible base URL of the instance (registry entry).")

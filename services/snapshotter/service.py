@@ -24,6 +24,7 @@ from bear.instance.publisher import InstancePublisher
 from bear.instance.record import Registration, instance_record
 from bear.protocol.jsonl import open_text
 from bear.protocol.subjects import SNAPSHOT_SCHEMA, Subjects
+from bear.runtime.service import auth_options
 from bear.runtime.shutdown import cancel_all
 from bear.snapshotter.metrics import SnapshotterMetrics
 from bear.snapshotter.records import BatchBuilder, RecordError, StepDecoder, to_snapshot
@@ -139,6 +140,7 @@ class Snapshotter:
                     disconnected_cb=self._on_disconnected,
                     reconnected_cb=self._on_reconnected,
                     error_cb=self._on_error,
+                    **auth_options(),  # the instance's own identity ($BEAR_NATS_CREDS)
                 )
                 self.log.info("nats_connected", url=self.cfg.nats_url)
                 self.publisher.nc = self.registration.nc = self.nc

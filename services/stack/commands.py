@@ -22,6 +22,7 @@ import typer
 from bear.options import DEFAULT_METRICS_HOST, MetricsHost, PolicyName, PolicyOpt, positive
 from bear.protocol.codec import json_safe
 from bear.protocol.errors import BearError, ErrorCode
+from bear.runtime.identity import CREDS_ENV
 
 DEFAULT_METRICS_PORT = 9464
 
@@ -62,16 +63,24 @@ def metrics_ports(requested: int | None, routers: int, host: str) -> int:
     raise OSError("no free port range for the router metrics: pass --metrics-port N or 0")
 
 
-async def _reachable(url: str) -> None:
+async def _reachable(url: str, creds: Path | str) -> None:
     from bear.runtime.service import connect
 
-    nc = await connect(url, "bear-up-check", connect_within_s=3.0)
+    nc = await connect(url, "bear-up-check", connect_within_s=3.0, creds=creds)
     await nc.close()
 
 
 def up_cmd(
     nats_url: str | None = typer.Option(None, "--nats", help="Use this NATS cluster instead of starting a local "
                                                              "nats-server"),
+    nats_auth: Path | None = typer.Option(
+        None, "--nats-auth", file_okay=False,
+        help="With --nats: the folder of identities `bear nats config` wrote for that server (one per service "
+             "and instance); default: connect without credentials"),
+    insecure: bool = typer.Option(
+        False, "--insecure", help="No NATS authentication and no engine API keys: anyone on this machine can "
+                                  "steer routing and read prompts (experiments only; default: one identity per "
+                                  "service and per instance, generated per run)"),
     backend: Backend = typer.Option(Backend.sim, "--backend",
                                     help="Instances: sim (three simulated H100 instances) or vllm (real vLLM)"),
     vllm_model: Path | None = typer.Option(
@@ -116,6 +125,10 @@ def up_cmd(
     --backend vllm real vLLM processes (BEAR scheduler plugin + `bear snapshotter` each)."""
     from bear.stack.discovery import read_state
 
+    if nats_auth is not None and not nats_url:
+        raise typer.BadParameter("--nats-auth goes with --nats (the local server gets identities of its own)")
+    if nats_auth is not None and insecure:
+        raise typer.BadParameter("--nats-auth and --insecure: choose one")
     if backend == Backend.sim and (vllm_model is not None or vllm_arg or vllm_python):
         raise typer.BadParameter("--vllm-* options need --backend vllm")
     if vllm_instances < 1:
@@ -138,7 +151,8 @@ def up_cmd(
     if nats_url:
         from bear.runtime import aio
 
-        aio.run(_reachable(nats_url))  # a wrong URL fails here, in one line, before anything starts
+        admin = nats_auth / "admin.json" if nats_auth is not None else ""
+        aio.run(_reachable(nats_url, admin))  # a wrong URL fails here, in one line, before anything starts
 
     from bear.stack.stack import StackConfig
 
@@ -153,7 +167,8 @@ def up_cmd(
                       metrics_host=metrics_host, runs_kept=keep_runs, n_train=n_train, backend=str(backend),
                       vllm_python=vllm_python, vllm_model=vllm_model.resolve() if vllm_model else None,
                       vllm_instances=vllm_instances, vllm_args=list(vllm_arg) or None, gateway_port=gateway_port,
-                      gateway_key_file=key_file)
+                      gateway_key_file=key_file, insecure=insecure,
+                      auth_dir=nats_auth.resolve() if nats_auth is not None else None)
     raise typer.Exit(run_up(cfg, load_rate, load_duration, load_out))
 
 
@@ -187,6 +202,9 @@ def run_up(cfg: Any, load_rate: float, load_duration: float, load_out: Path | No
         write_state({**stack.describe(), "workdir": str(cfg.workdir.resolve()), "started": time.time()})
         _banner(console, stack, escape)
         if load_rate > 0:
+            client = stack.creds("client")
+            if client is not None:
+                os.environ[CREDS_ENV] = str(client)  # the load connects as the stack's client
             rep = run_load_cli(stack.url, cfg.prefix, load_rate, "poisson", load_duration, "", 5e-4, 4096, 0, 3.0)
             out = load_out or stack.run_dir / "load-summary.json"
             out.write_text(json.dumps(json_safe(rep), indent=2))
@@ -196,10 +214,9 @@ def run_up(cfg: Any, load_rate: float, load_duration: float, load_out: Path | No
             console.print("Ctrl-C stops everything.")
             serving = True
             while True:
-                time.sleep(1.0)
-                dead = [c for c in stack.children.values() if not c.alive()]
-                if dead:
-                    raise OSError(f"stopping the stack: {'; '.join(c.failure() for c in dead)}")
+                time.sleep(0.5)
+                for event in stack.supervise():  # a dead child is restarted, not the end of the stack
+                    console.print(f"[yellow]{escape(event)}[/yellow]", soft_wrap=True)
     except KeyboardInterrupt:
         sig = received[-1] if received else signal.SIGINT
         if not serving:  # interrupted before the stack was up, or in the middle of its load
@@ -224,6 +241,13 @@ def _banner(console: Any, stack: Any, escape: Any) -> None:
     bear = bear_command()
     console.print(f"[bold green]BEAR is up[/bold green] — NATS {stack.url} (commands run in this directory find "
                   "it without --nats)", soft_wrap=True)
+    client = stack.creds("client")
+    if client is not None:
+        console.print(f"  NATS identities  {escape(str(stack.auth.directory))}/ (one per service and instance; "
+                      f"clients use {escape(client.name)}; engines require API keys)", soft_wrap=True)
+    elif stack.cfg.insecure:
+        console.print("  [bold red]--insecure[/bold red]: NATS without authentication, engines without API keys",
+                      soft_wrap=True)
     for inst, port in stack.instances.items():
         served = f" (model {stack.served_model})" if stack.served_model else ""
         console.print(f"  instance {inst:<12} http://127.0.0.1:{port}/v1{escape(served)}")
@@ -258,9 +282,45 @@ def bench_router(
         out.write_text(json.dumps(json_safe(res), indent=2))
 
 
+def _fault_list(value: str) -> str:
+    from bear.stack.faults_bench import FAULTS
+
+    bad = [f for f in value.split(",") if f.strip() not in FAULTS]
+    if bad:
+        raise typer.BadParameter(f"unknown fault {', '.join(map(repr, bad))}; valid: {', '.join(FAULTS)}")
+    return value
+
+
+def bench_faults(
+    faults: str = typer.Option("worker-kill,worker-hang,predictor-kill,engine-kill,nats-restart,node-kill,overload",
+                               "--faults", callback=_fault_list,
+                               help="Comma-separated faults: worker-kill, worker-hang, predictor-kill, engine-kill, "
+                                    "nats-restart, node-kill (3-node NATS cluster), overload"),
+    rate: float = typer.Option(8.0, "--rate", callback=positive, help="Poisson load during each fault (q/s, > 0)"),
+    duration: float = typer.Option(12.0, "--duration", callback=positive, help="Seconds of load per fault (> 0)"),
+    at: float = typer.Option(3.0, "--at", min=0.0, help="The fault is injected this many seconds into the load"),
+    overload_rate: float = typer.Option(300.0, "--overload-rate", callback=positive,
+                                        help="Offered rate of the overload fault (q/s)"),
+    out: Path | None = typer.Option(None, "--out", help="Write the figures as JSON here"),
+) -> None:
+    """Inject faults under load into a local stack (authentication on, children supervised) and
+    print per fault: queries sent / done / coded errors / lost, and the recovery time."""
+    from rich.console import Console
+
+    from bear.stack.faults_bench import faults_table, run_faults
+
+    err = Console(stderr=True, highlight=False)
+    res = run_faults(tuple(f.strip() for f in faults.split(",")), rate=rate, duration=duration, at=at,
+                     overload_rate=overload_rate, log=lambda line: err.print(line, soft_wrap=True, markup=False))
+    print(faults_table(res))
+    if out is not None:
+        out.write_text(json.dumps(json_safe(res), indent=2))
+
+
 def register(app: typer.Typer) -> None:
     app.command("up")(up_cmd)
 
 
 def register_bench(bench: typer.Typer) -> None:
     bench.command("router")(bench_router)
+    bench.command("faults")(bench_faults)

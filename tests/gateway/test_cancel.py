@@ -78,17 +78,35 @@ async def test_cancelled_task_of_the_consumer_cancels_too(pool) -> None:
 async def test_cancel_that_overtakes_its_submission_stops_it(pool) -> None:
     """A cancel heard before the submission (different subscriptions, no ordering) is remembered:
     the query is not started, and the other routers' memory keeps a resubmission from running."""
-    await pool.nc.publish(Subjects().cancel, pack({"v": CANCEL_SCHEMA, "query_id": "c3"}))
+    inbox = pool.nc.new_inbox()
+    sub = await pool.nc.subscribe(inbox)
+    await pool.nc.publish(Subjects().cancel, pack({"v": CANCEL_SCHEMA, "query_id": "c3", "inbox": inbox}))
     await pool.nc.flush()
     await wait_for(lambda: "c3" in pool.router._cancelled, 1.0)
-    task = asyncio.create_task(_drain(submit(pool.nc, "x", query_id="c3", accept_timeout_s=0.3, resubmits=0, **LONG)))
-    msgs = await task
-    # nothing came back (the router answers no one for a cancelled query): the client's own timeout
-    assert len(msgs) == 1 and msgs[0].get("client") is True
+    await pool.nc.publish(Subjects().submit, pack({"v": "bear.submit/1", "query_id": "c3", "prompt": "x", **LONG}),
+                          reply=inbox)
+    # nothing comes back (the router answers no one for a cancelled query)
+    with contextlib.suppress(Exception):
+        msg = await sub.next_msg(timeout=0.5)
+        raise AssertionError(f"answered: {msg.data!r}")
     assert pool.live_requests() == 0
     pool.router.outcomes.flush()
     recs = [json.loads(x) for x in pool.outcome_log.read_text().splitlines()]
     assert any(r["query_id"] == "c3" and r["status"] == "cancelled" for r in recs)
+
+
+async def test_a_cancel_must_name_the_answers_inbox(pool) -> None:
+    """Knowing a query id is not enough to cancel someone else's query: the cancel must name the
+    inbox the answer goes to (which only that client and its router know)."""
+    it = submit(pool.nc, "x", query_id="c5", max_tokens=40)
+    msgs = []
+    async with contextlib.aclosing(it):
+        async for m in it:
+            msgs.append(m)
+            if m["v"] == "bear.routed/1":
+                for forged in ({"query_id": "c5"}, {"query_id": "c5", "inbox": "_INBOX.guess"}):
+                    await pool.nc.publish(Subjects().cancel, pack({"v": CANCEL_SCHEMA, **forged}))
+    assert msgs[-1]["v"] == "bear.done/1"
 
 
 async def test_malformed_cancel_is_ignored(pool) -> None:
