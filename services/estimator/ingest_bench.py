@@ -5,8 +5,9 @@ with full snapshots (parse + install) and with per-step deltas (applied in libbe
 
 The steps are real scheduler steps (libbea's engine): residents decoding, about one in 150 finishing
 per step and replaced by a new arrival (prefill), API-server-like request ids, every id announced
-by a dispatch before it arrives. Each step's two payloads are what the shared publisher sends:
-``pack(state)`` and ``pack(encode_delta(previous, state))``. Ingest runs the worker's own code
+by a dispatch just before the step that shows it (as a router's would be; dispatched all at once,
+every later arrival would queue "ahead" of the query and inflate the estimate). Each step's two
+payloads are what the shared publisher sends: ``pack(state)`` and ``pack(encode_delta(previous, state))``. Ingest runs the worker's own code
 (``InstanceState.offer_snapshot`` + ``ensure_parsed`` + ``apply_lengths``; ``offer_delta``); the
 estimate is ``bear.estimator.estimate.estimate`` for one candidate. Every number is timed in this
 process, one call at a time, in the same run: medians and p99 over every step of several passes.
@@ -41,7 +42,7 @@ AGE_S = 0.015  # each step's message is ingested and the query estimated this lo
 
 def step_states(residents: int, steps: int, seed: int = 0) -> tuple[list[dict[str, Any]], list[Dispatch]]:
     """``steps`` consecutive published states of an instance with ``residents`` requests, and the
-    dispatches of every request in them (sent before each arrived)."""
+    dispatches of every request in them (each stamped when its request was added)."""
     rng = random.Random(seed)
     cfg = {**load_profile("qwen3-8b-h100").engine_config(), "max_num_seqs": residents,
            "max_num_batched_tokens": 8192, "num_gpu_blocks": 400_000}
@@ -74,11 +75,24 @@ def _us(xs: list[float]) -> dict[str, float]:
     return {"median_us": float(np.median(a)), "p99_us": float(np.percentile(a, 99)), "mean_us": float(a.mean())}
 
 
-def _fresh(states: list[dict[str, Any]], dispatches: list[Dispatch], full0: bytes) -> Any:
-    """A worker's store holding the first state, every request's dispatch known."""
+def arrivals(states: list[dict[str, Any]], dispatches: list[Dispatch]) -> list[list[Dispatch]]:
+    """Per state, the dispatches of the requests it shows first (all of them for the first state):
+    what a router sends just before those requests reach the instance."""
+    by_id = {d.request_id: d for d in dispatches}
+    out: list[list[Dispatch]] = []
+    known: set[str] = set()
+    for s in states:
+        ids = [r["id"] for r in itertools.chain(s["running"], s["waiting"]) if r["id"] not in known]
+        known.update(ids)
+        out.append([by_id[i] for i in ids])
+    return out
+
+
+def _fresh(states: list[dict[str, Any]], first: list[Dispatch], full0: bytes) -> Any:
+    """A worker's store holding the first state, its residents' dispatches known."""
     store = StateStore()
     st = store.get("bench")
-    for d in dispatches:
+    for d in first:
         st.on_dispatch(d)
     st.offer_snapshot(full0, states[0]["time"] + AGE_S)
     st.ensure_parsed()
@@ -89,6 +103,7 @@ def _fresh(states: list[dict[str, Any]], dispatches: list[Dispatch], full0: byte
 def measure(residents: int, steps: int, passes: int) -> dict[str, Any]:
     """Per-step ingest and estimate timings for one population (see the module doc)."""
     states, dispatches = step_states(residents, steps + 1)
+    sent = arrivals(states, dispatches)
     fulls = [pack(s) for s in states]
     deltas = []
     for a, b in itertools.pairwise(states):
@@ -107,9 +122,11 @@ def measure(residents: int, steps: int, passes: int) -> dict[str, Any]:
             pack(encode_delta(a, b))
             encode_s.append(pc() - t0)
         # full snapshots: every step parsed and installed, then one estimate
-        store, st = _fresh(states, dispatches, fulls[0])
-        for state, raw in zip(states[1:], fulls[1:], strict=True):
+        store, st = _fresh(states, sent[0], fulls[0])
+        for state, raw, new in zip(states[1:], fulls[1:], sent[1:], strict=True):
             now = state["time"] + AGE_S  # the instance's clock: ages as in a live worker
+            for d in new:  # the router's dispatches of this step's arrivals (not timed: per query)
+                st.on_dispatch(d)
             t0 = pc()
             libbea.Snapshot.from_msgpack(raw)
             t1 = pc()
@@ -123,9 +140,11 @@ def measure(residents: int, steps: int, passes: int) -> dict[str, Any]:
             ing_full.append(t2 - t1)
             est_full.append(t3 - t1)
         # deltas: every step applied, then one estimate; then the same estimate again (nothing new)
-        store, st = _fresh(states, dispatches, fulls[0])
-        for state, raw in zip(states[1:], deltas, strict=True):
+        store, st = _fresh(states, sent[0], fulls[0])
+        for state, raw, new in zip(states[1:], deltas, sent[1:], strict=True):
             now = state["time"] + AGE_S
+            for d in new:
+                st.on_dispatch(d)
             t0 = pc()
             st.offer_delta(raw, now)
             st.apply_lengths()
