@@ -17,7 +17,8 @@ detection, reordering and the need for a resync (docs/estimator.md, "Ingest").
   header cannot be read is only counted: if it was one of this instance's deltas, the next delta
   shows the gap.
 * A full snapshot clears the gap once no newer delta is known; buffered deltas that chain onto it
-  are applied. A full snapshot of the very state held checks the mirror (a difference is counted
+  are applied. A resync answer is the publisher's newest state: it clears the gap whatever newer
+  state a delta announced. A full snapshot of the very state held checks the mirror (a difference is counted
   and logged; the full snapshot wins).
 """
 
@@ -151,6 +152,17 @@ def catch_up(st: InstanceState, now: float) -> None:
         feed.unfit = 0
         feed.resync_asked = 0.0  # the next gap may ask at once
         feed.pending.clear()
+
+
+def resynced(st: InstanceState, now: float) -> None:
+    """A resync answer was installed: the newest state the publisher sent, so nothing newer is
+    known but the buffered deltas that chain onto it (a delta that announced a later state — lost
+    since, or forged — must not keep the instance gapped past the answer)."""
+    snap = st.snap
+    if snap is None:
+        return
+    st.feed.newest = (int(snap.generation), int(snap.seq))
+    catch_up(st, now)
 
 
 def check_full(st: InstanceState, full: Any) -> None:

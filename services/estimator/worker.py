@@ -22,7 +22,7 @@ import structlog
 
 from bear.estimator.estimate import EstimatorConfig, finish, plan, run_jobs
 from bear.estimator.metrics import metrics
-from bear.estimator.mirror import release
+from bear.estimator.mirror import release, resynced
 from bear.estimator.state import StateStore
 from bear.protocol.deadline import Deadline
 from bear.protocol.errors import BearError, ErrorCode
@@ -154,6 +154,8 @@ class EstimatorWorker:
         parsed = st.ensure_parsed()
         if parsed is not None:
             self._count_parse(parsed)
+        if parsed:
+            resynced(st, time.time())
         self.m.resyncs.labels(outcome="installed" if parsed else "refused").inc()
 
     async def _on_snapshot(self, msg: Any) -> None:

@@ -15,6 +15,7 @@ import nats
 import pytest
 
 from bear import libbea
+from bear.estimator import mirror
 from bear.estimator import worker as worker_mod
 from bear.estimator.estimate import EstimatorConfig, estimate
 from bear.estimator.state import StateStore
@@ -113,6 +114,28 @@ def test_chain_gap_resync_and_buffered_deltas() -> None:
     assert st.offer_delta(steps[33][1], now) == "applied"
     assert not st.gapped and same(st, steps[34][0]) and rows(store, now).method == "bea"
     assert {"delta_gap", "delta_applied", "delta_old"} <= set(events)
+
+
+def test_a_resync_answer_clears_a_gap_that_a_later_delta_announced() -> None:
+    """A delta announcing a far later state (lost since, or forged) keeps full snapshots of earlier
+    states from clearing the gap; the publisher's resync answer — its newest state — does."""
+    store = StateStore()
+    st = store.get("i")
+    st.registry_heartbeat = time.time()
+    first, steps = chain(Instance(seed=6), 8)
+    now = time.time()
+    st.offer_snapshot(pack(first), now)
+    st.ensure_parsed()
+    for _, d in steps[:4]:
+        assert st.offer_delta(d, now) == "applied"
+    far = {**unpack_map(steps[4][1]), "base": 10**9, "seq": 10**9 + 1}
+    assert st.offer_delta(pack(far), now) == "gap" and st.gapped
+    st.offer_snapshot(pack(steps[4][0]), now)  # a periodic full snapshot: a newer state is known
+    assert st.ensure_parsed() and st.gapped and rows(store, now).status == "resyncing"
+    mirror.resynced(st, now)  # what the worker does with a resync answer
+    assert not st.gapped and same(st, steps[4][0]) and rows(store, now).method == "bea"
+    for state, d in steps[5:]:
+        assert st.offer_delta(d, now) == "applied" and same(st, state)
 
 
 def test_a_full_snapshot_of_the_state_held_checks_the_mirror() -> None:
