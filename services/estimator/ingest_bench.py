@@ -21,6 +21,7 @@ import itertools
 import random
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -100,6 +101,16 @@ def _fresh(states: list[dict[str, Any]], first: list[Dispatch], full0: bytes) ->
     return store, st
 
 
+def _steps(st: Any, states: list[dict[str, Any]], payloads: list[bytes],
+           sent: list[list[Dispatch]]) -> Iterator[tuple[float, bytes]]:
+    """Per step after the first: (the worker's clock when the step's message arrives, the message),
+    after the router's dispatches of that step's arrivals reached ``st`` (not timed: per query)."""
+    for state, raw, new in zip(states[1:], payloads, sent[1:], strict=True):
+        for d in new:
+            st.on_dispatch(d)
+        yield state["time"] + AGE_S, raw  # the instance's clock: ages as in a live worker
+
+
 def measure(residents: int, steps: int, passes: int) -> dict[str, Any]:
     """Per-step ingest and estimate timings for one population (see the module doc)."""
     states, dispatches = step_states(residents, steps + 1)
@@ -123,10 +134,7 @@ def measure(residents: int, steps: int, passes: int) -> dict[str, Any]:
             encode_s.append(pc() - t0)
         # full snapshots: every step parsed and installed, then one estimate
         store, st = _fresh(states, sent[0], fulls[0])
-        for state, raw, new in zip(states[1:], fulls[1:], sent[1:], strict=True):
-            now = state["time"] + AGE_S  # the instance's clock: ages as in a live worker
-            for d in new:  # the router's dispatches of this step's arrivals (not timed: per query)
-                st.on_dispatch(d)
+        for now, raw in _steps(st, states, fulls[1:], sent):
             t0 = pc()
             libbea.Snapshot.from_msgpack(raw)
             t1 = pc()
@@ -141,10 +149,7 @@ def measure(residents: int, steps: int, passes: int) -> dict[str, Any]:
             est_full.append(t3 - t1)
         # deltas: every step applied, then one estimate; then the same estimate again (nothing new)
         store, st = _fresh(states, sent[0], fulls[0])
-        for state, raw, new in zip(states[1:], deltas, sent[1:], strict=True):
-            now = state["time"] + AGE_S
-            for d in new:
-                st.on_dispatch(d)
+        for now, raw in _steps(st, states, deltas, sent):
             t0 = pc()
             st.offer_delta(raw, now)
             st.apply_lengths()

@@ -75,6 +75,18 @@ def chain(inst: Instance, steps: int) -> tuple[dict[str, Any], list[tuple[dict[s
     return first, out
 
 
+def holding_first(inst: Instance, steps: int) -> tuple[StateStore, Any, dict[str, Any], list[Any], float]:
+    """A store whose instance ``i`` (alive) holds ``inst``'s first state, and the next steps."""
+    store = StateStore()
+    st = store.get("i")
+    st.registry_heartbeat = time.time()
+    first, out = chain(inst, steps)
+    now = time.time()
+    st.offer_snapshot(pack(first), now)
+    st.ensure_parsed()
+    return store, st, first, out, now
+
+
 def rows(store: StateStore, now: float) -> Any:
     (row,) = estimate(QUERY, [EstimateCandidate(instance="i")], store, now, EstimatorConfig(max_age_s=1e9))
     return row
@@ -119,13 +131,7 @@ def test_chain_gap_resync_and_buffered_deltas() -> None:
 def test_a_resync_answer_clears_a_gap_that_a_later_delta_announced() -> None:
     """A delta announcing a far later state (lost since, or forged) keeps full snapshots of earlier
     states from clearing the gap; the publisher's resync answer — its newest state — does."""
-    store = StateStore()
-    st = store.get("i")
-    st.registry_heartbeat = time.time()
-    first, steps = chain(Instance(seed=6), 8)
-    now = time.time()
-    st.offer_snapshot(pack(first), now)
-    st.ensure_parsed()
+    store, st, _, steps, now = holding_first(Instance(seed=6), 8)
     for _, d in steps[:4]:
         assert st.offer_delta(d, now) == "applied"
     far = {**unpack_map(steps[4][1]), "base": 10**9, "seq": 10**9 + 1}
@@ -159,13 +165,7 @@ def test_a_full_snapshot_of_the_state_held_checks_the_mirror() -> None:
 
 
 def test_malformed_delta_drops_the_state_and_a_new_generation_resyncs() -> None:
-    store = StateStore()
-    st = store.get("i")
-    st.registry_heartbeat = time.time()
-    first, steps = chain(Instance(seed=4), 10)
-    now = time.time()
-    st.offer_snapshot(pack(first), now)
-    st.ensure_parsed()
+    store, st, first, steps, now = holding_first(Instance(seed=4), 10)
     bad = libbea.Delta.from_msgpack(steps[0][1])
     assert bad.base == first["seq"]
     d = {**unpack_map(steps[0][1]), "set": [0, 10**6, 1, 1, 1, 0, 0, 0]}  # computed beyond the prompt

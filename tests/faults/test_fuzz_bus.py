@@ -55,27 +55,27 @@ CODES = {str(c) for c in ErrorCode}
 BETA = (3e-3, 2e-5, 5e-8, 4e-9)
 
 
-def snapshot(instance: str, at: float) -> dict[str, Any]:
+def _engine(instance: str, steps: int) -> Any:
     cfg = {**load_profile("qwen3-8b-h100").engine_config(), "num_gpu_blocks": 3000, "max_num_seqs": 32}
     e = libbea.Engine(cfg)
     for k in range(12):
         e.add(f"{instance}-{k}", 300 + 40 * k, 512, 50 + 10 * k)
-    for _ in range(5):
+    for _ in range(steps):
         if e.step():
             e.finish_step()
-    return e.snapshot(instance, "m", at)
+    return e
+
+
+def snapshot(instance: str, at: float) -> dict[str, Any]:
+    return _engine(instance, 5).snapshot(instance, "m", at)
 
 
 def a_delta(instance: str, at: float) -> dict[str, Any]:
-    """A real ``bear.delta/1``: the fuzz engine's next step after ``snapshot``'s state."""
-    cfg = {**load_profile("qwen3-8b-h100").engine_config(), "num_gpu_blocks": 3000, "max_num_seqs": 32}
-    e = libbea.Engine(cfg)
-    for k in range(12):
-        e.add(f"{instance}-{k}", 300 + 40 * k, 512, 50 + 10 * k)
+    """A real ``bear.delta/1``: one step of the fuzz engine."""
+    e = _engine(instance, 4)
     prev = e.snapshot(instance, "m", at - 0.01)
-    for _ in range(3):
-        if e.step():
-            e.finish_step()
+    if e.step():
+        e.finish_step()
     d = encode_delta(prev, e.snapshot(instance, "m", at))
     assert d is not None
     return d
@@ -338,18 +338,13 @@ async def test_fuzz_every_subject_and_bucket(nats_server: LocalNatsServer, predi
 
         phases.append(('publish', time.monotonic()))
         published: Counter[str] = Counter()
-        snap = snapshot("fz", time.time())
-        for _ in range(N):
-            data = hostile(dict(snap, time=time.time()), rng)
-            inst = _instance_for(rng, _parses(data))
-            await nc.publish(S.snapshot(inst), data)
-            published["snapshot" + (" (real instance)" if inst in REAL else "")] += 1
-        delta = a_delta("fz", time.time())
-        for _ in range(N):
-            data = hostile(dict(delta, time=time.time()), rng)
-            inst = _instance_for(rng, _reads_delta(data))
-            await nc.publish(S.delta(inst), data)
-            published["delta" + (" (real instance)" if inst in REAL else "")] += 1
+        for kind, base, valid in (("snapshot", snapshot("fz", time.time()), _parses),
+                                  ("delta", a_delta("fz", time.time()), _reads_delta)):
+            for _ in range(N):
+                data = hostile(dict(base, time=time.time()), rng)
+                inst = _instance_for(rng, valid(data))
+                await nc.publish(getattr(S, kind)(inst), data)  # S.snapshot / S.delta
+                published[kind + (" (real instance)" if inst in REAL else "")] += 1
         batch = {"v": "bear.batch/1", "seq": 1, "duration_s": 0.01, "items": [{"n": 100, "context": 0, "decode": False},
                                                                               {"n": 1, "context": 300, "decode": True}]}
         for _ in range(N):
