@@ -21,7 +21,7 @@ from bear.protocol.errors import BearError, ErrorCode
 NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 PosInt = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-Hash64 = Annotated[int, msgspec.Meta(ge=0, le=2**64 - 1)]  # a KV block's name (bear.prefix.hashing.external)
+Hash64 = Annotated[int, msgspec.Meta(ge=0)]  # a KV block's name, uint64 (msgpack holds no more; bear.prefix.hashing.external)
 Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 MAX_PROMPT_TOKEN_IDS = 1 << 20
