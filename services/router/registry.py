@@ -37,6 +37,7 @@ class InstanceInfo:
     calibration: Calibration = NOMINAL_CALIBRATION  # θ for eq. 8 and SCORE (the calibrator's)
     obs: Observations = field(default_factory=Observations)
     failed_until: float = 0.0  # this router saw a connection failure: avoid until then (monotonic)
+    tokenizer: str = ""  # its tokenizer bundle id ("": none registered: lengths are estimated)
 
     def healthy(self, now: float, down_after_s: float) -> bool:
         return (bool(self.base_url) and self.status == "up" and now - self.heartbeat <= down_after_s
@@ -112,6 +113,7 @@ class Registry:
         info.heartbeat = rec.heartbeat
         info.status = rec.status
         info.predictor_model = rec.predictor_model or predictor_name(rec.model, self.aliases)
+        info.tokenizer = rec.tokenizer
 
     def _on_calibration(self, key: str, value: bytes | None) -> None:
         info = self.get(key)

@@ -93,12 +93,22 @@ def record(
         str, typer.Option(help="Trace name (the cases' `trace` field and batches_<trace> file).")
     ],
     out: Annotated[Path, typer.Option(help="Output folder for cases.jsonl.gz and batches_<trace>.jsonl.gz.")],
+    prompts: Annotated[
+        Path | None,
+        typer.Option(help="JSONL of the run's prompts ({id: X-Request-Id, prompt_token_ids: [...]}): the cases' "
+                          "prefix-cache hits become the mirror's (from the logged KV events) instead of the engine's."),
+    ] = None,
 ) -> None:
     """Turn a recorded vLLM run into replay cases and batch records (format of vllm-cpu-traces)."""
-    from bear.snapshotter.cases import record_run
+    from bear.snapshotter.cases import read_prompts, record_run
 
-    cpath, bpath, nc, nb = record_run(step_logs, trace=trace, out_dir=out)
+    agreement: list[dict] = []
+    cpath, bpath, nc, nb = record_run(step_logs, trace=trace, out_dir=out,
+                                      prompts=read_prompts(prompts) if prompts else None, agreement=agreement)
     typer.echo(f"{nc} cases -> {cpath}\n{nb} batch records -> {bpath}")
+    for a in agreement:
+        rate = "-" if a["rate"] is None else f"{a['rate']:.4f}"
+        typer.echo(f"mirror hit = engine num_cached_tokens: {a['equal']}/{a['admitted']} admitted requests ({rate})")
 
 
 def register(app: typer.Typer) -> None:

@@ -158,7 +158,8 @@ class Stack:
             inst, port, shm = f"vllm-{k}", free_port(), f"bear-vllm-{k}-{uuid.uuid4().hex[:8]}"
             self.instances[inst] = port
             self.shms.append(shm)
-            c = self._child(inst, vllm_command(cfg.vllm_python, cfg.vllm_model, port, self.served_model, args))
+            c = self._child(inst, vllm_command(cfg.vllm_python, cfg.vllm_model, port, self.served_model, args,
+                                               kv_events=shm))
             c.env, c.group = vllm_env_overrides(shm, cfg.vllm_kv_gib), True
             self._child(f"snapshotter-{inst}", self._bear(
                 "snapshotter", "--instance", inst, "--shm", shm, *common, "--model", self.served_model,
