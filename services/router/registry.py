@@ -63,6 +63,7 @@ class Registry:
         self._tasks: list[asyncio.Task[None]] = []
         self._sub: Any = None
         self.loaded = asyncio.Event()
+        self.on_tokenizer: Any = None  # called with each tokenizer id an entry names (to fetch it early)
 
     def get(self, instance: str) -> InstanceInfo:
         info = self.instances.get(instance)
@@ -114,6 +115,8 @@ class Registry:
         info.status = rec.status
         info.predictor_model = rec.predictor_model or predictor_name(rec.model, self.aliases)
         info.tokenizer = rec.tokenizer
+        if rec.tokenizer and self.on_tokenizer is not None:
+            self.on_tokenizer(rec.tokenizer)
 
     def _on_calibration(self, key: str, value: bytes | None) -> None:
         info = self.get(key)

@@ -183,6 +183,8 @@ class RouterService:
         self.dedup = Deduplicator(nc, self.subjects.queries_bucket, ttl_s=self.cfg.dedup_ttl_s,
                                   timeout_s=self.cfg.dedup_timeout_s)
         self.tokenizers = TokenizerCache(nc, self.subjects.tokenizers_bucket)
+        if self.cfg.tokenize:
+            self.registry.on_tokenizer = lambda tid: self.tokenizers.want([tid])
         self.outcomes = OutcomeLog(self.cfg.outcome_log)
         self.m = self.outcomes.m
         self.local = LocalLoad(defaultdict(int), defaultdict(int))  # in flight here: the eq. 8 fallback
