@@ -12,7 +12,7 @@ import typer
 
 from bear.protocol.codec import json_safe
 
-EXPERIMENTS = ["rates", "delta", "bursty", "staleness", "estimator", "lambda", "accuracy"]
+EXPERIMENTS = ["rates", "delta", "bursty", "staleness", "estimator", "lambda", "accuracy", "prefix"]
 
 
 def eval_cmd(
@@ -42,6 +42,13 @@ def eval_cmd(
     pol = policies.split(",") if policies else list(ex.RATE_POLICIES)
     with console.status("preparing predictor, queries and calibration (cached after the first run)"):
         s = ex.setup(seed, n_queries)
+    if experiment == "prefix":  # multi-turn sessions with prefix caching (bear.evaluation.prefix)
+        from bear.evaluation.prefix import run_prefix_experiment
+
+        result, png = run_prefix_experiment(s, rate_list, policies.split(",") if policies else None, workers, out,
+                                            console)
+        _write(out, experiment, seed, n_queries, result, s, as_json, console, png)
+        return
     if experiment in ("rates", "accuracy"):
         cells = ex.rates_cells(rate_list if experiment == "rates" else [rate], pol)
     elif experiment == "estimator":
@@ -81,6 +88,11 @@ def eval_cmd(
     else:
         result = ex.accuracy_result(rate, res, pol)
         plots.accuracy(result, png)
+    _write(out, experiment, seed, n_queries, result, s, as_json, console, png)
+
+
+def _write(out: Path, experiment: str, seed: int, n_queries: int, result: dict[str, Any], s: Any, as_json: bool,
+           console: Any, png: Path) -> None:
     result = json_safe({"experiment": experiment, "seed": seed, "n_queries": n_queries, **result,
                      "calibration": {k: msgspec.to_builtins(v) for k, v in s.calibration.items()}})
     (out / f"{experiment}.json").write_text(json.dumps(result, indent=2))
@@ -94,7 +106,7 @@ def eval_cmd(
 def _print_table(console: Any, experiment: str, result: dict[str, Any]) -> None:
     from rich.table import Table
 
-    if "policies" in result and experiment in ("rates", "estimator", "lambda"):
+    if "policies" in result and experiment in ("rates", "estimator", "lambda", "prefix"):
         xs = result.get("rates") or result.get("lambdas")
         t = Table(title=f"OnTimeUtility ({experiment})")
         t.add_column("policy")
