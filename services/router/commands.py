@@ -59,6 +59,10 @@ def router(
     model_alias: list[str] = typer.Option(
         [], "--model-alias", help="SERVED=PREDICTOR model name mapping (default: last path part); repeatable"),
     outcome_log: Path | None = typer.Option(None, "--outcome-log", help="JSONL file of every query's record"),
+    tokenize: bool = typer.Option(
+        True, "--tokenize/--no-tokenize",
+        help="Tokenise each query with the tokenizers the instances register (exact prompt lengths, prefix-cache "
+             "hits); --no-tokenize: lengths estimated from the text (bytes / 4), no hits"),
     metrics_port: MetricsPort = 0,
     prefix: Prefix = "bear",
     trace_exporter: TraceExporterOpt = Exporter.auto,
@@ -76,7 +80,7 @@ def router(
                        predict_try_s=predict_budget / 2, estimate_budget_s=estimate_budget,
                        estimate_try_s=estimate_budget / 2, default_output_tokens=default_output_tokens,
                        max_inflight=max_inflight, down_after_s=down_after, outcome_log=outcome_log,
-                       estimator_shards=estimator_shards,
+                       estimator_shards=estimator_shards, tokenize=tokenize,
                        aliases=_aliases(model_alias))
     start_metrics_server(metrics_port or None)
     aio.run(serve(nats_url, cfg, prefix))
