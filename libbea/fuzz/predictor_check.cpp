@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "driver.h"
-#include "bea/forest.h"
-#include "bea/prompt_text.h"
+#include "bea/predictor/forest.h"
+#include "bea/predictor/prompt_text.h"
 
 namespace {
 

@@ -17,8 +17,8 @@
 #include <utility>
 #include <vector>
 
-#include "bea/forest.h"
-#include "bea/prompt_text.h"
+#include "bea/predictor/forest.h"
+#include "bea/predictor/prompt_text.h"
 
 namespace py = pybind11;
 

@@ -1,20 +1,25 @@
 """Command-line options every BEAR command spells the same way, defined once.
 
 Each is a ``typing.Annotated`` alias for a typer option, so a command declares
-``nats_url: NatsUrl = DEFAULT_NATS`` and gets the same flag, help text and valid values as every
-other command."""
+``nats_url: NatsUrl = FIND_NATS`` and gets the same flag, help text and valid values as every
+other command. ``--nats`` is resolved here, in one place, for every command: the flag, else
+``$BEAR_NATS_URL``, else the stack ``bear up`` runs for this directory (bear.stack.discovery);
+with none of them it is empty, and connecting (bear.runtime.service.connect) is the one-line error
+"no BEAR stack found" — after the command has checked the rest of its input."""
 
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
+from bear.router.policies import REGISTRY
 from bear.runtime.logging import LogFormat
+from bear.runtime.metrics import LOOPBACK
 from bear.runtime.tracing import Exporter
 
-DEFAULT_NATS = "nats://127.0.0.1:4222"
+FIND_NATS = ""  # the default of --nats: resolve it (flag > BEAR_NATS_URL > running `bear up` > error)
 
 
 class LogLevel(StrEnum):
@@ -24,12 +29,59 @@ class LogLevel(StrEnum):
     error = "error"
 
 
-NatsUrl = Annotated[str, typer.Option("--nats", help="NATS server URL, e.g. nats://127.0.0.1:4222.")]
+PolicyName = StrEnum("PolicyName", {name: name for name in REGISTRY})  # type: ignore[misc]
+"""Routing policies by registry name (bear, bear-lagrange and the baselines)."""
+
+
+def _resolve_nats(value: str | None) -> str:
+    from bear.stack.discovery import find_nats_url
+
+    return find_nats_url(value or None) or ""
+
+
+def positive(value: Any) -> Any:
+    """typer callback: the value must be > 0."""
+    if value is not None and not value > 0:
+        raise typer.BadParameter(f"must be > 0, got {value}")
+    return value
+
+
+def policy_list(value: str | None) -> str | None:
+    """typer callback: comma-separated routing policy names, each a registered one."""
+    if value is None:
+        return None
+    bad = [p for p in value.split(",") if p.strip() not in REGISTRY]
+    if bad:
+        raise typer.BadParameter(f"unknown policy {', '.join(map(repr, bad))}; valid: {', '.join(REGISTRY)}")
+    return ",".join(p.strip() for p in value.split(","))
+
+
+def positive_list(value: str | None) -> str | None:
+    """typer callback: comma-separated numbers, each > 0."""
+    if value is None:
+        return None
+    try:
+        nums = [float(x) for x in value.split(",")]
+    except ValueError as exc:
+        raise typer.BadParameter(f"expected comma-separated numbers, got {value!r}") from exc
+    if not all(x > 0 for x in nums):
+        raise typer.BadParameter(f"every value must be > 0, got {value!r}")
+    return value
+
+
+NatsUrl = Annotated[str, typer.Option(
+    "--nats", envvar="BEAR_NATS_URL", callback=_resolve_nats, show_default=False,
+    help="NATS server URL, e.g. nats://127.0.0.1:4222. Default: $BEAR_NATS_URL, else the stack `bear up` "
+         "runs for this directory.")]
 Prefix = Annotated[str, typer.Option("--prefix", help="Subject prefix of the deployment (bear.submit, bear_instances, …).")]
 LogFormatOpt = Annotated[LogFormat, typer.Option("--log-format", help="Log format: console (humans) or json (machines).")]
 LogLevelOpt = Annotated[LogLevel, typer.Option("--log-level", help="Log level.")]
 MetricsPort = Annotated[int, typer.Option("--metrics-port", min=0, max=65535,
                                           help="Prometheus /metrics port; 0: off.")]
+MetricsHost = Annotated[str, typer.Option("--metrics-host",
+                                          help="Address /metrics listens on (0.0.0.0: every interface).")]
+DEFAULT_METRICS_HOST = LOOPBACK
+PolicyOpt = Annotated[PolicyName, typer.Option("--policy", help="Routing policy: bear, bear-lagrange or a baseline.")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
 TraceExporterOpt = Annotated[Exporter, typer.Option(
     "--trace-exporter", help="Export OpenTelemetry spans: auto (otlp when OTEL_EXPORTER_OTLP_ENDPOINT or "

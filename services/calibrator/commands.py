@@ -8,7 +8,17 @@ from typing import Annotated
 
 import typer
 
-from bear.options import DEFAULT_NATS, LogFormatOpt, LogLevel, LogLevelOpt, MetricsPort, NatsUrl, Prefix
+from bear.options import (
+    DEFAULT_METRICS_HOST,
+    FIND_NATS,
+    LogFormatOpt,
+    LogLevel,
+    LogLevelOpt,
+    MetricsHost,
+    MetricsPort,
+    NatsUrl,
+    Prefix,
+)
 from bear.runtime import aio
 from bear.runtime.logging import LogFormat, configure_logging
 
@@ -22,7 +32,7 @@ def _check_objective(value: str) -> str:
 
 
 def calibrator(
-    nats_url: NatsUrl = DEFAULT_NATS,
+    nats_url: NatsUrl = FIND_NATS,
     window: int = typer.Option(2000, "--window", min=10, help="Batch records kept per instance (sliding window)"),
     min_records: int = typer.Option(50, "--min-records", min=4, help="Records needed before the first fit"),
     refit_s: float = typer.Option(5.0, "--refit-every", help="Seconds between refits"),
@@ -30,6 +40,7 @@ def calibrator(
                                   help="What the fit minimises: absolute (default), sqrt or relative"),
     prefix: Prefix = "bear",
     metrics_port: MetricsPort = 0,
+    metrics_host: MetricsHost = DEFAULT_METRICS_HOST,
     log_format: LogFormatOpt = LogFormat.console,
     log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
@@ -38,7 +49,7 @@ def calibrator(
     from bear.calibrator.service import run_calibrator
     from bear.runtime.metrics import start_metrics_server
 
-    start_metrics_server(metrics_port or None)
+    start_metrics_server(metrics_port, metrics_host)
     aio.run(run_calibrator(nats_url, prefix, window=window, min_records=min_records, refit_s=refit_s,
                           objective=objective))
 

@@ -10,7 +10,8 @@ true``), so the caller always gets a terminal message.
 
 A caller that stops before the router's terminal message (closes or cancels the iterator, or the
 client gave up on a silent stream) publishes ``bear.cancel/1`` on ``<prefix>.cancel``: the router
-serving the query aborts the engine's generation (docs/router.md)."""
+serving the query aborts the engine's generation (docs/router.md). A query larger than the NATS
+server's ``max_payload`` is not sent: it gets a client-made ``too_large`` error at once."""
 
 from __future__ import annotations
 
@@ -96,6 +97,13 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
         if val is not None:
             req[key] = val
     payload = pack(req)
+    limit = getattr(nc, "max_payload", 0)
+    if isinstance(limit, int) and 0 < limit < len(payload):  # NATS would refuse it: say why, send nothing
+        m = error_reply(ErrorCode.TOO_LARGE, f"query of {len(payload)} bytes exceeds the NATS server's "
+                                             f"max_payload of {limit} bytes")
+        m.update(query_id=qid, client=True)
+        yield m
+        return
     if inboxes is not None:
         inbox, queue = inboxes.open()
 

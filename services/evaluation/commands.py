@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import msgspec
 import typer
 
+from bear.options import policy_list, positive, positive_list
 from bear.protocol.codec import json_safe
 
 EXPERIMENTS = ["rates", "delta", "bursty", "staleness", "estimator", "lambda", "accuracy", "prefix"]
@@ -18,13 +19,16 @@ EXPERIMENTS = ["rates", "delta", "bursty", "staleness", "estimator", "lambda", "
 def eval_cmd(
     experiment: Annotated[str, typer.Option(help=f"Which experiment: {', '.join(EXPERIMENTS)}.")] = "rates",
     seed: Annotated[int, typer.Option(help="Seed of queries, arrivals, targets and engine noise.")] = 0,
-    n_queries: Annotated[int, typer.Option(help="Queries per simulated run.")] = 2000,
+    n_queries: Annotated[int, typer.Option(min=1, help="Queries per simulated run.")] = 2000,
     rates: Annotated[
-        str | None, typer.Option(help="Comma-separated arrival rates (q/s) for rates/estimator; default: the paper's.")
+        str | None, typer.Option(callback=positive_list,
+                                 help="Comma-separated arrival rates (q/s) for rates/estimator; default: the paper's.")
     ] = None,
-    rate: Annotated[float, typer.Option(help="Arrival rate for delta/staleness/lambda/accuracy.")] = 8.0,
-    policies: Annotated[str | None, typer.Option(help="Comma-separated policies (default: BEAR + all baselines).")] = None,
-    workers: Annotated[int, typer.Option(help="Simulation processes (default: one per core).")] = 0,
+    rate: Annotated[float, typer.Option(callback=positive,
+                                        help="Arrival rate for delta/staleness/lambda/accuracy.")] = 8.0,
+    policies: Annotated[str | None, typer.Option(
+        callback=policy_list, help="Comma-separated policies (default: BEAR + all baselines).")] = None,
+    workers: Annotated[int, typer.Option(min=0, help="Simulation processes (default: one per core).")] = 0,
     out: Annotated[Path, typer.Option(help="Directory for the JSON result and the PNG plot.")] = Path("results"),
     as_json: Annotated[bool, typer.Option("--json", help="Print the result JSON on stdout.")] = False,
 ) -> None:

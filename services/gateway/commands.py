@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from bear.options import (
-    DEFAULT_NATS,
+    FIND_NATS,
     LogFormatOpt,
     LogLevel,
     LogLevelOpt,
@@ -26,7 +26,7 @@ from bear.runtime.tracing import Exporter
 
 
 def gateway(
-    nats_url: NatsUrl = DEFAULT_NATS,
+    nats_url: NatsUrl = FIND_NATS,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)"),
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="HTTP port; the API is at /v1"),
     api_key_file: Path | None = typer.Option(

@@ -15,7 +15,16 @@ from typing import Any
 import structlog
 import typer
 
-from bear.options import DEFAULT_NATS, LogFormatOpt, LogLevel, LogLevelOpt, NatsUrl, Prefix
+from bear.options import (
+    DEFAULT_METRICS_HOST,
+    FIND_NATS,
+    LogFormatOpt,
+    LogLevel,
+    LogLevelOpt,
+    MetricsHost,
+    NatsUrl,
+    Prefix,
+)
 from bear.runtime.logging import LogFormat, configure_logging
 
 log = structlog.get_logger(__name__)
@@ -33,7 +42,7 @@ data_app = typer.Typer(help="Datasets for the predictor.", no_args_is_help=True)
 @predictor_app.callback()
 def predictor_service(
     ctx: typer.Context,
-    nats_url: NatsUrl = DEFAULT_NATS,
+    nats_url: NatsUrl = FIND_NATS,
     model_dir: Path | None = typer.Option(None, "--model-dir", help="Directory written by `bear predictor train`."),
     tokenizer_dir: Path | None = typer.Option(
         None, "--tokenizer-dir", help="Folder with <model>/tokenizer.json files (else the HF cache, else fallback)."
@@ -46,7 +55,9 @@ def predictor_service(
         help="Requests up to this size (msgpack bytes) are predicted on the event loop, larger ones in the pool."
     ),
     max_prompt_bytes: int = typer.Option(512 * 1024, "--max-prompt-bytes", min=1, help="Larger prompts get 'too_large'."),
-    metrics_port: int | None = typer.Option(None, "--metrics-port", help="Serve Prometheus metrics on this port."),
+    metrics_port: int | None = typer.Option(None, "--metrics-port", min=1, max=65535,
+                                            help="Serve Prometheus metrics on this port."),
+    metrics_host: MetricsHost = DEFAULT_METRICS_HOST,
     log_format: LogFormatOpt = LogFormat.console,
     log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
@@ -64,7 +75,7 @@ def predictor_service(
     log.info("predictor_loaded", native_forest=predictor.forest is not None, event_loop=aio.loop_name())
     limits = ServiceLimits(max_prompt_bytes=max_prompt_bytes, max_inflight=max_inflight,
                            inline_max_bytes=inline_max_bytes, workers=workers)
-    aio.run(serve(nats_url, predictor, limits, prefix, metrics_port))
+    aio.run(serve(nats_url, predictor, limits, prefix, metrics_port, metrics_host=metrics_host))
 
 
 def _progress_bar() -> Any:

@@ -226,9 +226,9 @@ class PredictorService:
 
 
 async def serve(nats_url: str, predictor: Predictor, limits: ServiceLimits, prefix: str = "bear",
-                metrics_port: int | None = None) -> None:
+                metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
     """Run until SIGINT/SIGTERM (the shared service harness: ``bear.runtime.service``)."""
-    start_metrics_server(metrics_port)
+    start_metrics_server(metrics_port, metrics_host)
     stop = stop_event()
     nc = await connect(nats_url, "bear-predictor")
     svc = PredictorService(predictor, Subjects(prefix), limits)

@@ -29,8 +29,7 @@ import numpy as np
 
 from bear.predictor.dataset import Record
 from bear.predictor.features import analyse
-
-TASKS = ("alpaca", "hotpotqa", "govreport", "writingprompts")
+from bear.predictor.tasks import TASKS
 
 # Paper Table 2 (LLM-as-judge, per-query task average).
 TABLE2: dict[str, dict[str, float]] = {

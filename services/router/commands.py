@@ -7,13 +7,17 @@ from pathlib import Path
 import typer
 
 from bear.options import (
-    DEFAULT_NATS,
+    DEFAULT_METRICS_HOST,
+    FIND_NATS,
     LogFormatOpt,
     LogLevel,
     LogLevelOpt,
+    MetricsHost,
     MetricsPort,
     NatsUrl,
     OtlpEndpoint,
+    PolicyName,
+    PolicyOpt,
     Prefix,
     TraceExporterOpt,
     setup_tracing,
@@ -44,8 +48,8 @@ def _aliases(raw: list[str]) -> dict[str, str]:
 
 
 def router(
-    nats_url: NatsUrl = DEFAULT_NATS,
-    policy: str = typer.Option("bear", "--policy", help="Routing policy: bear, bear-lagrange or a baseline"),
+    nats_url: NatsUrl = FIND_NATS,
+    policy: PolicyOpt = PolicyName.bear,
     param: list[str] = typer.Option([], "--param", help="Policy parameter NAME=VALUE (e.g. delta=0.5); repeatable"),
     lam: float = typer.Option(5e-4, "--lambda", help="Default λ of U = acc − λ·cost (cost in micro-USD)"),
     predict_budget: float = typer.Option(0.2, "--predict-budget", help="Seconds the predictor may take (2 tries)"),
@@ -64,6 +68,7 @@ def router(
         help="Tokenise each query with the tokenizers the instances register (exact prompt lengths, prefix-cache "
              "hits); --no-tokenize: lengths estimated from the text (bytes / 4), no hits"),
     metrics_port: MetricsPort = 0,
+    metrics_host: MetricsHost = DEFAULT_METRICS_HOST,
     prefix: Prefix = "bear",
     trace_exporter: TraceExporterOpt = Exporter.auto,
     otlp_endpoint: OtlpEndpoint = None,
@@ -76,13 +81,13 @@ def router(
     from bear.router.service import RouterConfig, serve
     from bear.runtime.metrics import start_metrics_server
 
-    cfg = RouterConfig(policy=policy, policy_params=_params(param), lam=lam, predict_budget_s=predict_budget,
+    cfg = RouterConfig(policy=str(policy), policy_params=_params(param), lam=lam, predict_budget_s=predict_budget,
                        predict_try_s=predict_budget / 2, estimate_budget_s=estimate_budget,
                        estimate_try_s=estimate_budget / 2, default_output_tokens=default_output_tokens,
                        max_inflight=max_inflight, down_after_s=down_after, outcome_log=outcome_log,
                        estimator_shards=estimator_shards, tokenize=tokenize,
                        aliases=_aliases(model_alias))
-    start_metrics_server(metrics_port or None)
+    start_metrics_server(metrics_port, metrics_host)
     aio.run(serve(nats_url, cfg, prefix))
 
 

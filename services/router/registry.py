@@ -33,6 +33,7 @@ class InstanceInfo:
     price_out: float = 0.0
     heartbeat: float = 0.0
     status: str = "up"  # the registry's: starting | up | down
+    backend: str = "vllm"  # what serves it (informational: shown to clients, never decided on)
     predictor_model: str = ""  # the model name the predictor knows
     calibration: Calibration = NOMINAL_CALIBRATION  # θ for eq. 8 and SCORE (the calibrator's)
     obs: Observations = field(default_factory=Observations)
@@ -113,6 +114,7 @@ class Registry:
         info.price_out = rec.prices.output_per_mtok
         info.heartbeat = rec.heartbeat
         info.status = rec.status
+        info.backend = rec.backend
         info.predictor_model = rec.predictor_model or predictor_name(rec.model, self.aliases)
         info.tokenizer = rec.tokenizer
         if rec.tokenizer and self.on_tokenizer is not None:

@@ -30,7 +30,13 @@ from bear.protocol.sampling import check_sampling
 from bear.protocol.subjects import CANCEL_SCHEMA, Subjects
 from bear.router.candidates import LocalLoad, ModelPrediction, build_candidates, dispatch_for
 from bear.router.dedup import Deduplicator
-from bear.router.dispatch import InstanceUnavailable, StreamBroken, request_body, stream_completion
+from bear.router.dispatch import (
+    InstanceRefused,
+    InstanceUnavailable,
+    StreamBroken,
+    request_body,
+    stream_completion,
+)
 from bear.router.outcomes import OutcomeLog
 from bear.router.policies import Candidate, Decision, Policy, QueryContext, make_policy
 from bear.router.predict import ask_estimator, ask_predictor
@@ -396,26 +402,29 @@ class RouterService:
                             "predictor_model": inst.predictor_model,
                             "predicted_ttft_s": _finite(self.policy.latency_estimate(d.candidate)),
                             "ttft_method": d.candidate.ttft_method, "feasible": d.feasible,
-                            "policy": self.policy.name, "decision_s": decision_s, "attempt": attempt})
+                            "policy": self.policy.name, "decision_s": decision_s, "attempt": attempt,
+                            "backend": inst.backend})
             try:
                 await self._stream(q, out, inst, d, p, request_id, max(1, p.prompt_tokens - d.candidate.prefix_hit_tokens),
                                    t0, decision_s, asked, fallbacks, cands, attempt)
                 return
+            except InstanceRefused as exc:
+                # the request's own fault (too long, bad parameter): any instance would refuse it,
+                # so neither another attempt nor a mark against this instance
+                await out.error(exc.code, f"{inst.id} refused the query: {exc.reason}", instance=inst.id)
+                self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": str(exc.code),
+                                      "instance": inst.id, "policy": self.policy.name, "attempt": attempt,
+                                      "http_status": exc.status, "reason": exc.reason,
+                                      "target_s": q.ttft_target_s})
+                return
             except InstanceUnavailable as exc:
-                if not exc.rejected:  # an instance that refused this request is not down for others
-                    inst.failed_until = time.monotonic() + self.cfg.fail_backoff_s
+                inst.failed_until = time.monotonic() + self.cfg.fail_backoff_s
                 excluded.add(inst.id)
-                attempts.append({"instance": inst.id, "error": str(exc), "status": exc.status})
+                attempts.append({"instance": inst.id, "error": str(exc)})
                 log.warning("instance unavailable; trying another", instance=inst.id, query_id=q.query_id,
                             error=str(exc))
-        if attempts and all(InstanceUnavailable.rejects(a["status"]) for a in attempts):
-            # every instance tried said the request itself is wrong (too long, a bad field): the client's error
-            await out.error(ErrorCode.BAD_REQUEST, f"the instance rejected the request: {attempts[-1]['error']}")
-            status = "bad_request"
-        else:
-            await out.error(ErrorCode.UNAVAILABLE, f"no instance answered: {attempts}")
-            status = "unavailable"
-        self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": status,
+        await out.error(ErrorCode.UNAVAILABLE, f"no instance answered: {attempts}")
+        self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "unavailable",
                               "policy": self.policy.name, "attempts": attempts, "target_s": q.ttft_target_s})
 
     async def _stream(self, q: Query, out: ClientStream, inst: InstanceInfo, d: Decision, p: ModelPrediction,

@@ -13,6 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bear.runtime.children import spawn
+
 
 def nats_server_binary() -> str:
     """Path of the ``nats-server`` executable (the venv's own first, then PATH)."""
@@ -43,15 +45,18 @@ def _wait_port(port: int, timeout: float) -> None:
 
 
 class LocalNatsServer:
-    """A nats-server child process on 127.0.0.1 with JetStream in a private store directory.
+    """A nats-server child process on 127.0.0.1 with JetStream in a private store directory
+    (a temporary one, removed by ``close()``, unless ``store_dir`` is given). It runs in a session
+    of its own and dies with this process (bear.runtime.children); its output goes to ``log_path``.
 
     ``restart()`` keeps the port and the store, which is what fault tests need.
     """
 
-    def __init__(self, port: int | None = None, store_dir: str | None = None) -> None:
+    def __init__(self, port: int | None = None, store_dir: str | None = None, log_path: Path | None = None) -> None:
         self.port = port or free_port()
         self._own_dir = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="bear-nats-")
+        self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -59,11 +64,13 @@ class LocalNatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 10.0) -> LocalNatsServer:
-        self.proc = subprocess.Popen(
-            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self.store_dir],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js", "-sd", self.store_dir]
+        if self.log_path is None:
+            self.proc = spawn(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        else:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.log_path.open("ab") as log:
+                self.proc = spawn(argv, stdout=log, stderr=subprocess.STDOUT)
         _wait_port(self.port, timeout)
         return self
 

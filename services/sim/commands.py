@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from bear.options import (
-    DEFAULT_NATS,
+    FIND_NATS,
     LogFormatOpt,
     LogLevel,
     LogLevelOpt,
@@ -35,7 +35,7 @@ def sim_engine(
                                 "qwen3-32b-2xh100-tp2) or path of a profile JSON file"),
     port: int = typer.Option(8000, "--port", help="HTTP port of the OpenAI-compatible API"),
     instance: str = typer.Option(..., "--instance", help="Instance id (the last token of its NATS subjects)"),
-    nats_url: NatsUrl = DEFAULT_NATS,
+    nats_url: NatsUrl = FIND_NATS,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on"),
     base_url: str = typer.Option("", "--base-url", help="URL to advertise in bear_instances (default: from host/port)"),
     seed: int = typer.Option(-1, "--seed", help="Seed of the batch-time noise; -1: random"),

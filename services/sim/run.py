@@ -27,6 +27,7 @@ async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, h
                 ready: Any = None) -> None:
     from aiohttp import web
 
+
     profile = load_profile(profile_name)
     subjects = Subjects(prefix)
     nc = await connect(nats_url, f"bear-sim-{instance}")
@@ -46,7 +47,8 @@ async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, h
              asyncio.create_task(registration.run())]
     stop = stop_event()
     log.info("sim engine serving", instance=instance, profile=profile.name, model=profile.model, url=url,
-             kv_blocks=profile.num_gpu_blocks)
+             kv_blocks=profile.num_gpu_blocks,
+             note="simulated: answers are placeholder text (lorem ipsum) with the real model's timing")
     if ready is not None:
         ready.set()
     await stop.wait()

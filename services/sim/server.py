@@ -5,8 +5,12 @@
 Lengths (docs/sim-engine.md): the prompt length is the length of a token-id prompt, else ≈ UTF-8
 bytes / 4 (plus a small per-message chat template); the output length is the engine's own
 (``bear.sim.lengths``: never EOS, or a seeded draw), capped by ``max_tokens``. The text is
-placeholder words. The request id is the ``X-Request-Id`` header when present, so the
+placeholder words. A prompt plus ``max_tokens`` beyond ``max_model_len`` is refused with
+HTTP 400, as vLLM does. The request id is the ``X-Request-Id`` header when present, so the
 router can name the request in ``bear.dispatch`` the way the instance's snapshots name it.
+
+The text is placeholder — the words of "lorem ipsum", one per token — not an answer: the sim
+engine models an instance's timing, not its model.
 """
 
 from __future__ import annotations
@@ -144,7 +148,12 @@ class SimApi:
             raw_max = body.get("max_completion_tokens") if chat else None
             if raw_max is None:
                 raw_max = body.get("max_tokens")
-            max_tokens = room if raw_max is None else min(_positive_int(raw_max, "max_tokens"), room)
+            max_tokens = room if raw_max is None else _positive_int(raw_max, "max_tokens")
+            if max_tokens > room:  # refused, as vLLM refuses it (it does not clamp)
+                raise ApiError(400, f"This model's maximum context length is {self.sim.max_model_len} tokens. "
+                                    f"However, you requested {ptoks + max_tokens} tokens ({ptoks} in the prompt, "
+                                    f"{max_tokens} in the completion). Please reduce the length of the prompt "
+                                    "or completion.")
             priority = body.get("priority", 0)
             if not isinstance(priority, int) or isinstance(priority, bool):
                 raise ApiError(400, "priority must be an integer")

@@ -8,7 +8,17 @@ from typing import Annotated
 
 import typer
 
-from bear.options import DEFAULT_NATS, LogFormatOpt, LogLevel, LogLevelOpt, MetricsPort, NatsUrl, Prefix
+from bear.options import (
+    DEFAULT_METRICS_HOST,
+    FIND_NATS,
+    LogFormatOpt,
+    LogLevel,
+    LogLevelOpt,
+    MetricsHost,
+    MetricsPort,
+    NatsUrl,
+    Prefix,
+)
 from bear.runtime import aio
 from bear.runtime.logging import LogFormat
 
@@ -18,7 +28,7 @@ def snapshotter(
     shm: Annotated[
         str, typer.Option(help="Shared-memory region the plugin writes (BEAR_SNAPSHOT_SHM of vLLM).")
     ],
-    nats: NatsUrl = DEFAULT_NATS,
+    nats: NatsUrl = FIND_NATS,
     model: Annotated[str, typer.Option(help="Model name served by the instance (registry entry).")] = "",
     base_url: Annotated[
         str, typer.Option(help="OpenAI-compatible base URL of the instance (registry entry).")
@@ -49,6 +59,7 @@ def snapshotter(
         typer.Option(help="Also append every step to this JSONL(.gz) log (input of `bear record`)."),
     ] = None,
     metrics_port: MetricsPort = 0,
+    metrics_host: MetricsHost = DEFAULT_METRICS_HOST,
     log_format: LogFormatOpt = LogFormat.console,
     log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
@@ -70,10 +81,9 @@ def snapshotter(
         stale_after_s=stale_after_ms / 1e3, on_down=on_down, record_to=str(record_to) if record_to else None,
     )  # fmt: skip
     metrics = SnapshotterMetrics()
-    if metrics_port:
-        from bear.runtime.metrics import start_metrics_server
+    from bear.runtime.metrics import start_metrics_server
 
-        start_metrics_server(metrics_port, registry=metrics.registry)
+    start_metrics_server(metrics_port, metrics_host, registry=metrics.registry)
 
     async def main() -> None:
         svc = Snapshotter(cfg, metrics)

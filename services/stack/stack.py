@@ -1,16 +1,25 @@
 """The whole BEAR stack as child processes (``bear up``, ``bear bench router`` and the end-to-end
 tests): a local nats-server (unless a URL is given), the instances — sim engines with the paper's
 profiles, or real vLLM processes with the BEAR scheduler plugin and one ``bear snapshotter`` each
-(``backend="vllm"``) — a trained predictor, estimator workers, the calibrator, routers and,
-with ``gateway_port``, the OpenAI-compatible gateway in front of them. Each child logs to
-``<workdir>/logs/<name>.log``; ``stop()`` sends SIGTERM in reverse start order (routers first, so
-queries in flight are drained while their dependencies still run) and SIGKILLs what does not exit
-within the grace period."""
+(``backend="vllm"``) — a trained predictor, estimator workers, the calibrator, routers and, with ``gateway_port``,
+the OpenAI-compatible gateway in front of them.
+
+Every start gets a run directory of its own, ``<workdir>/runs/<time>-<pid>-<id>/`` (``<workdir>/latest``
+points to the newest; the last ``runs_kept`` are kept): the children's logs ``logs/<name>.log``, the
+routers' outcome logs and the local nats-server's JetStream store (removed on stop). Children run in
+sessions of their own and die with this process even when it is SIGKILLed (bear.runtime.children);
+``stop()`` sends SIGTERM in reverse start order (routers first, so queries in flight are drained
+while their dependencies still run) and SIGKILLs what does not exit within the grace period. A child
+that exits during start-up fails ``start()`` with ``StackError`` naming it and quoting its error."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,11 +30,18 @@ from pathlib import Path
 from typing import Any
 
 from bear.runtime import aio
+from bear.runtime.children import spawn
+from bear.runtime.metrics import LOOPBACK, port_free, port_in_use_error
 from bear.runtime.nats_server import LocalNatsServer, free_port
 
 VLLM_TINY_ARGS = ("--max-model-len", "2048", "--max-num-batched-tokens", "256", "--max-num-seqs", "8")
 PAPER_POOL = ("qwen3-0.6b-h100", "qwen3-8b-h100", "qwen3-32b-2xh100-tp2")
 INSTANCE_NAMES = {"qwen3-0.6b-h100": "qwen0.6b-0", "qwen3-8b-h100": "qwen8b-0", "qwen3-32b-2xh100-tp2": "qwen32b-0"}
+_RUN_NAME = re.compile(r"^\d{8}-\d{6}-(\d+)-[0-9a-f]{4}$")
+
+
+class StackError(ChildProcessError):
+    """A child of the stack failed: the message names it and quotes its error."""
 
 
 @dataclass
@@ -40,8 +56,7 @@ class Child:
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as logf:
-            self.proc = subprocess.Popen(self.argv, stdout=logf, stderr=subprocess.STDOUT, env={**env, **self.env},
-                                         start_new_session=True)
+            self.proc = spawn(self.argv, stdout=logf, stderr=subprocess.STDOUT, env={**env, **self.env})
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -50,9 +65,40 @@ class Child:
         if self.alive():
             assert self.proc is not None
             if self.group:
-                os.killpg(self.proc.pid, sig)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, sig)
             else:
                 self.proc.send_signal(sig)
+
+    def last_error(self) -> str:
+        """The child's own account of why it stopped, from the end of its log: the one-line
+        ``error: …`` every ``bear`` command ends with, else the last error record or traceback line."""
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+                lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        for ln in reversed(lines):
+            if ln.startswith("error: "):
+                return ln[len("error: "):]
+        for ln in reversed(lines):
+            if ln.startswith("{"):
+                with contextlib.suppress(ValueError):
+                    rec = json.loads(ln)
+                    if isinstance(rec, dict) and rec.get("level") in ("error", "critical"):
+                        return " ".join(str(rec[k]) for k in ("event", "error") if rec.get(k))
+            elif re.match(r"^[\w.]+(Error|Exception|Interrupt)\b", ln):
+                return ln
+        return lines[-1] if lines else ""
+
+    def failure(self) -> str:
+        """``<name> exited … : <its error> (log <path>)``."""
+        rc = self.proc.poll() if self.proc is not None else None
+        how = f"exited with code {rc}" if rc is not None and rc >= 0 else (
+            f"was killed by signal {-rc}" if rc is not None else "did not start")
+        why = self.last_error()
+        return f"{self.name} {how}{': ' + why if why else ''} (log {self.log_path})"
 
 
 @dataclass
@@ -69,6 +115,8 @@ class StackConfig:
     train_seed: int = 10_000
     calibrator: bool = True
     metrics_port: int = 0  # router i serves /metrics on metrics_port + i; 0: off
+    metrics_host: str = LOOPBACK
+    runs_kept: int = 5  # run directories kept under <workdir>/runs (this one included)
     log_level: str = "info"
     prefix: str = "bear"
     seed: int = 0
@@ -95,17 +143,39 @@ class Stack:
         self.served_model = ""
         self.tiny = False  # vLLM backend serving the tiny random model
         self.url = cfg.nats_url or ""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.run_dir = cfg.workdir / "runs" / f"{stamp}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.run_dir / "logs"
 
     def _bear(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "bear", *args]
 
     def _child(self, name: str, argv: list[str]) -> Child:
-        c = Child(name, argv, self.cfg.workdir / "logs" / f"{name}.log")
+        c = Child(name, argv, self.log_dir / f"{name}.log")
         self.children[name] = c
         return c
 
     def outcome_log(self, i: int = 0) -> Path:
-        return self.cfg.workdir / f"outcomes-router-{i}.jsonl"
+        return self.run_dir / f"outcomes-router-{i}.jsonl"
+
+    def metrics_ports(self) -> list[int]:
+        return [self.cfg.metrics_port + i for i in range(self.cfg.routers)] if self.cfg.metrics_port else []
+
+    def describe(self) -> dict[str, Any]:
+        """Where everything is (what ``bear up`` publishes for the other commands)."""
+        pids = {n: c.proc.pid for n, c in self.children.items() if c.proc is not None}
+        if self.nats is not None and self.nats.proc is not None:
+            pids["nats-server"] = self.nats.proc.pid
+        host = self.cfg.metrics_host if self.cfg.metrics_host != "0.0.0.0" else LOOPBACK
+        return {"nats_url": self.url, "prefix": self.cfg.prefix, "backend": self.cfg.backend,
+                "instances": {i: f"http://127.0.0.1:{p}/v1" for i, p in self.instances.items()},
+                "metrics": [f"http://{host}:{p}/metrics" for p in self.metrics_ports()],
+                "run_dir": str(self.run_dir.resolve()), "logs": str(self.log_dir.resolve()),
+                "outcome_logs": [str(self.outcome_log(i).resolve()) for i in range(self.cfg.routers)],
+                "pids": pids}
 
     def plan(self) -> None:
         cfg = self.cfg
@@ -132,7 +202,7 @@ class Stack:
             argv = self._bear("router", *common, "--policy", cfg.policy, "--outcome-log", str(self.outcome_log(i)),
                               *cfg.router_args)
             if cfg.metrics_port:
-                argv += ["--metrics-port", str(cfg.metrics_port + i)]
+                argv += ["--metrics-port", str(cfg.metrics_port + i), "--metrics-host", cfg.metrics_host]
             self._child(f"router-{i}", argv)
         if cfg.gateway_port:  # last: it is stopped first, while the routers still answer
             auth = ["--api-key-file", str(cfg.gateway_key_file)] if cfg.gateway_key_file else ["--no-auth"]
@@ -181,9 +251,7 @@ class Stack:
         end = time.monotonic() + self.cfg.vllm_start_timeout_s
         todo = dict(self.instances)
         while todo:
-            dead = self.check_alive()
-            if dead:
-                raise RuntimeError(f"child exited during start-up: {dead} (see {self.cfg.workdir / 'logs'})")
+            self.raise_if_dead()
             if time.monotonic() > end:
                 raise TimeoutError(f"vLLM not healthy after {self.cfg.vllm_start_timeout_s:.0f} s: {sorted(todo)}")
             todo = {i: p for i, p in todo.items() if not healthy(p)}
@@ -193,11 +261,17 @@ class Stack:
         cfg = self.cfg
         if cfg.backend not in ("sim", "vllm"):
             raise ValueError(f"unknown backend {cfg.backend!r} (sim or vllm)")
-        cfg.workdir.mkdir(parents=True, exist_ok=True)
+        for port in self.metrics_ports():  # before anything starts: one line, not a dead router
+            if not port_free(port, cfg.metrics_host):
+                raise port_in_use_error(port, "--metrics-port", cfg.metrics_host)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._link_latest()
+        self._prune_runs()
         if cfg.backend == "vllm":
             self._prepare_vllm()
         if not self.url:
-            self.nats = LocalNatsServer().start()
+            self.nats = LocalNatsServer(store_dir=str(self.run_dir / "jetstream"),
+                                        log_path=self.log_dir / "nats-server.log").start()
             self.url = self.nats.url
         if cfg.predictor_dir is None:
             from bear.predictor.synth import trained_predictor_dir
@@ -211,6 +285,32 @@ class Stack:
             self._wait_vllm_healthy()
         aio.run(wait_ready(self.url, list(self.instances), cfg.prefix, timeout_s, self, self.gateway_url))
 
+    def _link_latest(self) -> None:
+        latest = self.cfg.workdir / "latest"
+        tmp = self.cfg.workdir / f".latest-{os.getpid()}"
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(self.run_dir.relative_to(self.cfg.workdir))
+            tmp.replace(latest)
+
+    def _prune_runs(self) -> None:
+        """Keep the newest ``runs_kept`` run directories, never one whose stack still runs; the
+        JetStream store a killed stack could not remove goes too."""
+        runs = sorted(p for p in (self.cfg.workdir / "runs").iterdir() if _RUN_NAME.match(p.name))
+        n_old = max(0, len(runs) - max(1, self.cfg.runs_kept))
+        for k, old in enumerate(runs):
+            m = _RUN_NAME.match(old.name)
+            pid = int(m.group(1)) if m else 0
+            if old == self.run_dir or _pid_alive(pid):  # this process's other stacks included
+                continue
+            shutil.rmtree(old if k < n_old else old / "jetstream", ignore_errors=True)
+
+    def raise_if_dead(self) -> None:
+        """``StackError`` naming every child that exited and quoting its error."""
+        dead = [c for c in self.children.values() if not c.alive()]
+        if dead:
+            raise StackError(f"start-up failed: {'; '.join(c.failure() for c in dead)}")
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         c = self.children[name]
         c.signal(sig)
@@ -219,10 +319,6 @@ class Stack:
 
     def restart_child(self, name: str) -> None:
         self.children[name].start({**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    def check_alive(self) -> list[str]:
-        """Names of children that exited."""
-        return [n for n, c in self.children.items() if not c.alive()]
 
     def stop(self, grace_s: float = 10.0) -> None:
         for c in reversed(list(self.children.values())):
@@ -234,6 +330,7 @@ class Stack:
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
+            shutil.rmtree(self.run_dir / "jetstream", ignore_errors=True)  # temporary: this run's only
         if self.shms:
             from bear.vllm_instance.launch import remove_shm
 
@@ -252,6 +349,14 @@ class Stack:
         self.stop()
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 def _wait(c: Child, grace_s: float) -> None:
     if c.proc is None:
         return
@@ -266,23 +371,23 @@ async def wait_ready(url: str, instances: list[str], prefix: str, timeout_s: flo
                      gateway_url: str = "") -> None:
     """Until every instance is registered, the predictor and an estimator answer PING, a router
     routes a probe query to the end and the gateway (if any) answers /health."""
-    import nats
-
     from bear.client.submit import submit
     from bear.protocol.codec import unpack_map
     from bear.protocol.subjects import Subjects
     from bear.runtime.kv import ensure_kv
+    from bear.runtime.service import connect
 
     end = time.monotonic() + timeout_s
-    nc = await nats.connect(url, max_reconnect_attempts=-1)
+    nc = await connect(url, "bear-up-ready")
+    waiting = ["every instance registered"]
 
     def check() -> None:
-        if time.monotonic() > end:
-            raise TimeoutError("stack did not come up in time")
         if stack is not None:
-            dead = stack.check_alive()
-            if dead:
-                raise RuntimeError(f"child exited during start-up: {dead} (see {stack.cfg.workdir / 'logs'})")
+            stack.raise_if_dead()
+        if time.monotonic() > end:
+            where = f" (logs in {stack.log_dir})" if stack is not None else ""
+            raise TimeoutError(f"the stack did not come up within {timeout_s:.0f} s; still waiting for "
+                               f"{waiting[0]}{where}")
 
     try:
         kv = await ensure_kv(nc.jetstream(), Subjects(prefix).instances_bucket)
@@ -298,6 +403,7 @@ async def wait_ready(url: str, instances: list[str], prefix: str, timeout_s: flo
                     break
             await asyncio.sleep(0.2)
         for svc in ("bear-predictor", "bear-estimator"):
+            waiting[0] = f"{svc} to answer $SRV.PING"
             while True:
                 check()
                 try:
@@ -305,6 +411,7 @@ async def wait_ready(url: str, instances: list[str], prefix: str, timeout_s: flo
                     break
                 except Exception:
                     await asyncio.sleep(0.2)
+        waiting[0] = "a router to route a probe query"
         while True:
             check()
             last: dict[str, Any] = {}
