@@ -22,7 +22,7 @@ def eval_cmd(
     n_queries: Annotated[int, typer.Option(min=1, help="Queries per simulated run.")] = 2000,
     rates: Annotated[
         str | None, typer.Option(callback=positive_list,
-                                 help="Comma-separated arrival rates (q/s) for rates/estimator; default: the paper's.")
+                                 help="Comma-separated arrival rates (q/s) for rates/estimator/prefix; default: the paper's (prefix: 5, 8.9, 16, 32, 48).")
     ] = None,
     rate: Annotated[float, typer.Option(callback=positive,
                                         help="Arrival rate for delta/staleness/lambda/accuracy.")] = 8.0,
@@ -49,8 +49,8 @@ def eval_cmd(
     if experiment == "prefix":  # multi-turn sessions with prefix caching (bear.evaluation.prefix)
         from bear.evaluation.prefix import run_prefix_experiment
 
-        result, png = run_prefix_experiment(s, rate_list, policies.split(",") if policies else None, workers, out,
-                                            console)
+        result, png = run_prefix_experiment(s, rate_list if rates else None, policies.split(",") if policies else None,
+                                            workers, out, console)
         _write(out, experiment, seed, n_queries, result, s, as_json, console, png)
         return
     if experiment in ("rates", "accuracy"):

@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from bear import libbea
 from bear.estimator.estimate import EstimatorConfig, estimate
 from bear.evaluation.cluster import MAX_TOKENS, Cluster, InstanceSpec, _Live
 from bear.evaluation.prefix_workload import ChatStats, Session, answer_tokens, sessions
@@ -97,6 +96,7 @@ class PrefixCluster(Cluster):
             self.hashers.setdefault(int(cfg["block_size"]), BlockHasher(HashSpec(block_size=int(cfg["block_size"]))))
             self.streams.append(KvStream(inst.spec.name, subjects, buffer=1 << 20))
             self.wires.append(_Wire())
+            _drain(self.streams[-1].publish(self.wires[-1]))  # the epoch opens with its (empty) state
         self._step_ops: list[list[KvOp]] = [[] for _ in self.insts]  # the running step's events
         self.done_hooks: list[Any] = []
 
@@ -109,7 +109,7 @@ class PrefixCluster(Cluster):
             stream.events(self._step_ops[k], t)
         wire.now = t
         _drain(stream.publish(wire))
-        self._step_ops[k] = [KvOp(kind, list(h)) for kind, h in libbea.engine_take_kv_events(self.insts[k].engine)]
+        self._step_ops[k] = [KvOp(kind, list(h)) for kind, h in self.insts[k].engine.take_kv_events()]
 
     def _complete(self, t: float, k: int) -> None:
         before = len(self.finished_at)
@@ -209,6 +209,7 @@ class PrefixCluster(Cluster):
                          "utility": float(qs.true_quality[turn.query, col] - lam * cost), "task": qs.tasks[turn.query]})
             self.hit_tokens += hit
             self.prompt_tokens += len(tokens)
+        self.engine_hit_tokens = sum(max(0, self.insts[r["inst"]].engine.prefix_hit_tokens(r["rid"])) for r in rows)
         return [Outcome(query_id=r["rid"], task=r["task"], instance=self.insts[r["inst"]].spec.name,
                         model=self.insts[r["inst"]].spec.model, target_s=r["target"],
                         ttft_s=self.first_token.get(r["rid"], math.inf) - r["t"], utility=r["utility"],
@@ -216,7 +217,9 @@ class PrefixCluster(Cluster):
 
 
 # ---------------------------------------------------------------------------------- experiment
-PREFIX_RATES = [5.0, 6.0, 7.0, 8.0, 8.9]
+# the paper's lowest and highest rate, then the pool loaded further: chat turns are short next to
+# the paper's task mix, so its rates leave the pool mostly idle
+PREFIX_RATES = [5.0, 8.9, 16.0, 32.0, 48.0]
 
 
 @dataclass(frozen=True)
@@ -241,7 +244,9 @@ def run_prefix_cell(s: Any, cell: PrefixCell, stats: ChatStats = ChatStats()) ->
     res = summary(outcomes)
     res["turns"] = len(outcomes)
     res["sessions"] = len(sess)
-    res["hit_share"] = cluster.hit_tokens / max(1, cluster.prompt_tokens)  # of prompt tokens, at the chosen instance
+    # of all prompt tokens: cached where the turn ran (the engines' own hits) and known to the router
+    res["hit_share"] = cluster.engine_hit_tokens / max(1, cluster.prompt_tokens)
+    res["mirror_hit_share"] = cluster.hit_tokens / max(1, cluster.prompt_tokens)
     return res
 
 
@@ -288,7 +293,8 @@ def prefix_result(rates: list[float], policies: list[str], res: dict[PrefixCell,
         return {p: [res[PrefixCell(p, r)][key] for r in rates] for p in policies}
 
     out = {"rates": rates, "policies": table("on_time_utility"), "slo_attainment": table("slo_attainment"),
-           "mean_ttft_s": table("mean_ttft_s"), "composition": table("composition"), "turns": table("turns")}
+           "mean_ttft_s": table("mean_ttft_s"), "hit_share": table("hit_share"),
+           "mirror_hit_share": table("mirror_hit_share"), "composition": table("composition"), "turns": table("turns")}
     baselines = [p for p in policies if p not in ("bear", "bear-nohits")]
     if "bear" in policies and baselines:
         out["bear_minus_best_baseline"] = [
@@ -299,7 +305,7 @@ def prefix_result(rates: list[float], policies: list[str], res: dict[PrefixCell,
     return out
 
 
-def run_prefix_experiment(s: Any, rates: list[float], policies: list[str] | None, workers: int, out: Any,
+def run_prefix_experiment(s: Any, rates: list[float] | None, policies: list[str] | None, workers: int, out: Any,
                           console: Any) -> tuple[dict[str, Any], Any]:
     """What ``bear eval --experiment prefix`` runs: every (policy, rate) cell, the result and its plot."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -307,6 +313,7 @@ def run_prefix_experiment(s: Any, rates: list[float], policies: list[str] | None
     from bear.evaluation import plots
 
     pol = policies or list(PREFIX_POLICIES)
+    rates = rates or list(PREFIX_RATES)
     cells = prefix_cells(rates, pol)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
