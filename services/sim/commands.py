@@ -45,6 +45,10 @@ def sim_engine(
         "lognormal:256:0.8", "--output-lengths", callback=_check_lengths,
         help="Tokens the simulated model generates: 'max' (never EOS: max_tokens) or "
              "'lognormal:MEDIAN:SIGMA' (a seeded draw per request, capped by max_tokens)"),
+    tokenizer: str = typer.Option(
+        "", "--tokenizer", help="Model directory with a tokenizer.json (and chat template): prompts are tokenised "
+        "with it, the engine keeps a block-level prefix cache published on bear.kv.<id>, and the tokenizer is "
+        "registered for the routers; default: none (lengths ≈ bytes / 4, no prefix cache)"),
     prefix: Prefix = "bear",
     trace_exporter: TraceExporterOpt = Exporter.auto,
     otlp_endpoint: OtlpEndpoint = None,
@@ -52,13 +56,19 @@ def sim_engine(
     log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
     """Run a simulated vLLM instance (roofline-timed, vLLM V1 scheduling) with the OpenAI API."""
+    if tokenizer:
+        from pathlib import Path
+
+        if not (Path(tokenizer) / "tokenizer.json").is_file():
+            raise typer.BadParameter(f"{tokenizer} has no tokenizer.json", param_hint="--tokenizer")
     configure_logging(log_format, log_level)
     setup_tracing(f"bear-sim-{instance}", trace_exporter, otlp_endpoint)
     from bear.sim.run import serve
 
     aio.run(serve(profile, port, instance, nats_url, host=host, prefix=prefix,
                       seed=None if seed < 0 else seed, base_url=base_url or None,
-                      heartbeat_s=heartbeat_s, min_interval_s=min_interval_s, output_lengths=output_lengths))
+                      heartbeat_s=heartbeat_s, min_interval_s=min_interval_s, output_lengths=output_lengths,
+                      tokenizer_dir=tokenizer or None))
 
 
 
