@@ -110,6 +110,7 @@ class StackConfig:
     routers: int = 1
     policy: str = "bear"
     router_args: list[str] = field(default_factory=list)
+    sim_args: list[str] = field(default_factory=list)  # extra `bear sim-engine` arguments (e.g. --tokenizer DIR)
     predictor_dir: Path | None = None
     n_train: int = 3000
     train_seed: int = 10_000
@@ -190,7 +191,7 @@ class Stack:
             self.instances[inst] = port
             self._child(f"sim-{inst}", self._bear("sim-engine", "--profile", prof, "--port", str(port),
                                                   "--instance", inst, "--nats", self.url, "--seed",
-                                                  str(cfg.seed * 100 + k)))
+                                                  str(cfg.seed * 100 + k), *cfg.sim_args))
         assert cfg.predictor_dir is not None
         self._child("predictor", self._bear("predictor", *common, "--model-dir", str(cfg.predictor_dir)))
         for i in range(cfg.estimator_workers):
