@@ -66,28 +66,48 @@ class HashSpec:
 
 
 class BlockHasher:
-    """The block-hash chain of token sequences under one ``HashSpec``."""
+    """The block-hash chain of token sequences under one ``HashSpec``. Links already computed are
+    remembered (``memo`` of them, keyed by the parent digest and the block's tokens — exact, no
+    digest is guessed): the prompts whose hits matter are the ones that repeat, and a dict lookup
+    costs a fraction of a SHA-256 over a pickle."""
 
-    def __init__(self, spec: HashSpec) -> None:
+    def __init__(self, spec: HashSpec, memo: int = 65_536) -> None:
         self.spec = spec
         self._fn = HASH_FUNCTIONS[spec.algo]
         self.none_hash = self._fn(spec.seed)
+        self.memo = memo
+        self._memo: dict[tuple[bytes, tuple[int, ...]], tuple[bytes, int]] = {}  # → (digest, name)
 
-    def digests(self, token_ids: Sequence[int], max_blocks: int | None = None) -> Iterator[bytes]:
-        """The full digests of the full blocks of ``token_ids`` (lazily: a caller that stops at
-        the first block no instance holds pays for that block only)."""
+    def links(self, token_ids: Sequence[int], max_blocks: int | None = None) -> Iterator[tuple[bytes, int]]:
+        """(digest, name) of each full block of ``token_ids``, lazily: a caller that stops at the
+        first block no instance holds pays for that block only."""
         b = self.spec.block_size
         n = len(token_ids) // b
         if max_blocks is not None:
             n = min(n, max_blocks)
-        fn, parent = self._fn, self.none_hash
+        fn, parent, memo = self._fn, self.none_hash, self._memo
         for k in range(n):
-            parent = fn((parent, tuple(token_ids[k * b:(k + 1) * b]), None))
-            yield parent
+            block = tuple(token_ids[k * b:(k + 1) * b])
+            link = memo.get((parent, block))
+            if link is None:
+                if len(memo) >= self.memo:
+                    memo.clear()
+                d = fn((parent, block, None))
+                link = memo[(parent, block)] = (d, external(d))
+            parent = link[0]
+            yield link
+
+    def digests(self, token_ids: Sequence[int], max_blocks: int | None = None) -> Iterator[bytes]:
+        """The full digests of the full blocks of ``token_ids``."""
+        return (d for d, _ in self.links(token_ids, max_blocks))
+
+    def names(self, token_ids: Sequence[int], max_blocks: int | None = None) -> Iterator[int]:
+        """The blocks' names as KV events carry them (``external``), lazily."""
+        return (h for _, h in self.links(token_ids, max_blocks))
 
     def hashes(self, token_ids: Sequence[int], max_blocks: int | None = None) -> list[int]:
         """The blocks' names as KV events carry them (``external``)."""
-        return [external(d) for d in self.digests(token_ids, max_blocks)]
+        return list(self.names(token_ids, max_blocks))
 
     def next_digest(self, parent: bytes | None, block: Sequence[int]) -> bytes:
         """One link of the chain (``parent`` None: the first block)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bear.prefix.hashing import BlockHasher, HashSpec, external
+from bear.prefix.hashing import BlockHasher, HashSpec
 from bear.prefix.mirror import PrefixMirror
 
 
@@ -50,13 +50,21 @@ def prefix_hits(tokens: Sequence[int], targets: Sequence[Target], hashers: Hashe
         alive = [k for k in ks if len(targets[k].mirror)]
         if not alive or cap == 0:
             continue
+        held = [targets[k].mirror.counts for k in alive]
         matched = 0
-        for digest in hashers.get(spec).digests(tokens, cap):
-            h = external(digest)
-            alive = [k for k in alive if h in targets[k].mirror.counts]
-            if not alive:
-                break
+        for h in hashers.get(spec).names(tokens, cap):
+            if len(held) == 1:  # the common case: one instance holds the prefix
+                if h not in held[0]:
+                    break
+            else:
+                keep = [i for i, c in enumerate(held) if h in c]
+                if len(keep) < len(held):
+                    for i in set(range(len(held))) - set(keep):
+                        out[alive[i]] = matched * spec.block_size
+                    alive, held = [alive[i] for i in keep], [held[i] for i in keep]
+                    if not alive:
+                        break
             matched += 1
-            for k in alive:
-                out[k] = matched * spec.block_size
+        for k in alive:
+            out[k] = matched * spec.block_size
     return out

@@ -330,10 +330,13 @@ class RouterService:
             self.nc, self.subjects.predict, q.text, models, self.cfg.predict_budget_s,
             try_timeout_s=self.cfg.predict_try_s, prompt_tokens=q.prompt_tokens, query_id=q.query_id, headers=h))
         tokens: dict[str, list[int]] = {}
+        tokenize_s = 0.0
 
         async def tokenize_then_estimate() -> Any:
-            nonlocal tokens
+            nonlocal tokens, tokenize_s
+            t_tok = time.perf_counter()
             tokens = await self._tokenize(q, insts)
+            tokenize_s = time.perf_counter() - t_tok
             cands = [EstimateCandidate(instance=i.id, tokenizer=i.tokenizer, prompt_tokens=len(tokens[i.tokenizer]))
                      if i.tokenizer in tokens else EstimateCandidate(instance=i.id) for i in insts]
             return await _traced("router.estimate", q.trace, lambda h: ask_estimator(
@@ -345,7 +348,7 @@ class RouterService:
         rows = {row.instance: row for row in reply.estimates} if reply is not None else None
         exact = {i.id: len(tokens[i.tokenizer]) for i in insts if i.tokenizer in tokens}
         return Asked(claimed, preds, rows, claim_s=tc - t, predict_s=tp - t, estimate_s=te - t,
-                     estimated_at=reply.at if reply is not None else None, exact_tokens=exact)
+                     estimated_at=reply.at if reply is not None else None, exact_tokens=exact, tokenize_s=tokenize_s)
 
     async def _route(self, q: Query, out: ClientStream, t0: float) -> None:
         insts = self.registry.healthy()
@@ -499,6 +502,7 @@ class RouterService:
             "predicted_utility": d.candidate.utility(q.lam), "decision_s": decision_s, "wait_s": asked.wait_s,
             "decided_at": asked.decided_at, "estimated_at": asked.estimated_at,
             "predict_s": asked.predict_s, "estimate_s": asked.estimate_s, "claim_s": asked.claim_s,
+            "tokenize_s": asked.tokenize_s,
             "fallbacks": fallbacks, "attempt": attempt, "usage": usage, "request_id": request_id,
             "candidates": {c.instance: {
                 "model": c.model, "acc": c.acc, "cost": c.cost, "out_len": c.out_len, "out_p90": c.out_p90,
@@ -525,6 +529,7 @@ class Asked:
     estimated_at: float | None = None  # the estimator's clock for its rows
     decided_at: float = 0.0  # this router's clock when it built the candidates
     exact_tokens: dict[str, int] = field(default_factory=dict)  # instance → its tokenizer's prompt length
+    tokenize_s: float = 0.0  # of estimate_s: tokenising the query (before the estimator was asked)
 
     @property
     def wait_s(self) -> float:

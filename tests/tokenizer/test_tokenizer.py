@@ -102,3 +102,41 @@ async def test_router_cache_fetches_by_id_and_encodes_off_loop(nats_server, tmp_
     finally:
         await cache.close()
         await nc.close()
+
+
+def test_chunked_encoding_equals_the_full_one_and_reuses_shared_text(tmp_path: Path) -> None:
+    from bear.stack.prefix_bench import _prompts, write_bench_tokenizer
+    from bear.tokenizer.chunks import ChunkedEncoder
+
+    tok, vocab = write_bench_tokenizer(tmp_path / "bpe")
+    ce = ChunkedEncoder(tok)
+    assert ce.disabled is None
+    prompts = _prompts(tok, vocab, 12, 4096, 3, seed=1)
+    for p in prompts:
+        assert ce.encode(p, False) == tok.encode(p, add_special_tokens=False).ids
+    assert ce.hit_chars > 0.6 * ce.total_chars  # the shared documents were encoded once
+    # a conversation: each turn resends the last (with Unicode and odd spacing in it)
+    conv = "system: Ünïcode résumé  double  spaces\n\n" + " ".join(vocab[:900])
+    for t in range(5):
+        conv += f"\nuser {t}: don't stop " + " ".join(vocab[1000 + 50 * t:1050 + 50 * t])
+        assert ce.encode(conv, False) == tok.encode(conv, add_special_tokens=False).ids
+
+
+def test_chunking_turns_itself_off_for_a_tokenizer_it_would_get_wrong() -> None:
+    from bear.tokenizer.chunks import ChunkedEncoder
+
+    class Merging:  # one token per pair of characters, across spaces: chunk splits would differ
+        def encode(self, text: str, add_special_tokens: bool = False):
+            class E:
+                pass
+
+            e = E()
+            e.ids = [ord(text[i]) * 1000 + (ord(text[i + 1]) if i + 1 < len(text) else 0)
+                     for i in range(0, len(text), 2)]
+            e.offsets = [(i, min(i + 2, len(text))) for i in range(0, len(text), 2)]
+            return e
+
+    ce = ChunkedEncoder(Merging())
+    assert ce.disabled is not None
+    text = "ab " * 1000
+    assert ce.encode(text, False) == Merging().encode(text).ids
