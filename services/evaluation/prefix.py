@@ -234,6 +234,10 @@ class PrefixCell:
     def make_policy(self) -> Policy:
         return make_policy("bear" if self.policy == "bear-nohits" else self.policy)
 
+    def run(self, s: Any) -> dict[str, Any]:
+        """The cell's result (what ``experiments.run_cells`` calls in its process pool)."""
+        return run_prefix_cell(s, self)
+
 
 def run_prefix_cell(s: Any, cell: PrefixCell, stats: ChatStats = ChatStats()) -> dict[str, Any]:
     q = s.queries
@@ -248,40 +252,6 @@ def run_prefix_cell(s: Any, cell: PrefixCell, stats: ChatStats = ChatStats()) ->
     res["hit_share"] = cluster.engine_hit_tokens / max(1, cluster.prompt_tokens)
     res["mirror_hit_share"] = cluster.hit_tokens / max(1, cluster.prompt_tokens)
     return res
-
-
-_SETUP: Any = None
-
-
-def _init(setup_obj: Any) -> None:
-    global _SETUP
-    _SETUP = setup_obj
-
-
-def _run(cell: PrefixCell) -> tuple[PrefixCell, dict[str, Any]]:
-    return cell, run_prefix_cell(_SETUP, cell)
-
-
-def run_prefix_cells(s: Any, cells: list[PrefixCell], workers: int | None = None,
-                     on_done: Any = None) -> dict[PrefixCell, dict[str, Any]]:
-    """The cells, in a process pool (one process per core by default)."""
-    import os
-    from concurrent.futures import ProcessPoolExecutor
-
-    workers = workers or min(len(cells), os.cpu_count() or 1)
-    out: dict[PrefixCell, dict[str, Any]] = {}
-    if workers <= 1:
-        for c in cells:
-            out[c] = run_prefix_cell(s, c)
-            if on_done:
-                on_done(c)
-        return out
-    with ProcessPoolExecutor(max_workers=workers, initializer=_init, initargs=(s,)) as ex:
-        for cell, res in ex.map(_run, cells):
-            out[cell] = res
-            if on_done:
-                on_done(cell)
-    return out
 
 
 def prefix_cells(rates: list[float], policies: list[str]) -> list[PrefixCell]:
@@ -311,6 +281,7 @@ def run_prefix_experiment(s: Any, rates: list[float] | None, policies: list[str]
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from bear.evaluation import plots
+    from bear.evaluation.experiments import run_cells
 
     pol = policies or list(PREFIX_POLICIES)
     rates = rates or list(PREFIX_RATES)
@@ -318,7 +289,8 @@ def run_prefix_experiment(s: Any, rates: list[float] | None, policies: list[str]
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("prefix: simulating", total=len(cells))
-        res = run_prefix_cells(s, cells, workers=workers or None, on_done=lambda _c: progress.advance(task))
+        res = run_cells(s, cells, workers=workers or None,  # type: ignore[arg-type]
+                        on_done=lambda _c: progress.advance(task))
     out.mkdir(parents=True, exist_ok=True)
     result = {**prefix_result(rates, pol, res), "workload": asdict(ChatStats())}
     png = out / "prefix.png"
