@@ -79,6 +79,8 @@ def snapshotter(
         price_input_per_mtok=price_input, price_output_per_mtok=price_output, prefix=prefix,
         min_interval_s=min_interval_ms / 1e3, batch_flush_s=batch_flush_ms / 1e3, heartbeat_s=heartbeat_ms / 1e3,
         stale_after_s=stale_after_ms / 1e3, on_down=on_down, record_to=str(record_to) if record_to else None,
+        tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None, register_tokenizer=register_tokenizer,
+        kv_events=kv_events,
     )  # fmt: skip
     metrics = SnapshotterMetrics()
     from bear.runtime.metrics import start_metrics_server
