@@ -58,6 +58,19 @@ def snapshotter(
         Path | None,
         typer.Option(help="Also append every step to this JSONL(.gz) log (input of `bear record`)."),
     ] = None,
+    tokenizer_dir: Annotated[
+        Path | None,
+        typer.Option(help="Model directory with the engine's tokenizer.json (default: the path vLLM loaded); its "
+                          "bundle goes to the bear_tokenizers object store and its id into the registry entry."),
+    ] = None,
+    register_tokenizer: Annotated[
+        bool, typer.Option("--register-tokenizer/--no-register-tokenizer",
+                           help="Register the engine's tokenizer (routers then count prompt tokens exactly).")
+    ] = True,
+    kv_events: Annotated[
+        bool, typer.Option("--kv-events/--no-kv-events",
+                           help="Mirror the engine's KV cache events (vLLM --kv-events-config) on bear.kv.<id>.")
+    ] = True,
     metrics_port: MetricsPort = 0,
     metrics_host: MetricsHost = DEFAULT_METRICS_HOST,
     log_format: LogFormatOpt = LogFormat.console,
