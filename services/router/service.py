@@ -431,7 +431,7 @@ class RouterService:
                               "policy": self.policy.name, "attempts": attempts, "target_s": q.ttft_target_s})
 
     async def _stream(self, q: Query, out: ClientStream, inst: InstanceInfo, d: Decision, p: ModelPrediction,
-                      request_id: str, ptoks: int, t0: float, decision_s: float, asked: Asked,
+                      request_id: str, uncached: int, t0: float, decision_s: float, asked: Asked,
                       fallbacks: list[str], cands: list[Candidate], attempt: int) -> None:
         path, body = request_body(inst.model, q.prompt, q.messages, q.max_tokens, dict(q.sampling))
         first: float | None = None
@@ -439,7 +439,7 @@ class RouterService:
         finish = None
         seq = 0
         local = self.local
-        local.pending_prefill_tokens[inst.id] += ptoks
+        local.pending_prefill_tokens[inst.id] += uncached
         local.running[inst.id] += 1
         pending_open = True
         predicted = self.policy.latency_estimate(d.candidate)
@@ -453,7 +453,7 @@ class RouterService:
                     if piece.text:
                         if first is None:
                             first = time.perf_counter()
-                            local.pending_prefill_tokens[inst.id] -= ptoks
+                            local.pending_prefill_tokens[inst.id] -= uncached
                             pending_open = False
                             span.event("first_token")
                         await out.send({"v": "bear.chunk/1", "seq": seq, "text": piece.text})
@@ -470,7 +470,7 @@ class RouterService:
                 return
             finally:
                 if pending_open:
-                    local.pending_prefill_tokens[inst.id] -= ptoks
+                    local.pending_prefill_tokens[inst.id] -= uncached
                 local.running[inst.id] -= 1
         end = time.perf_counter()
         if first is None:  # an empty answer: the first (and only) token is the end of the stream
@@ -494,8 +494,8 @@ class RouterService:
         self.outcomes.record({
             "query_id": q.query_id, "t": time.time(), "status": "done", "policy": self.policy.name,
             "router": self.name, "instance": inst.id, "model": inst.model, "predictor_model": inst.predictor_model,
-            "target_s": q.ttft_target_s, "lam": q.lam, "prompt_tokens": p.prompt_tokens,
-            "tokens": "exact" if d.candidate.tokens_exact else "estimated",
+            "target_s": q.ttft_target_s, "lam": q.lam, "prompt_tokens": q.token_estimate(),  # what the estimate was asked
+            "instance_prompt_tokens": p.prompt_tokens, "tokens": "exact" if d.candidate.tokens_exact else "estimated",
             "prefix_hit_tokens": d.candidate.prefix_hit_tokens, "max_tokens": q.max_tokens,
             "predicted_ttft_s": predicted, "ttft_method": d.candidate.ttft_method, "feasible": d.feasible,
             "observed_ttft_s": ttft, "on_time": on_time, "utility": utility,

@@ -103,7 +103,7 @@ def _summary(recs: list[dict[str, Any]]) -> dict[str, Any]:
             "tokenize": _pct([r.get("tokenize_s", 0.0) for r in recs]),
             "tokens_exact": sum(r.get("tokens") == "exact" for r in recs),
             "prefix_hit_share": (sum(r.get("prefix_hit_tokens", 0) for r in recs)
-                                 / max(1, sum(r.get("prompt_tokens", 0) for r in recs))),
+                                 / max(1, sum(r.get("instance_prompt_tokens", r.get("prompt_tokens", 0)) for r in recs))),
             "queries": len(recs)}
 
 
