@@ -3,8 +3,10 @@ processes scale out) that answers "TTFT of this query at each candidate instance
 
 Inputs, all from NATS and nothing else: ``bear.snapshot.*`` (newest per instance kept),
 ``bear.dispatch.*`` (the router's dispatches: predicted lengths, the requests a snapshot does not
-show yet, the prompt-token rate), KV ``bear_calibration`` (β, θ) and KV ``bear_instances``
-(heartbeats, to tell a stale instance from a dead one). The estimate itself is
+show yet, the prompt-token rate), ``bear.kv.*`` (each instance's prefix-cache events, mirrored;
+on a gap the worker asks the instance for its whole state on ``bear.kv.resync.<id>``), KV
+``bear_calibration`` (β, θ) and KV ``bear_instances`` (heartbeats, to tell a stale instance from
+a dead one; engine config; prefix-cache hashing). The estimate itself is
 ``bear.estimator.estimate`` — the same code ``bear eval`` runs. Contract: docs/estimator.md.
 """
 
@@ -30,6 +32,8 @@ from bear.protocol.messages import (
     EstimateReply,
     EstimateRequest,
     InstanceRecord,
+    KvMessage,
+    KvResync,
     decode,
     encode,
 )
@@ -40,6 +44,7 @@ from bear.runtime.shutdown import cancel_all
 log = structlog.get_logger("bear.estimator")
 
 MAX_CANDIDATES = 64
+RESYNC_EVERY_S = 1.0  # at most one resync request per instance this often
 
 
 class EstimatorWorker:
@@ -64,13 +69,18 @@ class EstimatorWorker:
     def owns(self, instance: str) -> bool:
         return Subjects.shard_of(instance, self.cfg.shards) == self.cfg.shard
 
-    async def _follow(self, snapshots: str, dispatches: str) -> list[Any]:
-        """Subscribe to the snapshots and dispatches of one instance (or of all: ``*``)."""
-        return [
+    async def _follow(self, snapshots: str, dispatches: str, kv: str) -> list[Any]:
+        """Subscribe to the snapshots, dispatches and prefix-cache events of one instance (or of
+        all: ``*``). The prefix-cache stream is never dropped from: a lost message costs a resync."""
+        subs = [
             await self.nc.subscribe(snapshots, cb=self._on_snapshot, pending_msgs_limit=self.cfg.snapshot_pending_msgs,
                                     pending_bytes_limit=64 * 1024 * 1024),
             await self.nc.subscribe(dispatches, cb=self._on_dispatch),
         ]
+        if self.cfg.use_prefix_hits:
+            subs.append(await self.nc.subscribe(kv, cb=self._on_kv, pending_msgs_limit=65536,
+                                                pending_bytes_limit=256 * 1024 * 1024))
+        return subs
 
     async def start(self) -> None:
         from nats.micro import add_service
@@ -78,7 +88,8 @@ class EstimatorWorker:
         if not 0 <= self.cfg.shard < max(1, self.cfg.shards):
             raise ValueError(f"shard {self.cfg.shard} is not in 0..{self.cfg.shards - 1}")
         if not self.sharded:
-            self._subs += await self._follow(self.subjects.snapshot_all, self.subjects.dispatch_all)
+            self._subs += await self._follow(self.subjects.snapshot_all, self.subjects.dispatch_all,
+                                             self.subjects.kv_all)
         js = self.nc.jetstream()
         for bucket, handler in (
             (self.subjects.calibration_bucket, self._on_calibration),
@@ -121,6 +132,37 @@ class EstimatorWorker:
         if not self.store.get(Subjects.instance_of(msg.subject)).on_dispatch(d, time.time()):
             self.m.dispatch_malformed.inc()
 
+    async def _on_kv(self, msg: Any) -> None:
+        instance = Subjects.instance_of(msg.subject)
+        try:
+            m = decode(KvMessage, msg.data)  # type: ignore[arg-type]
+        except BearError:
+            self.m.kv_malformed.inc()
+            return
+        if m.instance != instance:
+            self.m.kv_malformed.inc()
+            return
+        st = self.store.get(instance)
+        was = st.prefix.synced
+        st.prefix.offer(m)
+        if was and not st.prefix.synced:
+            self.m.kv_resyncs.labels(reason="gap").inc()
+        if not was and st.prefix.synced:
+            st.resync_asked = 0.0  # answered: the next loss may ask at once
+        if st.prefix.needs_resync:
+            await self._ask_resync(instance, st.prefix.resync_reason or "")
+
+    async def _ask_resync(self, instance: str, reason: str) -> None:
+        """Ask the instance for its whole prefix cache (rate-limited per instance)."""
+        st = self.store.get(instance)
+        now = time.monotonic()
+        if now - st.resync_asked < RESYNC_EVERY_S:
+            return
+        st.resync_asked = now
+        with contextlib.suppress(Exception):
+            await self.nc.publish(self.subjects.kv_resync(instance), encode(KvResync(instance=instance, reason=reason)))
+            self.m.kv_resync_requests.inc()
+
     def _on_calibration(self, key: str, value: bytes | None) -> None:
         st = self.store.get(key)
         if value is None:
@@ -139,9 +181,15 @@ class EstimatorWorker:
                 self._tasks.append(asyncio.create_task(sub.unsubscribe()))
             return
         try:
-            self.store.get(key).registry_heartbeat = decode(InstanceRecord, value).heartbeat
+            rec = decode(InstanceRecord, value)
         except BearError:
             return
+        st = self.store.get(key)
+        st.on_registry(rec)
+        if st.prefix_events and st.prefix.needs_resync and self.cfg.use_prefix_hits and (
+                not self.sharded or self.owns(key)):
+            # a worker that starts after the instance: ask for the state instead of waiting for a gap
+            self._tasks.append(asyncio.create_task(self._ask_resync(key, st.prefix.resync_reason or "")))
         if self.sharded and self.owns(key) and key not in self._owned:
             self._owned[key] = []  # claimed now; the subscriptions follow on the loop
             self._tasks.append(asyncio.create_task(self._own(key)))
@@ -150,7 +198,7 @@ class EstimatorWorker:
         """Follow one more instance of this shard (learnt from the registry)."""
         try:
             self._owned[instance] = await self._follow(self.subjects.snapshot(instance),
-                                                       self.subjects.dispatch(instance))
+                                                       self.subjects.dispatch(instance), self.subjects.kv(instance))
         except Exception as exc:  # NATS away: the next registry update tries again
             self._owned.pop(instance, None)
             log.warning("cannot follow instance", instance=instance, error=repr(exc))
@@ -186,7 +234,7 @@ class EstimatorWorker:
         if len(candidates) > MAX_CANDIDATES:
             raise BearError(ErrorCode.TOO_LARGE, f"at most {MAX_CANDIDATES} candidate instances")
         now = time.time()
-        p = plan(body.query, candidates, self.store, now, self.cfg, on_parse=self._count_parse)
+        p = plan(body.query, candidates, self.store, now, self.cfg, on_parse=self._count_parse, tokens=body.tokens)
         if p.jobs and p.residents > self.cfg.executor_residents:
             for j in p.jobs:
                 j.state.in_use += 1
@@ -200,6 +248,7 @@ class EstimatorWorker:
         rows = finish(p, results, self.cfg)
         for r in rows:
             self.m.methods.labels(method=r.method).inc()
+            self.m.prefix.labels(how=r.prefix).inc()
         return EstimateReply(query_id=body.query.id, worker=self.name, estimates=rows, at=now)
 
     def _count_parse(self, kept: bool) -> None:
