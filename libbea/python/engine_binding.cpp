@@ -41,12 +41,30 @@ void bind_engine(py::module_& m) {
       .def(
           "add",
           [](Engine& e, const std::string& id, int64_t prompt_tokens, int64_t max_tokens, int64_t true_output_tokens,
-             double arrival, int64_t priority) {
-            e.add(id, prompt_tokens, max_tokens, true_output_tokens, arrival, priority);
+             double arrival, int64_t priority, std::vector<uint64_t> block_hashes) {
+            e.add(id, prompt_tokens, max_tokens, true_output_tokens, arrival, priority, std::move(block_hashes));
           },
           py::arg("id"), py::arg("prompt_tokens"), py::arg("max_tokens"), py::arg("true_output_tokens"),
-          py::arg("arrival") = 0.0, py::arg("priority") = 0,
-          "Queue a request that will stop after true_output_tokens (capped by max_tokens/max_model_len).")
+          py::arg("arrival") = 0.0, py::arg("priority") = 0, py::arg("block_hashes") = std::vector<uint64_t>{},
+          "Queue a request that will stop after true_output_tokens (capped by max_tokens/max_model_len).\n"
+          "block_hashes (prefix caching on): vLLM's hashes of its full blocks, prompt then answer tokens.")
+      .def(
+          "take_kv_events",
+          [](Engine& e) {
+            py::list out;
+            for (const auto& ev : e.take_kv_events()) {
+              const char* kind = ev.kind == bea::KvEvent::Stored ? "stored"
+                                 : ev.kind == bea::KvEvent::Removed ? "removed"
+                                                                    : "cleared";
+              out.append(py::make_tuple(kind, py::cast(ev.hashes)));
+            }
+            return out;
+          },
+          "The prefix cache's KV events since the last call: [(stored|removed, [hash, ...]), ...] in order.")
+      .def("cached_blocks", &Engine::cached_hashes, "The hash of every cached block (one entry per block).")
+      .def("prefix_hit_tokens", &Engine::prefix_hit_tokens, py::arg("id"),
+           "The prefix-cache hit a request had at its first admission (vLLM's num_cached_tokens; -1: not yet).")
+      .def_property_readonly("prefix_caching", &Engine::has_prefix_cache)
       .def("abort", &Engine::abort, py::arg("id"), "Drop a request; False when unknown or finished.")
       .def(
           "step",

@@ -80,8 +80,10 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
                  prompt_tokens: int | None = None,
                  subjects: Subjects | None = None, accept_timeout_s: float = 2.0, idle_timeout_s: float = 30.0,
                  resubmits: int = 1, model: str | None = None, sampling: dict[str, Any] | None = None,
-                 headers: dict[str, str] | None = None, inboxes: Inboxes | None = None) -> AsyncIterator[dict[str, Any]]:
+                 headers: dict[str, str] | None = None, inboxes: Inboxes | None = None,
+                 session: str | None = None) -> AsyncIterator[dict[str, Any]]:
     """``model``: only that model's instances are candidates (served or predictor name);
+    ``session``: the conversation the query belongs to (session-affinity routing);
     ``sampling``: engine sampling fields (``bear.protocol.sampling``); ``headers``: NATS headers of
     the submission (the trace context); ``inboxes``: a shared reply subscription (else one of its
     own per call)."""
@@ -95,7 +97,8 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
         req["messages"] = messages
     else:
         req["prompt"] = prompt or ""
-    for key, val in (("lam", lam), ("prompt_tokens", prompt_tokens), ("model", model), ("sampling", sampling or None)):
+    for key, val in (("lam", lam), ("prompt_tokens", prompt_tokens), ("model", model), ("sampling", sampling or None),
+                     ("session", session)):
         if val is not None:
             req[key] = val
     payload = pack(req)

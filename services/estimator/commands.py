@@ -158,6 +158,10 @@ def estimator(
         help="Run residents through each snapshot's age before inserting the query (assumes NTP-synchronised "
              "clocks between instances and workers)"
     ),
+    prefix_hits: bool = typer.Option(
+        True, "--prefix-hits/--no-prefix-hits",
+        help="Mirror the instances' prefix caches (bear.kv.*) and give each query's hit to the replay; "
+             "--no-prefix-hits: every prompt is estimated as if nothing of it were cached"),
     with_calibrator: bool = typer.Option(
         False, "--with-calibrator", help="Also run the online β calibrator in this process (single worker only)"
     ),
@@ -183,6 +187,7 @@ def estimator(
                 "--prefix", prefix, "--log-format", str(log_format), "--log-level", log_level,
                 "--shards", str(shards), "--shard", str(shard), "--metrics-host", metrics_host]
         argv.append("--compensate-staleness" if compensate_staleness else "--no-compensate-staleness")
+        argv.append("--prefix-hits" if prefix_hits else "--no-prefix-hits")
         raise typer.Exit(run_forked(argv, workers, metrics_port or None))
     configure_logging(log_format, log_level)
     from bear.estimator.estimate import EstimatorConfig
@@ -192,6 +197,7 @@ def estimator(
     start_metrics_server(metrics_port, metrics_host)
     cfg = EstimatorConfig(max_age_s=max_age_s, down_after_s=down_after_s, default_output_tokens=default_output_tokens,
                           overrun_fraction=overrun_fraction, compensate_staleness=compensate_staleness,
+                          use_prefix_hits=prefix_hits,
                           shards=shards, shard=shard)
     aio.run(run_worker(nats_url, cfg, prefix, with_calibrator))
 

@@ -35,4 +35,9 @@ def metrics() -> Any:
             "delta_future; mirror_verified / mirror_mismatch (a full snapshot of the state held)", ["event"]),
         resyncs=Counter("bear_estimator_resyncs_total",
                         "Resync requests by outcome (installed, refused, or the error code)", ["outcome"]),
+        prefix=Counter("bear_estimator_prefix_hits_total",
+                       "Per-instance answers by how the prefix-cache hit was found (mirror, unsynced, ...)", ["how"]),
+        kv_malformed=Counter("bear_estimator_kv_malformed_total", "Malformed prefix-cache messages dropped"),
+        kv_resyncs=Counter("bear_estimator_kv_mirror_lost_total", "Mirrors that lost sync (gap, epoch)", ["reason"]),
+        kv_resync_requests=Counter("bear_estimator_kv_resync_requests_total", "Whole-state requests sent"),
     )

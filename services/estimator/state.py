@@ -1,9 +1,10 @@
 """What an estimator knows about one instance: the newest snapshot (a full one kept raw and parsed
 lazily, so a burst of snapshots costs one parse; then kept current by the per-step deltas,
 ``bear.estimator.mirror``), the router's dispatches there (their predicted output lengths, the
-ones the snapshot does not show yet, the rate of prompt tokens), the calibration, and the
-registry heartbeat. Fed by the worker from NATS and by ``bear eval`` from its simulated
-instances, through the same methods."""
+ones the snapshot does not show yet, the rate of prompt tokens), the calibration, the registry
+entry (heartbeat, engine config, how its prefix cache hashes blocks) and the mirror of its prefix
+cache (``bear.prefix.mirror``). Fed by the worker from NATS and by ``bear eval`` from its
+simulated instances, through the same methods."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ import msgspec
 
 from bear import libbea
 from bear.estimator import mirror
-from bear.protocol.messages import NOMINAL_CALIBRATION, Calibration, Dispatch
+from bear.prefix.hashing import HashSpec
+from bear.prefix.hits import Hashers
+from bear.prefix.mirror import PrefixMirror
+from bear.protocol.messages import NOMINAL_CALIBRATION, Calibration, Dispatch, InstanceRecord
 
 MAX_LENGTHS_PER_INSTANCE = 50_000  # predicted lengths kept (oldest forgotten first)
 MAX_CLOCK_SKEW_S = 2.0  # a snapshot stamped further in the future than this is refused
@@ -52,8 +56,31 @@ class InstanceState:
     calibrated: bool = False
     registry_heartbeat: float = 0.0
     nbytes: int = 0  # size of the newest snapshot message (what the store's byte budget counts)
+    engine_config: dict[str, Any] | None = None  # the registry's copy of the engine's scheduler config
+    prefix: PrefixMirror = field(default_factory=PrefixMirror)
+    prefix_spec: HashSpec | None = None  # None: prefix caching off, or the instance says nothing of it
+    prefix_events: bool = False  # the instance publishes its cache (bear.kv.<id>)
+    prefix_problem: str | None = None  # why its registry entry's prefix cache cannot be mirrored
+    resync_asked: float = 0.0  # monotonic time of the last resync request sent for its mirror
+
+    def __post_init__(self) -> None:
+        self.prefix.instance = self.instance
 
     # ------------------------------------------------------------------ feeds
+    def on_registry(self, rec: InstanceRecord) -> None:
+        """The instance's registry entry: heartbeat, engine config, prefix-cache hashing."""
+        self.registry_heartbeat = rec.heartbeat
+        if rec.config is not None:
+            self.engine_config = dict(rec.config)
+        pc = rec.prefix_cache
+        self.prefix_events = bool(pc is not None and pc.enabled and pc.events)
+        self.prefix_spec, self.prefix_problem = None, None
+        if pc is not None and pc.enabled:
+            try:
+                self.prefix_spec = HashSpec(algo=pc.hash_algo, block_size=pc.block_size, seed=pc.hash_seed)
+            except ValueError as exc:
+                self.prefix_problem = str(exc)
+
     def offer_snapshot(self, data: bytes, now: float) -> bool:
         """Keep only the newest raw snapshot; True when an unparsed one was replaced (dropped)."""
         dropped = self.raw is not None
@@ -158,6 +185,16 @@ class InstanceState:
         self.late_lengths = {}
 
     # ------------------------------------------------------------------ derived
+    def kv_blocks(self) -> tuple[int, int, int]:
+        """(block size, blocks in use, usable blocks) of the held snapshot (zeros when the engine
+        config or the snapshot is unknown). vLLM's null block is not usable; cached blocks no
+        request holds count as free, as vLLM's KV usage counts them."""
+        cfg = self.engine_config
+        if self.snap is None or not cfg:
+            return 0, 0, 0
+        total = max(0, int(cfg.get("num_gpu_blocks") or 0) - 1)
+        return int(cfg.get("block_size") or 0), max(0, total - int(self.snap.free_blocks)), total
+
     def age(self, now: float) -> float | None:
         """Seconds since the held snapshot's capture (None: never had one)."""
         if self.snap is None:
@@ -220,6 +257,7 @@ class StateStore:
         self.nbytes = 0
         self.evicted = 0
         self.on_event = on_event
+        self.hashers = Hashers()  # vLLM block hashers, one per hash spec (NONE_HASH computed once)
 
     def offer(self, instance: str, data: bytes, now: float) -> bool:
         """``InstanceState.offer_snapshot`` within the byte budget; True when an unparsed

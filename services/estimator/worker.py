@@ -5,8 +5,10 @@ Inputs, all from NATS and nothing else: ``bear.delta.*`` (per-step deltas, appli
 the held state; a broken chain asks ``bear.resync.<id>`` for a full snapshot),
 ``bear.snapshot.*`` (full snapshots: newest per instance kept, parsed lazily),
 ``bear.dispatch.*`` (the router's dispatches: predicted lengths, the requests a snapshot does not
-show yet, the prompt-token rate), KV ``bear_calibration`` (β, θ) and KV ``bear_instances``
-(heartbeats, to tell a stale instance from a dead one). The estimate itself is
+show yet, the prompt-token rate), ``bear.kv.*`` (each instance's prefix-cache events, mirrored;
+on a gap the worker asks the instance for its whole state on ``bear.kv.resync.<id>``), KV
+``bear_calibration`` (β, θ) and KV ``bear_instances`` (heartbeats, to tell a stale instance from
+a dead one; engine config; prefix-cache hashing). The estimate itself is
 ``bear.estimator.estimate`` — the same code ``bear eval`` runs. Contract: docs/estimator.md.
 """
 
@@ -33,6 +35,8 @@ from bear.protocol.messages import (
     EstimateReply,
     EstimateRequest,
     InstanceRecord,
+    KvMessage,
+    KvResync,
     ResyncRequest,
     decode,
     encode,
@@ -45,6 +49,7 @@ from bear.runtime.shutdown import cancel_all
 log = structlog.get_logger("bear.estimator")
 
 MAX_CANDIDATES = 64
+RESYNC_EVERY_S = 1.0  # at most one resync request per instance this often
 
 
 class EstimatorWorker:
@@ -71,10 +76,12 @@ class EstimatorWorker:
         return Subjects.shard_of(instance, self.cfg.shards) == self.cfg.shard
 
     async def _follow(self, instance: str) -> list[Any]:
-        """Subscribe to the deltas, snapshots and dispatches of one instance (or of all: ``*``)."""
+        """Subscribe to the deltas, snapshots, dispatches and prefix-cache events of one instance
+        (or of all: ``*``). The prefix-cache stream is never dropped from: a lost message costs a
+        resync."""
         s = self.subjects
         one = instance != "*"
-        return [
+        subs = [
             await self.nc.subscribe(s.delta(instance) if one else s.delta_all, cb=self._on_delta,
                                     pending_msgs_limit=self.cfg.delta_pending_msgs),
             await self.nc.subscribe(s.snapshot(instance) if one else s.snapshot_all, cb=self._on_snapshot,
@@ -82,6 +89,10 @@ class EstimatorWorker:
                                     pending_bytes_limit=64 * 1024 * 1024),
             await self.nc.subscribe(s.dispatch(instance) if one else s.dispatch_all, cb=self._on_dispatch),
         ]
+        if self.cfg.use_prefix_hits:
+            subs.append(await self.nc.subscribe(s.kv(instance) if one else s.kv_all, cb=self._on_kv, pending_msgs_limit=65536,
+                                                pending_bytes_limit=256 * 1024 * 1024))
+        return subs
 
     async def start(self) -> None:
         from nats.micro import add_service
@@ -171,6 +182,37 @@ class EstimatorWorker:
         if not self.store.get(Subjects.instance_of(msg.subject)).on_dispatch(d, time.time()):
             self.m.dispatch_malformed.inc()
 
+    async def _on_kv(self, msg: Any) -> None:
+        instance = Subjects.instance_of(msg.subject)
+        try:
+            m = decode(KvMessage, msg.data)  # type: ignore[arg-type]
+        except BearError:
+            self.m.kv_malformed.inc()
+            return
+        if m.instance != instance:
+            self.m.kv_malformed.inc()
+            return
+        st = self.store.get(instance)
+        was = st.prefix.synced
+        st.prefix.offer(m)
+        if was and not st.prefix.synced:
+            self.m.kv_resyncs.labels(reason="gap").inc()
+        if not was and st.prefix.synced:
+            st.resync_asked = 0.0  # answered: the next loss may ask at once
+        if st.prefix.needs_resync:
+            await self._ask_resync(instance, st.prefix.resync_reason or "")
+
+    async def _ask_resync(self, instance: str, reason: str) -> None:
+        """Ask the instance for its whole prefix cache (rate-limited per instance)."""
+        st = self.store.get(instance)
+        now = time.monotonic()
+        if now - st.resync_asked < RESYNC_EVERY_S:
+            return
+        st.resync_asked = now
+        with contextlib.suppress(Exception):
+            await self.nc.publish(self.subjects.kv_resync(instance), encode(KvResync(instance=instance, reason=reason)))
+            self.m.kv_resync_requests.inc()
+
     def _on_calibration(self, key: str, value: bytes | None) -> None:
         st = self.store.get(key)
         if value is None:
@@ -189,9 +231,15 @@ class EstimatorWorker:
                 self._tasks.append(asyncio.create_task(sub.unsubscribe()))
             return
         try:
-            self.store.get(key).registry_heartbeat = decode(InstanceRecord, value).heartbeat
+            rec = decode(InstanceRecord, value)
         except BearError:
             return
+        st = self.store.get(key)
+        st.on_registry(rec)
+        if st.prefix_events and st.prefix.needs_resync and self.cfg.use_prefix_hits and (
+                not self.sharded or self.owns(key)):
+            # a worker that starts after the instance: ask for the state instead of waiting for a gap
+            self._tasks.append(asyncio.create_task(self._ask_resync(key, st.prefix.resync_reason or "")))
         if self.sharded and self.owns(key) and key not in self._owned:
             self._owned[key] = []  # claimed now; the subscriptions follow on the loop
             self._tasks.append(asyncio.create_task(self._own(key)))
@@ -235,7 +283,7 @@ class EstimatorWorker:
         if len(candidates) > MAX_CANDIDATES:
             raise BearError(ErrorCode.TOO_LARGE, f"at most {MAX_CANDIDATES} candidate instances")
         now = time.time()
-        p = plan(body.query, candidates, self.store, now, self.cfg, on_parse=self._count_parse)
+        p = plan(body.query, candidates, self.store, now, self.cfg, on_parse=self._count_parse, tokens=body.tokens)
         if p.jobs and p.residents > self.cfg.executor_residents:
             for j in p.jobs:
                 j.state.in_use += 1
@@ -250,6 +298,7 @@ class EstimatorWorker:
         rows = finish(p, results, self.cfg)
         for r in rows:
             self.m.methods.labels(method=r.method).inc()
+            self.m.prefix.labels(how=r.prefix).inc()
         return EstimateReply(query_id=body.query.id, worker=self.name, estimates=rows, at=now)
 
     def _count_parse(self, kept: bool) -> None:

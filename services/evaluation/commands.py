@@ -13,7 +13,7 @@ import typer
 from bear.options import policy_list, positive, positive_list
 from bear.protocol.codec import json_safe
 
-EXPERIMENTS = ["rates", "delta", "bursty", "staleness", "estimator", "lambda", "accuracy"]
+EXPERIMENTS = ["rates", "delta", "bursty", "staleness", "estimator", "lambda", "accuracy", "prefix"]
 
 
 def eval_cmd(
@@ -22,7 +22,7 @@ def eval_cmd(
     n_queries: Annotated[int, typer.Option(min=1, help="Queries per simulated run.")] = 2000,
     rates: Annotated[
         str | None, typer.Option(callback=positive_list,
-                                 help="Comma-separated arrival rates (q/s) for rates/estimator; default: the paper's.")
+                                 help="Comma-separated arrival rates (q/s) for rates/estimator/prefix; default: the paper's (prefix: 5, 8.9, 16, 32, 48).")
     ] = None,
     rate: Annotated[float, typer.Option(callback=positive,
                                         help="Arrival rate for delta/staleness/lambda/accuracy.")] = 8.0,
@@ -46,6 +46,13 @@ def eval_cmd(
     pol = policies.split(",") if policies else list(ex.RATE_POLICIES)
     with console.status("preparing predictor, queries and calibration (cached after the first run)"):
         s = ex.setup(seed, n_queries)
+    if experiment == "prefix":  # multi-turn sessions with prefix caching (bear.evaluation.prefix)
+        from bear.evaluation.prefix import run_prefix_experiment
+
+        result, png = run_prefix_experiment(s, rate_list if rates else None, policies.split(",") if policies else None,
+                                            workers, out, console)
+        _write(out, experiment, seed, n_queries, result, s, as_json, console, png)
+        return
     if experiment in ("rates", "accuracy"):
         cells = ex.rates_cells(rate_list if experiment == "rates" else [rate], pol)
     elif experiment == "estimator":
@@ -85,6 +92,11 @@ def eval_cmd(
     else:
         result = ex.accuracy_result(rate, res, pol)
         plots.accuracy(result, png)
+    _write(out, experiment, seed, n_queries, result, s, as_json, console, png)
+
+
+def _write(out: Path, experiment: str, seed: int, n_queries: int, result: dict[str, Any], s: Any, as_json: bool,
+           console: Any, png: Path) -> None:
     result = json_safe({"experiment": experiment, "seed": seed, "n_queries": n_queries, **result,
                      "calibration": {k: msgspec.to_builtins(v) for k, v in s.calibration.items()}})
     (out / f"{experiment}.json").write_text(json.dumps(result, indent=2))
@@ -98,7 +110,7 @@ def eval_cmd(
 def _print_table(console: Any, experiment: str, result: dict[str, Any]) -> None:
     from rich.table import Table
 
-    if "policies" in result and experiment in ("rates", "estimator", "lambda"):
+    if "policies" in result and experiment in ("rates", "estimator", "lambda", "prefix"):
         xs = result.get("rates") or result.get("lambdas")
         t = Table(title=f"OnTimeUtility ({experiment})")
         t.add_column("policy")

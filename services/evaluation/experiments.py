@@ -98,6 +98,8 @@ def arrival_times(s: Setup, cell: Cell) -> np.ndarray:
 
 
 def run_cell(s: Setup, cell: Cell) -> dict[str, Any]:
+    if hasattr(cell, "run"):  # a cell of an experiment kept in its own module (bear.evaluation.prefix)
+        return cell.run(s)
     policy = make_policy(cell.policy, **dict(cell.params))
     q = s.queries
     prices = {m: (float(q.price_in[j]), float(q.price_out[j])) for j, m in enumerate(q.models)}

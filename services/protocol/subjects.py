@@ -50,6 +50,19 @@ class Subjects:
     def dispatch_all(self) -> str:
         return f"{self.prefix}.dispatch.*"
 
+    def kv(self, instance: str) -> str:
+        """``bear.kv.<instance>``: the instance's prefix-cache events (``bear.kv/1``) and, after a
+        resync request, its whole state (``bear.kv.state/1``), in one ordered stream."""
+        return f"{self.prefix}.kv.{instance}"
+
+    @property
+    def kv_all(self) -> str:
+        return f"{self.prefix}.kv.*"
+
+    def kv_resync(self, instance: str) -> str:
+        """``bear.kv.resync.<instance>``: a mirror asks the publisher for the whole state."""
+        return f"{self.prefix}.kv.resync.{instance}"
+
     def outcome(self, instance: str) -> str:
         return f"{self.prefix}.outcome.{instance}"
 
@@ -86,6 +99,11 @@ class Subjects:
     @property
     def calibration_bucket(self) -> str:
         return f"{self.prefix}_calibration"
+
+    @property
+    def tokenizers_bucket(self) -> str:
+        """Object store of tokenizer bundles, one object per tokenizer id (``bear.tokenizer``)."""
+        return f"{self.prefix}_tokenizers"
 
     @property
     def queries_bucket(self) -> str:

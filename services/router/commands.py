@@ -110,6 +110,10 @@ def router(
     model_alias: list[str] = typer.Option(
         [], "--model-alias", help="SERVED=PREDICTOR model name mapping (default: last path part); repeatable"),
     outcome_log: Path | None = typer.Option(None, "--outcome-log", help="JSONL file of every query's record"),
+    tokenize: bool = typer.Option(
+        True, "--tokenize/--no-tokenize",
+        help="Tokenise each query with the tokenizers the instances register (exact prompt lengths, prefix-cache "
+             "hits); --no-tokenize: lengths estimated from the text (bytes / 4), no hits"),
     metrics_port: MetricsPort = 0,
     metrics_host: MetricsHost = DEFAULT_METRICS_HOST,
     prefix: Prefix = "bear",
@@ -129,7 +133,7 @@ def router(
                        estimate_try_s=estimate_budget / 2, default_output_tokens=default_output_tokens,
                        max_inflight=max_inflight, max_deciding=max_deciding, shed_lag_s=shed_lag,
                        down_after_s=down_after, outcome_log=outcome_log, estimator_shards=estimator_shards,
-                       aliases=_aliases(model_alias), engine_keys=_engine_keys(engine_keys),
+                       tokenize=tokenize, aliases=_aliases(model_alias), engine_keys=_engine_keys(engine_keys),
                        allowed_base_urls=tuple(_base_urls(allow_base_url)))
     start_metrics_server(metrics_port, metrics_host)
     aio.run(serve(nats_url, cfg, prefix))

@@ -142,6 +142,9 @@ def parse_chunk(d: dict[str, Any]) -> Piece | None:
     usage = d.get("usage")
     if isinstance(usage, dict):
         piece.usage = {k: int(v) for k, v in usage.items() if isinstance(v, int)}
+        details = usage.get("prompt_tokens_details")  # vLLM --enable-prompt-tokens-details: the prefix-cache hit
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            piece.usage["cached_tokens"] = int(details["cached_tokens"])
     if not piece.text and piece.usage is None and piece.finish_reason is None:
         return None
     return piece

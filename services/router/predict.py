@@ -17,7 +17,7 @@ from bear.estimator.client import EstimatorClient
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.deadline import Deadline
 from bear.protocol.errors import BearError, is_error
-from bear.protocol.messages import EstimateQuery, EstimateReply
+from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateReply
 from bear.protocol.subjects import Subjects
 from bear.router.candidates import ModelPrediction
 from bear.runtime.request import request
@@ -52,19 +52,22 @@ async def ask_predictor(nc: Any, subject: str, prompt: str, models: list[str], b
         return None
 
 
-async def ask_estimator(clients: list[EstimatorClient], query: EstimateQuery, instances: list[str],
-                        budget_s: float, headers: dict[str, str] | None = None) -> EstimateReply | None:
+async def ask_estimator(clients: list[EstimatorClient], query: EstimateQuery,
+                        instances: list[str] | list[EstimateCandidate], budget_s: float,
+                        headers: dict[str, str] | None = None,
+                        tokens: dict[str, list[int]] | None = None) -> EstimateReply | None:
     """The estimator's answer for every candidate: with one client (an unsharded pool) one request;
     with one client per shard, one request to each shard that owns a candidate, concurrently, and
     the rows merged (a shard that does not answer leaves its instances without a row). None when
     no estimator answered in time."""
-    by_shard: dict[int, list[str]] = {}
+    by_shard: dict[int, list[str | EstimateCandidate]] = {}
     for inst in instances:
-        by_shard.setdefault(Subjects.shard_of(inst, len(clients)), []).append(inst)
+        name = inst if isinstance(inst, str) else inst.instance
+        by_shard.setdefault(Subjects.shard_of(name, len(clients)), []).append(inst)
 
-    async def one(k: int, ids: list[str]) -> EstimateReply | None:
+    async def one(k: int, ids: list[str | EstimateCandidate]) -> EstimateReply | None:
         try:
-            return await clients[k].estimate(query, list(ids), budget_s=budget_s, headers=headers)
+            return await clients[k].estimate(query, list(ids), budget_s=budget_s, headers=headers, tokens=tokens)
         except Exception:  # BearError, NATS closed/reconnecting: decide without it
             return None
 

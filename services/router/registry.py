@@ -43,6 +43,7 @@ class InstanceInfo:
     obs: Observations = field(default_factory=Observations)
     failed_until: float = 0.0  # this router saw a connection failure: avoid until then (monotonic)
     max_model_len: int | None = None  # the engine's context (its registered config), when known
+    tokenizer: str = ""  # its tokenizer bundle id ("": none registered: lengths are estimated)
 
     def healthy(self, now: float, down_after_s: float) -> bool:
         return (bool(self.base_url) and self.status == "up" and now - self.heartbeat <= down_after_s
@@ -108,6 +109,7 @@ class Registry:
         self._tasks: list[asyncio.Task[None]] = []
         self._sub: Any = None
         self.loaded = asyncio.Event()
+        self.on_tokenizer: Any = None  # called with each tokenizer id an entry names (to fetch it early)
 
     def _reject(self, reason: str, key: str, detail: str = "") -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
@@ -195,6 +197,9 @@ class Registry:
         info.predictor_model = rec.predictor_model or predictor_name(rec.model, self.aliases)
         mml = (rec.config or {}).get("max_model_len")
         info.max_model_len = mml if isinstance(mml, int) and not isinstance(mml, bool) and mml > 0 else None
+        info.tokenizer = rec.tokenizer
+        if rec.tokenizer and self.on_tokenizer is not None:
+            self.on_tokenizer(rec.tokenizer)
 
     def _on_calibration(self, key: str, value: bytes | None) -> None:
         info = self.instances.get(key)

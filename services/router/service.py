@@ -2,7 +2,10 @@
 per query it asks the predictor and the estimator concurrently (deadlines, fallbacks), builds one
 ``Candidate`` per healthy instance (``router.candidates``, which ``bear eval`` calls too), lets the
 policy pick, publishes ``bear.dispatch.<instance>``, streams the instance's answer to the client's inbox and logs the
-outcome. Routers share nothing but NATS. Protocol and decisions: docs/router.md."""
+outcome. Before asking the estimator it tokenises the query once per tokenizer its candidates
+use (``bear.tokenizer``, off the event loop; the predictor is asked meanwhile), so that the
+estimator gets exact prompt lengths and the token ids it finds prefix-cache hits with. Routers
+share nothing but NATS. Protocol and decisions: docs/router.md."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import structlog
 from bear.estimator.client import EstimatorClient
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.errors import BearError, ErrorCode, error_reply
-from bear.protocol.messages import EstimateQuery, EstimateRow, Outcome, encode
+from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateRow, Outcome, encode
 from bear.protocol.sampling import check_sampling
 from bear.protocol.subjects import CANCEL_SCHEMA, Subjects
 from bear.router.admission import Admission
@@ -43,6 +46,7 @@ from bear.router.registry import InstanceInfo, Registry
 from bear.runtime import tracing
 from bear.runtime.service import connect, stop_event
 from bear.runtime.shutdown import cancel_all, close_nats
+from bear.tokenizer.cache import TokenizerCache
 
 log = structlog.get_logger("bear.router")
 
@@ -84,6 +88,7 @@ class RouterConfig:
     name: str = ""
     engine_keys: dict[str, str] = field(default_factory=dict)  # instance (or "*") → its engine's API key
     allowed_base_urls: tuple[str, ...] = ()  # instances only under these base URLs (empty: any)
+    tokenize: bool = True  # exact prompt tokens (and prefix hits) where instances register a tokenizer
 
 
 @dataclass
@@ -102,6 +107,7 @@ class Query:
     deadline: float | None = None  # the client stops waiting for the start then (epoch s)
     inbox: str = ""  # where the answer goes (a cancel must name it)
     deciding: bool = True  # counted in Admission.deciding until dispatched or finished
+    session: str | None = None  # the conversation it belongs to (session-affinity routing)
 
     @property
     def text(self) -> str:
@@ -149,6 +155,9 @@ def parse_submit(data: bytes, cfg: RouterConfig) -> Query:
     if deadline is not None and (not isinstance(deadline, int | float) or isinstance(deadline, bool)
                                  or not math.isfinite(deadline)):
         raise BearError(ErrorCode.BAD_REQUEST, "deadline must be a finite number (epoch seconds)")
+    session = d.get("session")
+    if session is not None and (not isinstance(session, str) or not session or len(session) > 256):
+        raise BearError(ErrorCode.BAD_REQUEST, "session must be a non-empty string (≤ 256 chars)")
     max_tokens = num("max_tokens", cfg.default_max_tokens, 1)
     if max_tokens > 2**31 - 1:
         raise BearError(ErrorCode.BAD_REQUEST, "max_tokens must be < 2^31")
@@ -156,7 +165,7 @@ def parse_submit(data: bytes, cfg: RouterConfig) -> Query:
               ttft_target_s=num("ttft_target_s", cfg.default_ttft_target_s, 0.0),
               max_tokens=int(max_tokens), lam=num("lam", cfg.lam, 0.0),
               prompt_tokens=pt, model=model, sampling=check_sampling(d.get("sampling")),
-              deadline=None if deadline is None else float(deadline))
+              deadline=None if deadline is None else float(deadline), session=session)
     if len(q.text.encode()) > MAX_PROMPT_BYTES:
         raise BearError(ErrorCode.TOO_LARGE, f"prompt larger than {MAX_PROMPT_BYTES} bytes")
     return q
@@ -257,6 +266,9 @@ class RouterService:
                                            subject=self.subjects.estimate_shard(k, shards)) for k in range(shards)]
         self.dedup = Deduplicator(nc, self.subjects.queries_bucket, ttl_s=self.cfg.dedup_ttl_s,
                                   timeout_s=self.cfg.dedup_timeout_s)
+        self.tokenizers = TokenizerCache(nc, self.subjects.tokenizers_bucket)
+        if self.cfg.tokenize:
+            self.registry.on_tokenizer = lambda tid: self.tokenizers.want([tid])
         self.outcomes = OutcomeLog(self.cfg.outcome_log)
         self.m = self.outcomes.m
         self.local = LocalLoad(defaultdict(int), defaultdict(int))  # in flight here: the eq. 8 fallback
@@ -301,6 +313,7 @@ class RouterService:
             await cancel_all(pending)
         await self.registry.stop()
         await cancel_all([t for t in (self._lag_task, self._resend_task) if t is not None])
+        await self.tokenizers.close()
         if self._session is not None:
             await self._session.close()
         self.outcomes.close()
@@ -410,22 +423,48 @@ class RouterService:
             if not out.finished:  # defensive: every accepted query ends in done or error
                 await out.error(ErrorCode.INTERNAL, "no terminal message")
 
+    async def _tokenize(self, q: Query, insts: list[InstanceInfo]) -> dict[str, list[int]]:
+        """The query's token ids per tokenizer of its candidates (those loaded; {} when none)."""
+        if not self.cfg.tokenize:
+            return {}
+        ids = [i.tokenizer for i in insts if i.tokenizer]
+        if not ids:
+            return {}
+        self.tokenizers.want(ids)
+        try:
+            return await self.tokenizers.encode(ids, q.prompt, q.messages)
+        except Exception as exc:  # a tokenizer that fails on this input: lengths are estimated
+            log.warning("tokenize failed", query_id=q.query_id, error=repr(exc))
+            return {}
+
     async def _ask(self, q: Query, insts: list[InstanceInfo], ptoks: int) -> Asked:
         """The dedup claim, the predictor and the estimator, concurrently (three tasks, no nesting),
-        each clocked where it finished."""
+        each clocked where it finished; the estimator after the tokenisation (its input)."""
         models = sorted({i.predictor_model for i in insts})
         t = time.perf_counter()
         pred = _traced("router.predict", q.trace, lambda h: ask_predictor(
             self.nc, self.subjects.predict, q.text, models, self.cfg.predict_budget_s,
             try_timeout_s=self.cfg.predict_try_s, prompt_tokens=q.prompt_tokens, query_id=q.query_id, headers=h))
-        est = _traced("router.estimate", q.trace, lambda h: ask_estimator(
-            self.estimators, EstimateQuery(id=q.query_id, prompt_tokens=ptoks, max_tokens=q.max_tokens),
-            [i.id for i in insts], self.cfg.estimate_budget_s, headers=h))
+        tokens: dict[str, list[int]] = {}
+        tokenize_s = 0.0
+
+        async def tokenize_then_estimate() -> Any:
+            nonlocal tokens, tokenize_s
+            t_tok = time.perf_counter()
+            tokens = await self._tokenize(q, insts)
+            tokenize_s = time.perf_counter() - t_tok
+            cands = [EstimateCandidate(instance=i.id, tokenizer=i.tokenizer, prompt_tokens=len(tokens[i.tokenizer]))
+                     if i.tokenizer in tokens else EstimateCandidate(instance=i.id) for i in insts]
+            return await _traced("router.estimate", q.trace, lambda h: ask_estimator(
+                self.estimators, EstimateQuery(id=q.query_id, prompt_tokens=ptoks, max_tokens=q.max_tokens),
+                cands, self.cfg.estimate_budget_s, headers=h, tokens=tokens))
+
         (claimed, tc), (preds, tp), (reply, te) = await asyncio.gather(
-            _clocked(self.dedup.claim(q.query_id, self.name)), _clocked(pred), _clocked(est))
+            _clocked(self.dedup.claim(q.query_id, self.name)), _clocked(pred), _clocked(tokenize_then_estimate()))
         rows = {row.instance: row for row in reply.estimates} if reply is not None else None
+        exact = {i.id: len(tokens[i.tokenizer]) for i in insts if i.tokenizer in tokens}
         return Asked(claimed, preds, rows, claim_s=tc - t, predict_s=tp - t, estimate_s=te - t,
-                     estimated_at=reply.at if reply is not None else None)
+                     estimated_at=reply.at if reply is not None else None, exact_tokens=exact, tokenize_s=tokenize_s)
 
     async def _route(self, q: Query, out: ClientStream, t0: float) -> None:
         insts = self.registry.healthy()
@@ -468,8 +507,9 @@ class RouterService:
             self.m.fallbacks.labels(kind="estimator").inc()
         asked.decided_at = time.time()
         cands, used = build_candidates(ptoks, insts, preds, rows, asked.decided_at,
-                                       default_output_tokens=self.cfg.default_output_tokens, local=self.local)
-        ctx = QueryContext(q.query_id, q.ttft_target_s, q.lam, ptoks)
+                                       default_output_tokens=self.cfg.default_output_tokens, local=self.local,
+                                       exact_tokens=asked.exact_tokens)
+        ctx = QueryContext(q.query_id, q.ttft_target_s, q.lam, ptoks, session=q.session)
         if q.deadline is not None and cands and rows is not None:
             soonest = min(c.ttft for c in cands)
             if math.isfinite(soonest) and time.time() + soonest > q.deadline:
@@ -498,8 +538,8 @@ class RouterService:
             inst = self.registry.get(d.candidate.instance)
             p = used[inst.id]
             request_id = f"bear-{uuid.uuid4().hex}"
-            await self.nc.publish(self.subjects.dispatch(inst.id),
-                                  encode(dispatch_for(q.query_id, request_id, p, q.max_tokens, time.time())))
+            await self.nc.publish(self.subjects.dispatch(inst.id), encode(dispatch_for(
+                q.query_id, request_id, p, q.max_tokens, time.time(), d.candidate.prefix_hit_tokens)))
             q.served_by = inst.id
             decision_s = time.perf_counter() - t0
             if q.deciding:
@@ -516,8 +556,8 @@ class RouterService:
                             "policy": self.policy.name, "decision_s": decision_s, "attempt": attempt,
                             "backend": inst.backend})
             try:
-                await self._stream(q, out, inst, d, p, request_id, ptoks, t0, decision_s, asked, fallbacks,
-                                   cands, attempt)
+                await self._stream(q, out, inst, d, p, request_id, max(1, p.prompt_tokens - d.candidate.prefix_hit_tokens),
+                                   t0, decision_s, asked, fallbacks, cands, attempt)
                 return
             except InstanceRefused as exc:
                 # the request's own fault (too long, bad parameter): any instance would refuse it,
@@ -539,7 +579,7 @@ class RouterService:
                               "policy": self.policy.name, "attempts": attempts, "target_s": q.ttft_target_s})
 
     async def _stream(self, q: Query, out: ClientStream, inst: InstanceInfo, d: Decision, p: ModelPrediction,
-                      request_id: str, ptoks: int, t0: float, decision_s: float, asked: Asked,
+                      request_id: str, uncached: int, t0: float, decision_s: float, asked: Asked,
                       fallbacks: list[str], cands: list[Candidate], attempt: int) -> None:
         path, body = request_body(inst.model, q.prompt, q.messages, q.max_tokens, dict(q.sampling))
         first: float | None = None
@@ -547,7 +587,7 @@ class RouterService:
         finish = None
         seq = 0
         local = self.local
-        local.pending_prefill_tokens[inst.id] += ptoks
+        local.pending_prefill_tokens[inst.id] += uncached
         local.running[inst.id] += 1
         pending_open = True
         predicted = self.policy.latency_estimate(d.candidate)
@@ -565,7 +605,7 @@ class RouterService:
                     if piece.text:
                         if first is None:
                             first = time.perf_counter()
-                            local.pending_prefill_tokens[inst.id] -= ptoks
+                            local.pending_prefill_tokens[inst.id] -= uncached
                             pending_open = False
                             span.event("first_token")
                         await out.send({"v": "bear.chunk/1", "seq": seq, "text": piece.text})
@@ -582,7 +622,7 @@ class RouterService:
                 return
             finally:
                 if pending_open:
-                    local.pending_prefill_tokens[inst.id] -= ptoks
+                    local.pending_prefill_tokens[inst.id] -= uncached
                 local.running[inst.id] -= 1
         end = time.perf_counter()
         if first is None:  # an empty answer: the first (and only) token is the end of the stream
@@ -606,12 +646,15 @@ class RouterService:
         self.outcomes.record({
             "query_id": q.query_id, "t": time.time(), "status": "done", "policy": self.policy.name,
             "router": self.name, "instance": inst.id, "model": inst.model, "predictor_model": inst.predictor_model,
-            "target_s": q.ttft_target_s, "lam": q.lam, "prompt_tokens": ptoks, "max_tokens": q.max_tokens,
+            "target_s": q.ttft_target_s, "lam": q.lam, "prompt_tokens": q.token_estimate(),  # what the estimate was asked
+            "instance_prompt_tokens": p.prompt_tokens, "tokens": "exact" if d.candidate.tokens_exact else "estimated",
+            "prefix_hit_tokens": d.candidate.prefix_hit_tokens, "max_tokens": q.max_tokens,
             "predicted_ttft_s": predicted, "ttft_method": d.candidate.ttft_method, "feasible": d.feasible,
             "observed_ttft_s": ttft, "on_time": on_time, "utility": utility,
             "predicted_utility": d.candidate.utility(q.lam), "decision_s": decision_s, "wait_s": asked.wait_s,
             "decided_at": asked.decided_at, "estimated_at": asked.estimated_at,
             "predict_s": asked.predict_s, "estimate_s": asked.estimate_s, "claim_s": asked.claim_s,
+            "tokenize_s": asked.tokenize_s,
             "fallbacks": fallbacks, "attempt": attempt, "usage": usage, "request_id": request_id,
             "candidates": {c.instance: {
                 "model": c.model, "acc": c.acc, "cost": c.cost, "out_len": c.out_len, "out_p90": c.out_p90,
@@ -619,7 +662,8 @@ class RouterService:
                 "n_waiting": c.n_waiting, "pending_prefill_tokens": c.pending_prefill_tokens,
                 "pending_decode_tokens": c.pending_decode_tokens, "prefill_tps": c.prefill_tps, "tpot": c.tpot,
                 "throughput_rps": c.throughput_rps, "observed_ttft_p50": c.observed_ttft_p50,
-                "observed_ttft_p90": c.observed_ttft_p90, "score": d.scores.get(c.instance)}
+                "observed_ttft_p90": c.observed_ttft_p90, "prompt_tokens": c.prompt_tokens,
+                "prefix_hit_tokens": c.prefix_hit_tokens, "kv_usage": c.kv_usage, "score": d.scores.get(c.instance)}
                 for c in cands},
         })
 
@@ -636,6 +680,8 @@ class Asked:
     estimate_s: float
     estimated_at: float | None = None  # the estimator's clock for its rows
     decided_at: float = 0.0  # this router's clock when it built the candidates
+    exact_tokens: dict[str, int] = field(default_factory=dict)  # instance → its tokenizer's prompt length
+    tokenize_s: float = 0.0  # of estimate_s: tokenising the query (before the estimator was asked)
 
     @property
     def wait_s(self) -> float:

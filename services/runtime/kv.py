@@ -28,14 +28,22 @@ async def ensure_kv(js: Any, bucket: str, *, ttl_s: float | None = None, replica
 
 
 async def provision(js: Any, subjects: Any, *, replicas: int = 1, dedup_ttl_s: float = DEDUP_TTL_S) -> list[str]:
-    """Create the deployment's KV buckets (``bear up`` and ``bear nats provision`` do it as
-    ``admin`` before any service starts): the registry, the calibration and the dedup bucket
-    (entries expire after ``dedup_ttl_s``), each replicated ``replicas`` times in a cluster."""
+    """Create the deployment's buckets (``bear up`` and ``bear nats provision`` do it as ``admin``
+    before any service starts): the registry, the calibration and the dedup KV bucket (entries
+    expire after ``dedup_ttl_s``) and the tokenizer object store, each replicated ``replicas``
+    times in a cluster."""
     buckets = [(subjects.instances_bucket, None), (subjects.calibration_bucket, None),
                (subjects.queries_bucket, dedup_ttl_s)]
     for bucket, ttl in buckets:
         await ensure_kv(js, bucket, ttl_s=ttl, replicas=replicas)
-    return [b for b, _ in buckets]
+    from nats.js.api import ObjectStoreConfig
+    from nats.js.errors import BucketNotFoundError, NotFoundError
+
+    try:
+        await js.object_store(subjects.tokenizers_bucket)
+    except (BucketNotFoundError, NotFoundError):
+        await js.create_object_store(subjects.tokenizers_bucket, ObjectStoreConfig(replicas=replicas))
+    return [*(b for b, _ in buckets), subjects.tokenizers_bucket]
 
 
 @dataclass

@@ -8,8 +8,9 @@ another's replies. The predictor and the estimator answer only through *response
 prompt anyway — may publish into the client applications' inboxes (``_INBOX_<client>.>``) and
 nobody else may. Response permissions would not do for the routers: they are state of one server
 connection, so after a reconnect (a NATS restart, a cluster node lost) the new server refuses the
-rest of every answer in flight — the cluster test lost streams that way. Each instance publishes only its own deltas, snapshots, batch
-records and registry key, and answers (response permissions) only the resync requests for itself. JetStream API rights name the exact streams a part uses and never
+rest of every answer in flight — the cluster test lost streams that way. Each instance publishes only its own deltas,
+snapshots, batch records, prefix-cache events and registry key, and answers (response permissions) only the resync
+requests for itself. JetStream API rights name the exact streams a part uses and never
 include deleting, purging or reconfiguring one: only ``admin`` (``bear up`` itself, or the
 operator's provisioning step) creates the KV buckets. The subjects each rule came from were found
 by watching a real nats-server serve nats-py's KV calls (tests/security)."""
@@ -69,6 +70,25 @@ def _kv_claim(bucket: str) -> list[str]:
     return [*_kv_write(bucket), f"$JS.API.STREAM.MSG.GET.{s}", f"$JS.API.DIRECT.GET.{s}", f"$JS.API.DIRECT.GET.{s}.>"]
 
 
+def _obj_read(bucket: str) -> list[str]:
+    """Open an object store and get objects (nats-py ``object_store`` + ``get``: stream info, the
+    object's last meta message, the stream of its chunk subject looked up by name, an ordered push
+    consumer over its chunks)."""
+    s = f"OBJ_{bucket}"
+    return ["$JS.API.STREAM.NAMES", f"$JS.API.STREAM.INFO.{s}", f"$JS.API.STREAM.MSG.GET.{s}", f"$JS.API.DIRECT.GET.{s}",
+            f"$JS.API.DIRECT.GET.{s}.>", f"$JS.API.CONSUMER.CREATE.{s}", f"$JS.API.CONSUMER.CREATE.{s}.>",
+            f"$JS.API.CONSUMER.INFO.{s}.*", f"$JS.API.CONSUMER.DELETE.{s}.*", f"$JS.FC.{s}.>"]
+
+
+def _obj_write(bucket: str) -> list[str]:
+    """Look an object up and put one (chunks, then its meta message). Object names are not subject
+    tokens, so any writer may put any name: readers check that a bundle's content hashes to the id
+    they asked for (bear.tokenizer.store.get_bundle), so a forged object is refused, not used."""
+    s = f"OBJ_{bucket}"
+    return [f"$JS.API.STREAM.INFO.{s}", f"$JS.API.STREAM.MSG.GET.{s}", f"$JS.API.DIRECT.GET.{s}",
+            f"$JS.API.DIRECT.GET.{s}.>", f"$O.{bucket}.C.>", f"$O.{bucket}.M.>"]
+
+
 def permissions(role: str, name: str, subjects: Subjects | None = None, instance: str | None = None,
                 clients: tuple[str, ...] = ("client", "gateway")) -> Permissions:
     """The rights of identity ``name`` in ``role`` (admin, router, predictor, estimator, calibrator,
@@ -83,14 +103,16 @@ def permissions(role: str, name: str, subjects: Subjects | None = None, instance
         return Permissions(
             publish=(s.predict, s.estimate, f"{s.estimate}.*", s.dispatch_all, s.outcome_all,
                      *_kv_claim(s.queries_bucket), *_kv_read(s.instances_bucket), *_kv_read(s.calibration_bucket),
+                     *_obj_read(s.tokenizers_bucket),
                      *(f"_INBOX_{c}.>" for c in clients)),
             subscribe=(s.submit, s.cancel, s.outcome_all, inbox))
     if role == "predictor":
         return Permissions(subscribe=(s.predict, "$SRV.>", inbox), responses=True)
     if role == "estimator":
         return Permissions(
-            publish=(*_kv_read(s.instances_bucket), *_kv_read(s.calibration_bucket), s.resync("*")),
-            subscribe=(s.estimate, f"{s.estimate}.*", s.delta_all, s.snapshot_all, s.dispatch_all, "$SRV.>", inbox),
+            publish=(*_kv_read(s.instances_bucket), *_kv_read(s.calibration_bucket), s.kv_resync("*"), s.resync("*")),
+            subscribe=(s.estimate, f"{s.estimate}.*", s.delta_all, s.snapshot_all, s.dispatch_all, s.kv_all, "$SRV.>",
+                       inbox),
             responses=True)
     if role == "calibrator":
         return Permissions(publish=tuple(_kv_write(s.calibration_bucket)),
@@ -102,9 +124,10 @@ def permissions(role: str, name: str, subjects: Subjects | None = None, instance
     if role == "instance":
         if not instance:
             raise ValueError("an instance identity needs its instance id")
-        return Permissions(publish=(s.delta(instance), s.snapshot(instance), s.batches(instance),
-                                    *_kv_write(s.instances_bucket, instance)),
-                           subscribe=(s.resync(instance), inbox), responses=True)  # resync answers
+        return Permissions(publish=(s.delta(instance), s.snapshot(instance), s.batches(instance), s.kv(instance),
+                                    *_kv_write(s.instances_bucket, instance), *_obj_write(s.tokenizers_bucket)),
+                           subscribe=(s.resync(instance), s.kv_resync(instance), inbox),
+                           responses=True)  # resync answers
     raise ValueError(f"unknown role {role!r} (admin, {', '.join(SERVICES)}, instance); prefix {p}")
 
 

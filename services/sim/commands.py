@@ -57,6 +57,10 @@ def sim_engine(
         None, "--api-key-file", dir_okay=False,
         help="Require Authorization: Bearer <key> on /v1/* with a key from this file (one per line), as "
              "vLLM's --api-key does; default: no key (bear up always gives one)"),
+    tokenizer: str = typer.Option(
+        "", "--tokenizer", help="Model directory with a tokenizer.json (and chat template): prompts are tokenised "
+        "with it, the engine keeps a block-level prefix cache published on bear.kv.<id>, and the tokenizer is "
+        "registered for the routers; default: none (lengths ≈ bytes / 4, no prefix cache)"),
     prefix: Prefix = "bear",
     trace_exporter: TraceExporterOpt = Exporter.auto,
     otlp_endpoint: OtlpEndpoint = None,
@@ -79,6 +83,11 @@ def sim_engine(
             raise typer.BadParameter(str(exc), param_hint="--api-key-file") from exc
         if not len(keys):
             raise typer.BadParameter(f"no key in {api_key_file}", param_hint="--api-key-file")
+    if tokenizer:
+        from pathlib import Path
+
+        if not (Path(tokenizer) / "tokenizer.json").is_file():
+            raise typer.BadParameter(f"{tokenizer} has no tokenizer.json", param_hint="--tokenizer")
     configure_logging(log_format, log_level)
     setup_tracing(f"bear-sim-{instance}", trace_exporter, otlp_endpoint)
     from bear.sim.run import serve
@@ -86,7 +95,7 @@ def sim_engine(
     aio.run(serve(profile, port, instance, nats_url, host=host, prefix=prefix,
                       seed=None if seed < 0 else seed, base_url=base_url or None,
                       heartbeat_s=heartbeat_s, min_interval_s=min_interval_s, output_lengths=output_lengths,
-                      api_keys=keys, deltas=deltas, full_every=full_every))
+                      api_keys=keys, tokenizer_dir=tokenizer or None, deltas=deltas, full_every=full_every))
 
 
 

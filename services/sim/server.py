@@ -83,12 +83,31 @@ def filler(start: int, count: int) -> str:
 
 
 class SimApi:
-    """``api_keys``: require ``Authorization: Bearer <key>`` on ``/v1/*``, as vLLM's ``--api-key``
-    does (``/health`` stays open for probes); None: no key."""
+    """``tokenizer`` (a loaded ``bear.tokenizer`` bundle): prompts are tokenised as vLLM would
+    tokenise them for the model, and their full blocks hashed (``hasher``) into the engine's prefix
+    cache; without one the length rule above applies and nothing is cached. ``api_keys``: require
+    ``Authorization: Bearer <key>`` on ``/v1/*``, as vLLM's ``--api-key`` does (``/health`` stays
+    open for probes); None: no key."""
 
-    def __init__(self, sim: SimEngine, api_keys: Any = None) -> None:
+    def __init__(self, sim: SimEngine, tokenizer: Any = None, hasher: Any = None, api_keys: Any = None) -> None:
         self.sim = sim
         self.api_keys = api_keys
+        self.tokenizer = tokenizer
+        self.hasher = hasher
+
+    def prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int] | None:
+        """The prompt's token ids (None: no tokenizer, or content it cannot render exactly)."""
+        prompt = body.get("prompt")
+        if not chat and isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return [int(t) for t in prompt]
+        if self.tokenizer is None:
+            return None
+        if chat:
+            messages = body.get("messages")
+            return self.tokenizer.encode(None, messages) if isinstance(messages, list) and messages else None
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return self.tokenizer.encode(prompt, None) if isinstance(prompt, str) else None
 
     def runner(self) -> web.AppRunner:
         """The server's runner. ``handler_cancellation``: a client that goes away cancels its
@@ -154,7 +173,8 @@ class SimApi:
             model = body.get("model")
             if model is not None and model != self.sim.model_name:
                 raise ApiError(404, f"the model `{model}` does not exist (serving {self.sim.model_name})")
-            ptoks = prompt_tokens_of(body, chat)
+            ids = self.prompt_ids(body, chat)
+            ptoks = len(ids) if ids else prompt_tokens_of(body, chat)
             if ptoks >= self.sim.max_model_len:
                 raise ApiError(400, f"prompt of {ptoks} tokens does not fit max_model_len {self.sim.max_model_len}")
             room = self.sim.max_model_len - ptoks
@@ -172,7 +192,9 @@ class SimApi:
                 raise ApiError(400, "priority must be an integer")
             rid = request.headers.get("X-Request-Id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             try:
-                req = self.sim.submit(rid, ptoks, max_tokens, self.sim.lengths.tokens(rid, max_tokens), priority)
+                hashes = self.hasher.hashes(ids) if ids and self.hasher is not None else None
+                req = self.sim.submit(rid, ptoks, max_tokens, self.sim.lengths.tokens(rid, max_tokens), priority,
+                                      block_hashes=hashes)
             except ValueError as exc:
                 raise ApiError(409 if "duplicate" in str(exc) else 400, str(exc)) from exc
         except json.JSONDecodeError:
@@ -201,12 +223,15 @@ class SimApi:
             await req.changed.wait()
             req.changed.clear()
 
-    def _usage(self, req: SimRequest) -> dict[str, int]:
-        return {
+    def _usage(self, req: SimRequest) -> dict[str, Any]:
+        u: dict[str, Any] = {
             "prompt_tokens": req.prompt_tokens,
             "completion_tokens": req.output_tokens,
             "total_tokens": req.prompt_tokens + req.output_tokens,
         }
+        if self.sim.engine.prefix_caching:  # as vLLM reports it with --enable-prompt-tokens-details
+            u["prompt_tokens_details"] = {"cached_tokens": max(0, self.sim.engine.prefix_hit_tokens(req.id))}
+        return u
 
     async def _complete(self, req: SimRequest, chat: bool) -> web.Response:
         await self._wait_done(req)

@@ -317,6 +317,24 @@ def bench_faults(
         out.write_text(json.dumps(json_safe(res), indent=2))
 
 
+def bench_prefix(
+    rate: float = typer.Option(4.0, "--rate", callback=positive, help="Queries per second (Poisson, > 0)"),
+    duration: float = typer.Option(60.0, "--duration", callback=positive, help="Seconds of load (> 0)"),
+    prompt_tokens: int = typer.Option(8192, "--prompt-tokens", min=64, help="Tokens per prompt"),
+    out: Path | None = typer.Option(None, "--out", help="Write the result JSON here"),
+) -> None:
+    """Cost of exact tokens + prefix-hit lookup on the decision: a tokenising and a --no-tokenize
+    router side by side on one stack, at long prompts over shared documents."""
+    from rich.console import Console
+
+    from bear.stack.prefix_bench import run_prefix_bench
+
+    res = run_prefix_bench(rate, duration, prompt_tokens=prompt_tokens)
+    Console().print_json(json.dumps(json_safe(res)))
+    if out is not None:
+        out.write_text(json.dumps(json_safe(res), indent=2))
+
+
 def register(app: typer.Typer) -> None:
     app.command("up")(up_cmd)
 
@@ -324,3 +342,4 @@ def register(app: typer.Typer) -> None:
 def register_bench(bench: typer.Typer) -> None:
     bench.command("router")(bench_router)
     bench.command("faults")(bench_faults)
+    bench.command("prefix")(bench_prefix)

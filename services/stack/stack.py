@@ -127,6 +127,7 @@ class StackConfig:
     routers: int = 1
     policy: str = "bear"
     router_args: list[str] = field(default_factory=list)
+    sim_args: list[str] = field(default_factory=list)  # extra `bear sim-engine` arguments (e.g. --tokenizer DIR)
     predictor_dir: Path | None = None
     n_train: int = 3000
     train_seed: int = 10_000
@@ -234,7 +235,8 @@ class Stack:
             key = self._engine_key(inst)
             self._child(f"sim-{inst}", self._bear("sim-engine", "--profile", prof, "--port", str(port),
                                                   "--instance", inst, "--nats", self.url, "--seed",
-                                                  str(cfg.seed * 100 + k), *key), instance_identity_name(inst))
+                                                  str(cfg.seed * 100 + k), *key, *cfg.sim_args),
+                    instance_identity_name(inst))
         assert cfg.predictor_dir is not None
         self._child("predictor", self._bear("predictor", *common, "--model-dir", str(cfg.predictor_dir)), "predictor")
         for i in range(cfg.estimator_workers):
@@ -284,7 +286,8 @@ class Stack:
             inst, port, shm = f"vllm-{k}", free_port(), f"bear-vllm-{k}-{uuid.uuid4().hex[:8]}"
             self.instances[inst] = port
             self.shms.append(shm)
-            c = self._child(inst, vllm_command(cfg.vllm_python, cfg.vllm_model, port, self.served_model, args))
+            c = self._child(inst, vllm_command(cfg.vllm_python, cfg.vllm_model, port, self.served_model, args,
+                                               kv_events=shm))
             c.env, c.group = vllm_env_overrides(shm, cfg.vllm_kv_gib), True
             if not cfg.insecure:  # vLLM reads its --api-key from VLLM_API_KEY (kept off the command line)
                 self._engine_key(inst)

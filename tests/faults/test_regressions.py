@@ -245,7 +245,7 @@ async def test_router_sends_each_engine_its_key_and_a_keyed_engine_refuses_other
 
     profile = load_profile("qwen3-0.6b-h100")
     sim = SimEngine(profile, "keyed", NoPublisher(), seed=1, lengths=OutputLengths.parse("max"))
-    runner = SimApi(sim, ApiKeys(["k" * 20])).runner()
+    runner = SimApi(sim, api_keys=ApiKeys(["k" * 20])).runner()
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()

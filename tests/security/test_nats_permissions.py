@@ -60,7 +60,8 @@ async def env(tmp_path: Path) -> AsyncIterator[Env]:
 async def _received(nc: Any, subject: str, act: Any, wait_s: float = 0.4, expect: int = 0) -> list[Any]:
     """What a subscription of ``nc`` to ``subject`` receives while ``act()`` runs: everything that
     arrives within ``wait_s`` (refusals: nothing may arrive), or, with ``expect``, until that many
-    arrived (allowed messages; bounded by 10 s on a loaded host) and ``wait_s`` more for extras."""
+    arrived (allowed messages: ``act`` is repeated each second, at most 10 times, because on a
+    loaded host a first publish was once seen never to arrive) and ``wait_s`` more for extras."""
     got: list[Any] = []
     enough = asyncio.Event()
 
@@ -72,9 +73,12 @@ async def _received(nc: Any, subject: str, act: Any, wait_s: float = 0.4, expect
     sub = await nc.subscribe(subject, cb=cb)
     await nc.flush()
     await act()
-    if expect:
+    for _ in range(10 if expect else 0):
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(enough.wait(), 10.0)
+            await asyncio.wait_for(enough.wait(), 1.0)
+        if enough.is_set():
+            break
+        await act()
     await asyncio.sleep(wait_s)
     await sub.unsubscribe()
     return got
@@ -144,11 +148,11 @@ async def test_an_instance_publishes_its_own_state(env: Env) -> None:
     admin = await env.nc("admin")
     own = await env.nc("instance-a")
     got = await _received(admin, "bear.>", lambda: _publish(own, S.snapshot("a")), expect=1)
-    assert [m.subject for m in got] == [S.snapshot("a")]
+    assert {m.subject for m in got} == {S.snapshot("a")}
     got = await _received(admin, "bear.>", lambda: _publish(own, S.batches("a")), expect=1)
-    assert [m.subject for m in got] == [S.batches("a")]
+    assert {m.subject for m in got} == {S.batches("a")}
     got = await _received(admin, "bear.>", lambda: _publish(own, S.delta("a")), expect=1)
-    assert [m.subject for m in got] == [S.delta("a")]
+    assert {m.subject for m in got} == {S.delta("a")}
 
 
 async def test_an_estimator_asks_an_instance_to_resync(env: Env) -> None:
@@ -279,3 +283,40 @@ async def test_each_part_can_do_its_job(env: Env) -> None:
             task.cancel()
         assert seen == ["a"], (who, bucket)
     await svc.stop()
+
+
+async def test_prefix_cache_events_and_tokenizer_bundles(env: Env) -> None:
+    """Issue 15's subjects under the same rules: an instance publishes only its own prefix-cache
+    events and hears only its own resync requests; estimators follow every instance's events and
+    ask for resyncs; an instance stores its tokenizer bundle and a router fetches it; a bundle forged
+    under another's id is refused by the reader."""
+    from bear.tokenizer.bundle import TokenizerBundle
+    from bear.tokenizer.store import get_bundle, put_bundle
+
+    est = await env.nc("estimator")
+    inst_a, inst_b = await env.nc("instance-a"), await env.nc("instance-b")
+    got = await _received(est, S.kv_all, lambda: _publish(inst_a, S.kv("a")), expect=1)
+    assert {m.subject for m in got} == {S.kv("a")}
+    assert await _received(est, S.kv_all, lambda: _publish(inst_b, S.kv("a"))) == []  # forging a's events
+    got = await _received(inst_a, S.kv_resync("a"), lambda: _publish(est, S.kv_resync("a")), expect=1)
+    assert got
+    for nc in (inst_b, await env.nc("router"), await env.nc("client")):  # nobody else listens to a's resyncs
+        with contextlib.suppress(Exception):
+            await nc.subscribe(S.kv_resync("a"))
+        await nc.flush()
+    admin = await env.nc("admin")
+    got = await _received(admin, S.kv_resync("a"), lambda: _publish(inst_b, S.kv_resync("a")))
+    assert got == []  # an instance may not ask another for a resync
+
+    bundle = TokenizerBundle(b'{"model": {}}', None, {})
+    bid = await put_bundle(inst_a.jetstream(timeout=3.0), S.tokenizers_bucket, bundle)
+    router = await env.nc("router")
+    fetched = await get_bundle(router.jetstream(timeout=3.0), S.tokenizers_bucket, bid)
+    assert fetched is not None and fetched.id == bid
+    # instance b overwrites a's object with other content: the reader refuses it
+    obs = await inst_b.jetstream(timeout=3.0).object_store(S.tokenizers_bucket)
+    with contextlib.suppress(Exception):  # the new meta lands; purging a's chunks is refused (no purge right)
+        await obs.put(bid, TokenizerBundle(b'{"model": {"forged": 1}}', None, {}).to_bytes())
+    info = await obs.get_info(bid)
+    assert info.size != len(bundle.to_bytes())  # the forgery did replace the object's meta
+    assert await get_bundle(router.jetstream(timeout=3.0), S.tokenizers_bucket, bid) is None

@@ -62,12 +62,20 @@ void Scheduler::drop_finished_running() {
 void Scheduler::finish(Req& r) {
   r.finished = true;
   kv_.free_finished(r.kv);
+  if (ledger_ != nullptr) {
+    ledger_->released(static_cast<int32_t>(&r - reqs_.data()));
+    sync_free();
+  }
 }
 
 void Scheduler::preempt(int32_t v) {
   Req& r = req(v);
   if (cfg_.async_scheduling && r.ph > 0) r.stale += r.ph;
   kv_.free_preempted(r.kv, r.C, r.P + r.O);
+  if (ledger_ != nullptr) {
+    ledger_->released(v);
+    sync_free();
+  }
   r.C = 0;
   r.ph = 0;
   r.preemptions += 1;
@@ -151,6 +159,11 @@ void Scheduler::schedule(std::vector<Item>& batch) {
       if (self && cfg_.policy == Policy::Priority && cfg_.priority_self_preempt_continues) continue;
       break;
     }
+    if (ledger_ != nullptr) {
+      ledger_->grew(ri, r.kv.held);
+      ledger_->computed(ri, std::min(r.C + n, r.P + r.O));
+      sync_free();
+    }
     push_item(batch, ri, n, r.C, r.preemptions);
     budget -= n;
     ++i;
@@ -182,10 +195,15 @@ void Scheduler::admit_waiting(int64_t& budget, int64_t lpt, std::vector<Item>& b
       waiting_.pop_front();
       continue;
     }
-    const Admission a = plan_admission(w, budget, lpt);
+    const Admission a = plan_admission(wi, budget, lpt);
     if (!a.ok) break;
     waiting_.pop_front();
     kv_.allocate_admitted(w.kv, a.fresh, a.total);
+    if (ledger_ != nullptr) {
+      ledger_->admitted(wi, w.P + w.O, a.total);
+      ledger_->computed(wi, std::min(a.c0 + a.n, w.P + w.O));
+      sync_free();
+    }
     w.C = a.c0;
     running_.push_back(wi);
     push_item(batch, wi, a.n, a.c0, w.preemptions);
@@ -240,16 +258,20 @@ double Scheduler::batch_time(const std::vector<Item>& batch, const Coeffs& beta)
 bool Scheduler::admission_blocked(int64_t leftover) const {
   if (leftover <= 0 || waiting_.empty()) return true;
   if (static_cast<int64_t>(n_running()) >= cfg_.max_num_active_seqs) return true;
-  const Req& w = reqs_[static_cast<size_t>(waiting_.front())];
+  const int32_t wi = waiting_.front();
+  const Req& w = reqs_[static_cast<size_t>(wi)];
   if (w.kv.cached > 0 || w.stale > 0) return false;  // its hit may change: step normally
-  return !plan_admission(w, leftover, effective_lpt()).ok;
+  return !plan_admission(wi, leftover, effective_lpt()).ok;
 }
 
 // The gates of admitting waiting request `w` with `budget` tokens left (§7.3-7.4): prefix hit,
 // LPT, chunking, full-sequence gate, first-chunk allocation; watermark when others run.
-Scheduler::Admission Scheduler::plan_admission(const Req& w, int64_t budget, int64_t lpt) const {
+Scheduler::Admission Scheduler::plan_admission(int32_t wi, int64_t budget, int64_t lpt) const {
   Admission a;
-  const PrefixHit hit = w.C == 0 ? kv_.computed_blocks(w.kv, w.P + w.O, w.hit) : PrefixHit{};
+  const Req& w = reqs_[static_cast<size_t>(wi)];
+  const PrefixHit hit = w.C != 0 ? PrefixHit{}
+                        : ledger_ != nullptr ? ledger_->hit(wi, w.P + w.O)
+                                             : kv_.computed_blocks(w.kv, w.P + w.O, w.hit);
   const int64_t k = hit.tokens, e = hit.evictable, hitb = hit.blocks;
   a.c0 = w.C == 0 ? k : w.C;
   const int64_t num_tokens = w.P + w.O;

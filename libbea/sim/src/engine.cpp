@@ -28,11 +28,16 @@ Config validated_config(const Value& config_value) {
 }  // namespace
 
 Engine::Engine(const Value& config_value) : sched_(validated_config(config_value)) {
-  sched_.load({}, 0, sched_.config().num_gpu_blocks);
+  const Config& cfg = sched_.config();
+  if (cfg.enable_prefix_caching) {
+    cache_ = std::make_unique<PrefixCache>(cfg.num_gpu_blocks, cfg.block_size);
+    sched_.set_ledger(cache_.get());
+  }
+  sched_.load({}, 0, cfg.num_gpu_blocks);
 }
 
 void Engine::add(const std::string& id, int64_t prompt_tokens, int64_t max_tokens, int64_t true_output_tokens,
-                 double arrival, int64_t priority) {
+                 double arrival, int64_t priority, std::vector<uint64_t> block_hashes) {
   const Config& cfg = sched_.config();
   if (id.empty()) throw std::invalid_argument("request id must not be empty");
   if (prompt_tokens < 1 || prompt_tokens >= cfg.max_model_len)
@@ -46,12 +51,31 @@ void Engine::add(const std::string& id, int64_t prompt_tokens, int64_t max_token
   if (static_cast<size_t>(k) != names_.size()) throw std::logic_error("engine: request index out of sync");
   names_.push_back(id);
   index_.emplace(id, k);
+  if (cache_ != nullptr) {
+    cache_->add(k, std::move(block_hashes));
+    all_index_[id] = k;
+  }
+}
+
+std::vector<KvEvent> Engine::take_kv_events() {
+  return cache_ != nullptr ? cache_->take_events() : std::vector<KvEvent>{};
+}
+
+std::vector<uint64_t> Engine::cached_hashes() const {
+  return cache_ != nullptr ? cache_->cached_hashes() : std::vector<uint64_t>{};
+}
+
+int64_t Engine::prefix_hit_tokens(const std::string& id) const {
+  if (cache_ == nullptr) return -1;
+  auto it = all_index_.find(id);
+  return it == all_index_.end() ? -1 : cache_->first_hit_tokens(it->second);
 }
 
 bool Engine::abort(const std::string& id) {
   auto it = index_.find(id);
   if (it == index_.end()) return false;
   sched_.abort(it->second);
+  if (cache_ != nullptr) cache_->forget(it->second);
   index_.erase(it);
   return true;
 }
@@ -82,7 +106,10 @@ std::vector<Engine::Output> Engine::finish_step() {
     const Scheduler::Req& r = sched_.reqs()[static_cast<size_t>(ri)];
     if (r.O > out_before_[k]) out.push_back({ri, r.O, r.finished});
   }
-  for (int32_t f : finished_) index_.erase(names_[static_cast<size_t>(f)]);
+  for (int32_t f : finished_) {
+    index_.erase(names_[static_cast<size_t>(f)]);
+    if (cache_ != nullptr) cache_->forget(f);
+  }
   in_step_ = false;
   return out;
 }

@@ -71,6 +71,8 @@ class KvCache {
     allocated_ = 0;
   }
   int64_t free_blocks() const { return free_; }
+  // The free count of a block-level ledger that keeps the real blocks (block_ledger.h).
+  void set_free(int64_t free_blocks) { free_ = free_blocks; }
   int64_t block_size() const { return block_size_; }
   int64_t blocks_for(int64_t tokens) const { return blocks_.ceil(tokens); }
   const BlockMath& block_math() const { return blocks_; }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "bea/core/batch_time.h"
+#include "bea/core/block_ledger.h"
 #include "bea/core/kv_cache.h"
 #include "bea/core/request.h"
 #include "bea/core/request_queue.h"
@@ -52,6 +53,8 @@ class Scheduler {
   int64_t free_blocks() const { return kv_.free_blocks(); }
   // Drop a request (abort): blocks freed, removed from its queue.
   void abort(int32_t k);
+  // Keep real blocks in `ledger` (the sim engine's prefix cache); nullptr: the count model alone.
+  void set_ledger(BlockLedger* ledger) { ledger_ = ledger; }
 
  private:
   // The estimate's shortcuts work on the same state: sync_fast_path.h, decode_stretch.h.
@@ -73,7 +76,10 @@ class Scheduler {
     bool ok = false;
     int64_t n = 0, c0 = 0, total = 0, fresh = 0;
   };
-  Admission plan_admission(const Req& w, int64_t budget, int64_t lpt) const;
+  Admission plan_admission(int32_t wi, int64_t budget, int64_t lpt) const;
+  void sync_free() {
+    if (ledger_ != nullptr) kv_.set_free(ledger_->free_blocks());
+  }
 
   Config cfg_;
   KvCache kv_;
@@ -85,6 +91,7 @@ class Scheduler {
   WaitingQueue waiting_;
   std::vector<int32_t> skipped_;
   BatchFeatures features_;
+  BlockLedger* ledger_ = nullptr;
 };
 
 }  // namespace bea
