@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -134,15 +133,18 @@ def run_prefix_bench(rate: float, duration: float, prompt_tokens: int = 8192, do
                               sim_args=["--tokenizer", str(work / "tokenizer")]))
     off_log = work / "outcomes-no-tokenize.jsonl"
     with stack:
-        extra = subprocess.Popen([sys.executable, "-m", "bear", "router", "--nats", stack.url, "--no-tokenize",
-                                  "--outcome-log", str(off_log), "--log-level", "warning"],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # the second router: router-0's command line (identity, engine keys) without tokenising
+        r0 = stack.children["router-0"]
+        argv = list(r0.argv)
+        argv[argv.index("--outcome-log") + 1] = str(off_log)
+        extra = subprocess.Popen([*argv, "--no-tokenize"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 env={**os.environ, **r0.env})
         try:
-            aio.run(wait_ready(stack.url, list(stack.instances), "bear", 60.0, stack))
+            aio.run(wait_ready(stack.url, list(stack.instances), "bear", 60.0, stack, creds=stack.creds("admin")))
             time.sleep(2.0)  # the second router subscribed; tokenizers fetched
 
             async def go() -> Any:
-                nc = await nats.connect(stack.url)
+                nc = await nats.connect(stack.url, **stack.nats_options("client"))
                 try:
                     return await run_load(nc, queries, times, max_tokens=1)
                 finally:
