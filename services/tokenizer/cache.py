@@ -4,7 +4,8 @@ estimated), and the prompt encoded once per tokenizer off the event loop.
 
 Encoding runs in a small thread pool, off the router's loop, and re-uses the ids of text an
 earlier prompt shared (``bear.tokenizer.chunks``): an 8k-token prompt costs tens of milliseconds
-to encode in full, its new part well under one. Completions prompts
+to encode in full, its new part well under one. The ids come back packed, as the estimate
+request carries them (``bear.protocol.token_ids``). Completions prompts
 are encoded as vLLM encodes them (special tokens added by the tokenizer's post-processor), chat
 messages through the bundle's chat template without added special tokens (``bear.tokenizer.chat``).
 """
@@ -20,6 +21,7 @@ from typing import Any
 
 import structlog
 
+from bear.protocol.token_ids import pack, unpack
 from bear.tokenizer.bundle import BundleError, TokenizerBundle
 from bear.tokenizer.chat import ChatError, render
 from bear.tokenizer.chunks import ChunkedEncoder
@@ -39,7 +41,13 @@ class Loaded:
 
     def encode(self, prompt: str | None, messages: Sequence[Mapping[str, Any]] | None,
                verify: Callable[[Callable[[], None]], None] | None = None) -> list[int] | None:
-        """The token ids the engine will see; None when this cannot be known exactly.
+        """The token ids the engine will see; None when this cannot be known exactly."""
+        ids = self.encode_packed(prompt, messages, verify)
+        return None if ids is None else list(unpack(ids))
+
+    def encode_packed(self, prompt: str | None, messages: Sequence[Mapping[str, Any]] | None,
+                      verify: Callable[[Callable[[], None]], None] | None = None) -> bytes | None:
+        """``encode``, packed as the estimate request carries them (``bear.protocol.token_ids``).
         ``verify(job)``: where the occasional full re-encoding that checks the chunk cache runs."""
         if messages is not None:
             if self.bundle.chat_template is None:
@@ -51,10 +59,10 @@ class Loaded:
             return self._encode(text, False, verify)
         return self._encode(prompt or "", True, verify)
 
-    def _encode(self, text: str, specials: bool, verify: Any) -> list[int]:
+    def _encode(self, text: str, specials: bool, verify: Any) -> bytes:
         if self.chunked is not None:
-            return self.chunked.encode(text, specials, verify=verify)
-        return list(self.tokenizer.encode(text, add_special_tokens=specials).ids)
+            return self.chunked.encode_packed(text, specials, verify=verify)
+        return pack(self.tokenizer.encode(text, add_special_tokens=specials).ids)
 
 
 def load(bundle: TokenizerBundle, *, chunked: bool = True) -> Loaded:
@@ -106,16 +114,16 @@ class TokenizerCache:
             self._loading.pop(bid, None)
 
     async def encode(self, ids: Iterable[str], prompt: str | None,
-                     messages: Sequence[Mapping[str, Any]] | None) -> dict[str, list[int]]:
-        """The prompt's token ids for each loaded tokenizer among ``ids`` (one thread job)."""
+                     messages: Sequence[Mapping[str, Any]] | None) -> dict[str, bytes]:
+        """The prompt's token ids for each loaded tokenizer among ``ids``, packed (one thread job)."""
         todo = [(bid, self.loaded[bid]) for bid in dict.fromkeys(ids) if bid in self.loaded]
         if not todo:
             return {}
 
-        def run() -> dict[str, list[int]]:
+        def run() -> dict[str, bytes]:
             out = {}
             for bid, tok in todo:
-                ids_ = tok.encode(prompt, messages, verify=self._pool.submit)
+                ids_ = tok.encode_packed(prompt, messages, verify=self._pool.submit)
                 if ids_ is not None:
                     out[bid] = ids_
             return out
