@@ -465,7 +465,8 @@ class RouterService:
         rows = {row.instance: row for row in reply.estimates} if reply is not None else None
         exact = {i.id: count(tokens[i.tokenizer]) for i in insts if i.tokenizer in tokens}
         return Asked(claimed, preds, rows, claim_s=tc - t, predict_s=tp - t, estimate_s=te - t,
-                     estimated_at=reply.at if reply is not None else None, exact_tokens=exact, tokenize_s=tokenize_s)
+                     estimated_at=reply.at if reply is not None else None, exact_tokens=exact, tokenize_s=tokenize_s,
+                     estimator_service_s=reply.service_s if reply is not None else None)
 
     async def _route(self, q: Query, out: ClientStream, t0: float) -> None:
         insts = self.registry.healthy()
@@ -655,7 +656,7 @@ class RouterService:
             "predicted_utility": d.candidate.utility(q.lam), "decision_s": decision_s, "wait_s": asked.wait_s,
             "decided_at": asked.decided_at, "estimated_at": asked.estimated_at,
             "predict_s": asked.predict_s, "estimate_s": asked.estimate_s, "claim_s": asked.claim_s,
-            "tokenize_s": asked.tokenize_s,
+            "tokenize_s": asked.tokenize_s, "estimator_service_s": asked.estimator_service_s,
             "fallbacks": fallbacks, "attempt": attempt, "usage": usage, "request_id": request_id,
             "candidates": {c.instance: {
                 "model": c.model, "acc": c.acc, "cost": c.cost, "out_len": c.out_len, "out_p90": c.out_p90,
@@ -683,6 +684,7 @@ class Asked:
     decided_at: float = 0.0  # this router's clock when it built the candidates
     exact_tokens: dict[str, int] = field(default_factory=dict)  # instance → its tokenizer's prompt length
     tokenize_s: float = 0.0  # of estimate_s: tokenising the query (before the estimator was asked)
+    estimator_service_s: float | None = None  # of estimate_s: the worker's own time on the request
 
     @property
     def wait_s(self) -> float:

@@ -100,6 +100,7 @@ def _summary(recs: list[dict[str, Any]]) -> dict[str, Any]:
             "estimator_reply": _pct([r["estimate_s"] for r in recs]),
             "predictor_reply": _pct([r["predict_s"] for r in recs]),
             "tokenize": _pct([r.get("tokenize_s", 0.0) for r in recs]),
+            "estimator_service": _pct([r["estimator_service_s"] for r in recs if r.get("estimator_service_s") is not None]),
             "tokens_exact": sum(r.get("tokens") == "exact" for r in recs),
             "prefix_hit_share": (sum(r.get("prefix_hit_tokens", 0) for r in recs)
                                  / max(1, sum(r.get("instance_prompt_tokens", r.get("prompt_tokens", 0)) for r in recs))),

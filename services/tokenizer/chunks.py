@@ -35,6 +35,10 @@ log = structlog.get_logger("bear.tokenizer")
 _SAFE = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")  # one space between two letters
 
 
+class Deferred(Exception):
+    """More new text than the caller's inline budget: encode it where blocking is allowed."""
+
+
 class ChunkedEncoder:
     def __init__(self, tokenizer: Any, *, stride: int = 512, max_chunks: int = 65_536, verify_every: int = 256) -> None:
         self.tok = tokenizer
@@ -82,21 +86,29 @@ class ChunkedEncoder:
         return list(unpack(self.encode_packed(text, specials, check=check, verify=verify)))
 
     def encode_packed(self, text: str, specials: bool, *, check: bool = True,
-                      verify: Callable[[Callable[[], None]], None] | None = None) -> bytes:
-        """``encode``, packed as the estimate request carries token ids."""
+                      verify: Callable[[Callable[[], None]], None] | None = None,
+                      max_new_chars: int | None = None) -> bytes:
+        """``encode``, packed as the estimate request carries token ids. ``max_new_chars``: raise
+        ``Deferred`` (nothing changed) rather than encode more new text than this."""
         if self.disabled is not None or (specials and not self._specials_free) or len(text) < 2 * self.stride:
+            if max_new_chars is not None and len(text) > max_new_chars:
+                raise Deferred
             return self._full(text, specials)
         cuts = self._boundaries(text)
         parts: list[bytes] = []
         state, start, k = hashlib.blake2b(digest_size=16), 0, 0  # the digest of text[:start]
+        raw = text.encode() if text.isascii() else None  # ASCII: char cuts are byte cuts, no slice copies
+        view = memoryview(raw) if raw is not None else None
         while k < len(cuts):
             nxt = state.copy()
-            nxt.update(text[start:cuts[k]].encode())
+            nxt.update(view[start:cuts[k]] if view is not None else text[start:cuts[k]].encode())
             got = self.cache.get(nxt.digest())
             if got is None:
                 break
             parts.append(got)
             state, start, k = nxt, cuts[k], k + 1
+        if max_new_chars is not None and len(text) - start > max_new_chars:
+            raise Deferred
         self.total_chars += len(text)
         self.hit_chars += start
         enc = self.tok.encode(text[start:], add_special_tokens=False)

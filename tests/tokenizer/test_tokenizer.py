@@ -100,6 +100,20 @@ async def test_router_cache_fetches_by_id_and_encodes_off_loop(nats_server, tmp_
         t.cancel()
         assert count(ids[bid]) == len(long.encode())  # byte-level tokenizer: one id per byte
         assert ticks >= 1  # the loop kept running while the prompt was encoded
+        # the same document with a short new tail: encoded inline (no thread job), exactly
+        jobs = 0
+        submit = cache._pool.submit
+
+        def counting(*a: object, **k: object) -> object:
+            nonlocal jobs
+            jobs += 1
+            return submit(*a, **k)
+
+        cache._pool.submit = counting  # type: ignore[method-assign]
+        again = await cache.encode([bid], long + "and a question", None)
+        assert list(unpack(again[bid])) == load(bundle).tokenizer.encode(long + "and a question").ids and jobs == 0
+        fresh = await cache.encode([bid], "other " * 2000, None)  # 12k new characters: the thread pool
+        assert count(fresh[bid]) == 12_000 and jobs == 1
     finally:
         await cache.close()
         await nc.close()
