@@ -37,9 +37,9 @@ class EstimatorClient:
 
     async def estimate(self, query: EstimateQuery | dict[str, Any], instances: list[str | EstimateCandidate], *,
                        budget_s: float = 1.0, headers: dict[str, str] | None = None,
-                       tokens: dict[str, list[int]] | None = None) -> EstimateReply:
+                       tokens: dict[str, bytes | list[int]] | None = None) -> EstimateReply:
         """The reply (``estimates`` per instance); BearError on an error reply or no answer in time.
-        ``tokens``: the prompt's token ids per tokenizer id (candidates name theirs)."""
+        ``tokens``: the prompt's token ids per tokenizer id, packed or a list (candidates name theirs)."""
         if isinstance(query, dict):
             try:
                 query = msgspec.convert(query, EstimateQuery)

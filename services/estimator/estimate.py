@@ -35,6 +35,7 @@ from bear.estimator.analytic import analytic_ttft
 from bear.estimator.state import InstanceState, StateStore
 from bear.prefix.hits import Target, prefix_hits
 from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateRow
+from bear.protocol.token_ids import unpack
 
 
 @dataclass(frozen=True)
@@ -144,12 +145,13 @@ def prompts_at(query: EstimateQuery, candidates: list[EstimateCandidate], store:
 
 
 def plan(query: EstimateQuery, candidates: list[EstimateCandidate], store: StateStore, now: float,
-         cfg: EstimatorConfig, on_parse: Any = None, tokens: Mapping[str, Sequence[int]] | None = None) -> Plan:
+         cfg: EstimatorConfig, on_parse: Any = None, tokens: Mapping[str, Sequence[int] | bytes] | None = None) -> Plan:
     """Rows for every candidate: analytic and down ones filled in, BEA ones left as jobs.
     ``on_parse(result)`` sees each lazy snapshot parse (True kept, False malformed); ``tokens``:
-    the prompt's token ids per tokenizer id (exact lengths, prefix hits)."""
+    the prompt's token ids per tokenizer id, either wire form (exact lengths, prefix hits)."""
     p = Plan(query, [])
-    for c, pa in zip(candidates, prompts_at(query, candidates, store, tokens or {}, cfg), strict=True):
+    ids = {tid: unpack(v) for tid, v in (tokens or {}).items()}  # packed bytes viewed, not copied
+    for c, pa in zip(candidates, prompts_at(query, candidates, store, ids, cfg), strict=True):
         ptoks = pa.tokens
         row = EstimateRow(instance=c.instance, tokens="exact" if pa.exact else "estimated",
                           prefix_hit_tokens=pa.hit, prefix=pa.how)
@@ -228,7 +230,7 @@ def finish(p: Plan, results: list[tuple[float, int, str]], cfg: EstimatorConfig)
 
 
 def estimate(query: EstimateQuery, candidates: list[EstimateCandidate], store: StateStore, now: float,
-             cfg: EstimatorConfig, tokens: Mapping[str, Sequence[int]] | None = None) -> list[EstimateRow]:
+             cfg: EstimatorConfig, tokens: Mapping[str, Sequence[int] | bytes] | None = None) -> list[EstimateRow]:
     """Plan, replay and fill in one go (``bear eval``, tests)."""
     p = plan(query, candidates, store, now, cfg, tokens=tokens)
     return finish(p, run_jobs(p, cfg), cfg)

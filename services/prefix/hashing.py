@@ -17,15 +17,23 @@ What vLLM 0.32 does (``vllm/v1/core/kv_cache_utils.py``: ``hash_block_tokens``,
 * KV events name a block by ``maybe_convert_block_hash``: the low 64 bits of the digest as an
   int (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, the default) or the digest itself. BEAR's wire
   contract always uses the int form (``external``), whatever the engine sends.
+
+The chain runs in libbea (``bear.libbea.BlockHasher``: both serialisations written byte for byte
+in C++, SHA-256, a memo of links; about 20× faster than pickling and hashing here); the Python
+functions below are the reference it is tested against and the fallback for block sizes past
+libbea's limit (``native=False`` forces them).
 """
 
 from __future__ import annotations
 
 import hashlib
 import pickle
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from bear.protocol.token_ids import U32, unpack
 
 DEFAULT_SEED = "vllm-none-hash"  # vLLM's DEFAULT_NONE_HASH_SEED (PYTHONHASHSEED unset, sha256)
 ALGOS = ("sha256", "sha256_cbor")
@@ -65,26 +73,71 @@ class HashSpec:
             raise ValueError("block_size must be >= 1")
 
 
+def _native(spec: HashSpec, none_hash: bytes, memo: int) -> Any:
+    from bear import libbea
+
+    if spec.block_size > libbea.PREFIX_MAX_BLOCK_SIZE:
+        return None
+    return libbea.BlockHasher(spec.algo, spec.block_size, none_hash, memo)
+
+
+def _u32(token_ids: Sequence[int] | bytes) -> Sequence[int]:
+    """Token ids in a form libbea reads in place (a buffer of uint32): packed wire bytes are
+    viewed, a list is packed once (OverflowError on an id outside 0 … 2^32 − 1)."""
+    if isinstance(token_ids, bytes | bytearray):
+        return unpack(token_ids)
+    if isinstance(token_ids, memoryview | array):
+        return token_ids
+    return array(U32, token_ids)
+
+
 class BlockHasher:
     """The block-hash chain of token sequences under one ``HashSpec``. Links already computed are
     remembered (``memo`` of them, keyed by the parent digest and the block's tokens — exact, no
-    digest is guessed): the prompts whose hits matter are the ones that repeat, and a dict lookup
-    costs a fraction of a SHA-256 over a pickle."""
+    digest is guessed): the prompts whose hits matter are the ones that repeat, and a lookup
+    costs a fraction of a SHA-256 over a pickle. ``native``: libbea's chain (None: where it
+    covers the spec; True: required; False: the Python reference)."""
 
-    def __init__(self, spec: HashSpec, memo: int = 65_536) -> None:
+    def __init__(self, spec: HashSpec, memo: int = 65_536, native: bool | None = None) -> None:
         self.spec = spec
         self._fn = HASH_FUNCTIONS[spec.algo]
         self.none_hash = self._fn(spec.seed)
         self.memo = memo
         self._memo: dict[tuple[bytes, tuple[int, ...]], tuple[bytes, int]] = {}  # → (digest, name)
+        self._nat = None if native is False else _native(spec, self.none_hash, memo)
+        if native and self._nat is None:
+            raise ValueError(f"libbea hashes blocks of at most {_limit()} tokens (block_size {spec.block_size})")
+
+    @property
+    def native(self) -> bool:
+        return self._nat is not None
+
+    def _count(self, token_ids: Sequence[int], max_blocks: int | None) -> int:
+        n = len(token_ids) // self.spec.block_size
+        return n if max_blocks is None else max(0, min(n, max_blocks))
+
+    def _batches(self, token_ids: Sequence[int], max_blocks: int | None, digests: bool) -> Iterator[tuple[Any, ...]]:
+        """libbea's chain in growing batches (1, 4, 16, … blocks): lazy enough that a caller who
+        stops at the first block no instance holds pays for at most 4× the blocks it used."""
+        toks = _u32(token_ids)
+        n, first, parent, step = self._count(toks, max_blocks), 0, None, 1
+        while first < n:
+            got = self._nat.chain(toks, first, min(step, n - first), parent, digests)
+            yield got
+            first, parent, step = first + len(got[0]), got[1], step * 4
 
     def links(self, token_ids: Sequence[int], max_blocks: int | None = None) -> Iterator[tuple[bytes, int]]:
         """(digest, name) of each full block of ``token_ids``, lazily: a caller that stops at the
-        first block no instance holds pays for that block only."""
+        first block no instance holds pays for that block only (about: see ``_batches``)."""
+        if self._nat is not None:
+            for names, _, ds in self._batches(token_ids, max_blocks, True):
+                yield from zip(ds, names, strict=True)
+            return
+        yield from self._py_links(_u32(token_ids), max_blocks)
+
+    def _py_links(self, token_ids: Sequence[int], max_blocks: int | None) -> Iterator[tuple[bytes, int]]:
         b = self.spec.block_size
-        n = len(token_ids) // b
-        if max_blocks is not None:
-            n = min(n, max_blocks)
+        n = self._count(token_ids, max_blocks)
         fn, parent, memo = self._fn, self.none_hash, self._memo
         for k in range(n):
             block = tuple(token_ids[k * b:(k + 1) * b])
@@ -103,12 +156,24 @@ class BlockHasher:
 
     def names(self, token_ids: Sequence[int], max_blocks: int | None = None) -> Iterator[int]:
         """The blocks' names as KV events carry them (``external``), lazily."""
-        return (h for _, h in self.links(token_ids, max_blocks))
+        if self._nat is not None:
+            return (h for names, _ in self._batches(token_ids, max_blocks, False) for h in names)
+        return (h for _, h in self._py_links(_u32(token_ids), max_blocks))
 
     def hashes(self, token_ids: Sequence[int], max_blocks: int | None = None) -> list[int]:
-        """The blocks' names as KV events carry them (``external``)."""
+        """The blocks' names as KV events carry them (``external``), all at once."""
+        if self._nat is not None:
+            toks = _u32(token_ids)
+            n = self._count(toks, max_blocks)
+            return self._nat.chain(toks, 0, n, None, False)[0] if n else []
         return list(self.names(token_ids, max_blocks))
 
     def next_digest(self, parent: bytes | None, block: Sequence[int]) -> bytes:
         """One link of the chain (``parent`` None: the first block)."""
         return self._fn((self.none_hash if parent is None else parent, tuple(block), None))
+
+
+def _limit() -> int:
+    from bear import libbea
+
+    return int(libbea.PREFIX_MAX_BLOCK_SIZE)

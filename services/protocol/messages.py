@@ -28,6 +28,7 @@ Hash64 = Annotated[int, msgspec.Meta(ge=0)]  # a KV block's name, uint64 (msgpac
 Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 MAX_PROMPT_TOKEN_IDS = 1 << 20
+PackedTokenIds = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_PROMPT_TOKEN_IDS)]
 
 # β used when an instance has no calibration yet: a nominal mid-size model on one modern GPU
 # (8 ms per step, 40 µs/token) — a placeholder until the first fit replaces it.
@@ -261,9 +262,16 @@ class EstimateRequest(Message, tag="bear.estimate/1", kw_only=True):
     query: EstimateQuery
     instances: Annotated[list[Id | EstimateCandidate], msgspec.Meta(min_length=1)]
     deadline: float | None = None
-    # the prompt's token ids per tokenizer id (the router tokenised it once per tokenizer)
-    tokens: dict[Id, Annotated[list[TokenId], msgspec.Meta(max_length=MAX_PROMPT_TOKEN_IDS)]] = msgspec.field(
-        default_factory=dict)
+    # the prompt's token ids per tokenizer id (the router tokenised it once per tokenizer): packed
+    # little-endian uint32 (``bear.protocol.token_ids``), or the older list of ints
+    tokens: dict[Id, PackedTokenIds | Annotated[list[TokenId], msgspec.Meta(max_length=MAX_PROMPT_TOKEN_IDS)]] = (
+        msgspec.field(default_factory=dict))
+
+    def __post_init__(self) -> None:
+        for tid, ids in self.tokens.items():
+            if isinstance(ids, bytes) and len(ids) % 4:
+                raise ValueError(f"tokens[{tid!r}]: packed token ids are 4 bytes each (little-endian uint32); "
+                                 f"got {len(ids)} bytes")
 
     def candidates(self) -> list[EstimateCandidate]:
         return [c if isinstance(c, EstimateCandidate) else EstimateCandidate(instance=c) for c in self.instances]

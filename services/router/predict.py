@@ -55,7 +55,7 @@ async def ask_predictor(nc: Any, subject: str, prompt: str, models: list[str], b
 async def ask_estimator(clients: list[EstimatorClient], query: EstimateQuery,
                         instances: list[str] | list[EstimateCandidate], budget_s: float,
                         headers: dict[str, str] | None = None,
-                        tokens: dict[str, list[int]] | None = None) -> EstimateReply | None:
+                        tokens: dict[str, bytes | list[int]] | None = None) -> EstimateReply | None:
     """The estimator's answer for every candidate: with one client (an unsharded pool) one request;
     with one client per shard, one request to each shard that owns a candidate, concurrently, and
     the rows merged (a shard that does not answer leaves its instances without a row). None when

@@ -29,6 +29,7 @@ from bear.protocol.errors import BearError, ErrorCode, error_reply
 from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateRow, Outcome, encode
 from bear.protocol.sampling import check_sampling
 from bear.protocol.subjects import CANCEL_SCHEMA, Subjects
+from bear.protocol.token_ids import count
 from bear.router.admission import Admission
 from bear.router.candidates import LocalLoad, ModelPrediction, build_candidates, dispatch_for
 from bear.router.dedup import Deduplicator
@@ -423,8 +424,8 @@ class RouterService:
             if not out.finished:  # defensive: every accepted query ends in done or error
                 await out.error(ErrorCode.INTERNAL, "no terminal message")
 
-    async def _tokenize(self, q: Query, insts: list[InstanceInfo]) -> dict[str, list[int]]:
-        """The query's token ids per tokenizer of its candidates (those loaded; {} when none)."""
+    async def _tokenize(self, q: Query, insts: list[InstanceInfo]) -> dict[str, bytes]:
+        """The query's token ids per tokenizer of its candidates, packed (those loaded; {} when none)."""
         if not self.cfg.tokenize:
             return {}
         ids = [i.tokenizer for i in insts if i.tokenizer]
@@ -445,7 +446,7 @@ class RouterService:
         pred = _traced("router.predict", q.trace, lambda h: ask_predictor(
             self.nc, self.subjects.predict, q.text, models, self.cfg.predict_budget_s,
             try_timeout_s=self.cfg.predict_try_s, prompt_tokens=q.prompt_tokens, query_id=q.query_id, headers=h))
-        tokens: dict[str, list[int]] = {}
+        tokens: dict[str, bytes] = {}
         tokenize_s = 0.0
 
         async def tokenize_then_estimate() -> Any:
@@ -453,7 +454,7 @@ class RouterService:
             t_tok = time.perf_counter()
             tokens = await self._tokenize(q, insts)
             tokenize_s = time.perf_counter() - t_tok
-            cands = [EstimateCandidate(instance=i.id, tokenizer=i.tokenizer, prompt_tokens=len(tokens[i.tokenizer]))
+            cands = [EstimateCandidate(instance=i.id, tokenizer=i.tokenizer, prompt_tokens=count(tokens[i.tokenizer]))
                      if i.tokenizer in tokens else EstimateCandidate(instance=i.id) for i in insts]
             return await _traced("router.estimate", q.trace, lambda h: ask_estimator(
                 self.estimators, EstimateQuery(id=q.query_id, prompt_tokens=ptoks, max_tokens=q.max_tokens),
@@ -462,9 +463,10 @@ class RouterService:
         (claimed, tc), (preds, tp), (reply, te) = await asyncio.gather(
             _clocked(self.dedup.claim(q.query_id, self.name)), _clocked(pred), _clocked(tokenize_then_estimate()))
         rows = {row.instance: row for row in reply.estimates} if reply is not None else None
-        exact = {i.id: len(tokens[i.tokenizer]) for i in insts if i.tokenizer in tokens}
+        exact = {i.id: count(tokens[i.tokenizer]) for i in insts if i.tokenizer in tokens}
         return Asked(claimed, preds, rows, claim_s=tc - t, predict_s=tp - t, estimate_s=te - t,
-                     estimated_at=reply.at if reply is not None else None, exact_tokens=exact, tokenize_s=tokenize_s)
+                     estimated_at=reply.at if reply is not None else None, exact_tokens=exact, tokenize_s=tokenize_s,
+                     estimator_service_s=reply.service_s if reply is not None else None)
 
     async def _route(self, q: Query, out: ClientStream, t0: float) -> None:
         insts = self.registry.healthy()
@@ -654,7 +656,7 @@ class RouterService:
             "predicted_utility": d.candidate.utility(q.lam), "decision_s": decision_s, "wait_s": asked.wait_s,
             "decided_at": asked.decided_at, "estimated_at": asked.estimated_at,
             "predict_s": asked.predict_s, "estimate_s": asked.estimate_s, "claim_s": asked.claim_s,
-            "tokenize_s": asked.tokenize_s,
+            "tokenize_s": asked.tokenize_s, "estimator_service_s": asked.estimator_service_s,
             "fallbacks": fallbacks, "attempt": attempt, "usage": usage, "request_id": request_id,
             "candidates": {c.instance: {
                 "model": c.model, "acc": c.acc, "cost": c.cost, "out_len": c.out_len, "out_p90": c.out_p90,
@@ -682,6 +684,7 @@ class Asked:
     decided_at: float = 0.0  # this router's clock when it built the candidates
     exact_tokens: dict[str, int] = field(default_factory=dict)  # instance → its tokenizer's prompt length
     tokenize_s: float = 0.0  # of estimate_s: tokenising the query (before the estimator was asked)
+    estimator_service_s: float | None = None  # of estimate_s: the worker's own time on the request
 
     @property
     def wait_s(self) -> float:

@@ -322,14 +322,19 @@ def bench_prefix(
     duration: float = typer.Option(60.0, "--duration", callback=positive, help="Seconds of load (> 0)"),
     prompt_tokens: int = typer.Option(8192, "--prompt-tokens", min=64, help="Tokens per prompt"),
     out: Path | None = typer.Option(None, "--out", help="Write the result JSON here"),
+    micro: bool = typer.Option(False, "--micro", help="Only the in-process micro-benchmark (no stack): block "
+                               "hashing Python vs libbea, token ids as ints vs packed, hit lookup, chunked encoding"),
 ) -> None:
     """Cost of exact tokens + prefix-hit lookup on the decision: a tokenising and a --no-tokenize
-    router side by side on one stack, at long prompts over shared documents."""
+    router side by side on one stack, at long prompts over shared documents (the micro-benchmark's
+    figures are included)."""
     from rich.console import Console
 
+    from bear.prefix.bench import run_micro
     from bear.stack.prefix_bench import run_prefix_bench
 
-    res = run_prefix_bench(rate, duration, prompt_tokens=prompt_tokens)
+    res = run_micro(prompt_tokens) if micro else {**run_prefix_bench(rate, duration, prompt_tokens=prompt_tokens),
+                                                  "micro": run_micro(prompt_tokens, tokenizer=False)}
     Console().print_json(json.dumps(json_safe(res)))
     if out is not None:
         out.write_text(json.dumps(json_safe(res), indent=2))

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -101,6 +100,7 @@ def _summary(recs: list[dict[str, Any]]) -> dict[str, Any]:
             "estimator_reply": _pct([r["estimate_s"] for r in recs]),
             "predictor_reply": _pct([r["predict_s"] for r in recs]),
             "tokenize": _pct([r.get("tokenize_s", 0.0) for r in recs]),
+            "estimator_service": _pct([r["estimator_service_s"] for r in recs if r.get("estimator_service_s") is not None]),
             "tokens_exact": sum(r.get("tokens") == "exact" for r in recs),
             "prefix_hit_share": (sum(r.get("prefix_hit_tokens", 0) for r in recs)
                                  / max(1, sum(r.get("instance_prompt_tokens", r.get("prompt_tokens", 0)) for r in recs))),
@@ -134,15 +134,18 @@ def run_prefix_bench(rate: float, duration: float, prompt_tokens: int = 8192, do
                               sim_args=["--tokenizer", str(work / "tokenizer")]))
     off_log = work / "outcomes-no-tokenize.jsonl"
     with stack:
-        extra = subprocess.Popen([sys.executable, "-m", "bear", "router", "--nats", stack.url, "--no-tokenize",
-                                  "--outcome-log", str(off_log), "--log-level", "warning"],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # the second router: router-0's command line (identity, engine keys) without tokenising
+        r0 = stack.children["router-0"]
+        argv = list(r0.argv)
+        argv[argv.index("--outcome-log") + 1] = str(off_log)
+        extra = subprocess.Popen([*argv, "--no-tokenize"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 env={**os.environ, **r0.env})
         try:
-            aio.run(wait_ready(stack.url, list(stack.instances), "bear", 60.0, stack))
+            aio.run(wait_ready(stack.url, list(stack.instances), "bear", 60.0, stack, creds=stack.creds("admin")))
             time.sleep(2.0)  # the second router subscribed; tokenizers fetched
 
             async def go() -> Any:
-                nc = await nats.connect(stack.url)
+                nc = await nats.connect(stack.url, **stack.nats_options("client"))
                 try:
                     return await run_load(nc, queries, times, max_tokens=1)
                 finally:

@@ -1,10 +1,13 @@
 """The router's tokenizers: bundles fetched from the object store by id (once each, in the
 background — a query never waits for a download: until its tokenizer is loaded its length is
-estimated), and the prompt encoded once per tokenizer off the event loop.
+estimated), and the prompt encoded once per tokenizer.
 
-Encoding runs in a small thread pool, off the router's loop, and re-uses the ids of text an
-earlier prompt shared (``bear.tokenizer.chunks``): an 8k-token prompt costs tens of milliseconds
-to encode in full, its new part well under one. Completions prompts
+Encoding re-uses the ids of text an earlier prompt shared (``bear.tokenizer.chunks``): an
+8k-token prompt costs tens of milliseconds to encode in full, its new part well under one. A
+prompt with little new text (``INLINE_NEW_CHARS``) is encoded on the router's loop — a hop to a
+thread and back, and the GIL hand-over between them, cost more than that (measured:
+docs/results/prefix-cost-2026-12-01.md) —, any other in a small thread pool, off the loop. The ids come back packed, as the estimate
+request carries them (``bear.protocol.token_ids``). Completions prompts
 are encoded as vLLM encodes them (special tokens added by the tokenizer's post-processor), chat
 messages through the bundle's chat template without added special tokens (``bear.tokenizer.chat``).
 """
@@ -12,6 +15,7 @@ messages through the bundle's chat template without added special tokens (``bear
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,13 +24,16 @@ from typing import Any
 
 import structlog
 
+from bear.protocol.token_ids import pack, unpack
 from bear.tokenizer.bundle import BundleError, TokenizerBundle
 from bear.tokenizer.chat import ChatError, render
-from bear.tokenizer.chunks import ChunkedEncoder
+from bear.tokenizer.chunks import ChunkedEncoder, Deferred
 from bear.tokenizer.store import get_bundle
 
 log = structlog.get_logger("bear.tokenizer")
 
+INLINE_NEW_CHARS = 2048  # a prompt with at most this much text no earlier prompt shared is encoded inline
+INLINE_MAX_CHARS = 131_072  # … when the whole prompt is at most this long (the chunk lookup scans all of it)
 RETRY_S = 5.0  # a bundle that could not be fetched is tried again after this long
 FETCH_TIMEOUT_S = 15.0  # a fetch that takes longer is abandoned (and retried)
 
@@ -39,8 +46,16 @@ class Loaded:
 
     def encode(self, prompt: str | None, messages: Sequence[Mapping[str, Any]] | None,
                verify: Callable[[Callable[[], None]], None] | None = None) -> list[int] | None:
-        """The token ids the engine will see; None when this cannot be known exactly.
-        ``verify(job)``: where the occasional full re-encoding that checks the chunk cache runs."""
+        """The token ids the engine will see; None when this cannot be known exactly."""
+        ids = self.encode_packed(prompt, messages, verify)
+        return None if ids is None else list(unpack(ids))
+
+    def encode_packed(self, prompt: str | None, messages: Sequence[Mapping[str, Any]] | None,
+                      verify: Callable[[Callable[[], None]], None] | None = None,
+                      max_new_chars: int | None = None) -> bytes | None:
+        """``encode``, packed as the estimate request carries them (``bear.protocol.token_ids``).
+        ``verify(job)``: where the occasional full re-encoding that checks the chunk cache runs;
+        ``max_new_chars``: ``Deferred`` rather than encode more new text than this."""
         if messages is not None:
             if self.bundle.chat_template is None:
                 return None
@@ -48,13 +63,15 @@ class Loaded:
                 text = render(self.bundle.chat_template, messages, self.bundle.special_tokens)
             except ChatError:
                 return None
-            return self._encode(text, False, verify)
-        return self._encode(prompt or "", True, verify)
+            return self._encode(text, False, verify, max_new_chars)
+        return self._encode(prompt or "", True, verify, max_new_chars)
 
-    def _encode(self, text: str, specials: bool, verify: Any) -> list[int]:
+    def _encode(self, text: str, specials: bool, verify: Any, max_new_chars: int | None) -> bytes:
         if self.chunked is not None:
-            return self.chunked.encode(text, specials, verify=verify)
-        return list(self.tokenizer.encode(text, add_special_tokens=specials).ids)
+            return self.chunked.encode_packed(text, specials, verify=verify, max_new_chars=max_new_chars)
+        if max_new_chars is not None and len(text) > max_new_chars:
+            raise Deferred
+        return pack(self.tokenizer.encode(text, add_special_tokens=specials).ids)
 
 
 def load(bundle: TokenizerBundle, *, chunked: bool = True) -> Loaded:
@@ -106,21 +123,29 @@ class TokenizerCache:
             self._loading.pop(bid, None)
 
     async def encode(self, ids: Iterable[str], prompt: str | None,
-                     messages: Sequence[Mapping[str, Any]] | None) -> dict[str, list[int]]:
-        """The prompt's token ids for each loaded tokenizer among ``ids`` (one thread job)."""
+                     messages: Sequence[Mapping[str, Any]] | None) -> dict[str, bytes]:
+        """The prompt's token ids for each loaded tokenizer among ``ids``, packed. Encoded inline
+        when little of the prompt is new (a thread hop and the GIL hand-over cost more than
+        that encoding: ``INLINE_NEW_CHARS``), else in one thread job."""
         todo = [(bid, self.loaded[bid]) for bid in dict.fromkeys(ids) if bid in self.loaded]
         if not todo:
             return {}
 
-        def run() -> dict[str, list[int]]:
-            out = {}
-            for bid, tok in todo:
-                ids_ = tok.encode(prompt, messages, verify=self._pool.submit)
-                if ids_ is not None:
-                    out[bid] = ids_
-            return out
+        out: dict[str, bytes | None] = {}
+        size = len(prompt or "") + sum(len(str(m.get("content") or "")) for m in messages or ())
+        if size <= INLINE_MAX_CHARS:
+            for bid, tok in todo:  # inline: a repeated prefix costs its chunk lookup, a short new part
+                with contextlib.suppress(Deferred):
+                    out[bid] = tok.encode_packed(prompt, messages, verify=self._pool.submit,
+                                                 max_new_chars=INLINE_NEW_CHARS)
+        rest = [(bid, tok) for bid, tok in todo if bid not in out]
 
-        return await asyncio.get_running_loop().run_in_executor(self._pool, run)
+        def run() -> dict[str, bytes | None]:
+            return {bid: tok.encode_packed(prompt, messages, verify=self._pool.submit) for bid, tok in rest}
+
+        if rest:
+            out.update(await asyncio.get_running_loop().run_in_executor(self._pool, run))
+        return {bid: ids for bid, ids in out.items() if ids is not None}
 
     async def close(self) -> None:
         for t in list(self._loading.values()):

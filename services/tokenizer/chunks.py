@@ -7,9 +7,10 @@ the text is cut into chunks at *safe boundaries* — a single space between two 
 every pre-tokenizer in use (byte-level BPE regexes, metaspace, whitespace) splits, so no token
 crosses it — about every ``stride`` characters, each chunk named by the digest of the text up to its
 end (two prompts share a chunk name only if they share everything up to its end).
-A chunk's token ids are cached by name; a prompt is the cached ids of its leading chunks plus
-one encoding of the rest, whose tokens are then split at the boundaries (by their character
-offsets) and cached in turn.
+A chunk's token ids are cached by name, packed (``bear.protocol.token_ids``: the estimate
+request's wire form, so a prompt's ids are one ``bytes.join`` of its chunks, never a list of 8k
+ints); a prompt is the cached ids of its leading chunks plus one encoding of the rest, whose
+tokens are then split at the boundaries (by their character offsets) and cached in turn.
 
 The rule is checked, not assumed: at load the chunked and the full encoding are compared on
 probe texts, and every ``verify_every``-th encoding is compared again in full; a tokenizer that
@@ -27,9 +28,15 @@ from typing import Any
 
 import structlog
 
+from bear.protocol.token_ids import pack, unpack
+
 log = structlog.get_logger("bear.tokenizer")
 
 _SAFE = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")  # one space between two letters
+
+
+class Deferred(Exception):
+    """More new text than the caller's inline budget: encode it where blocking is allowed."""
 
 
 class ChunkedEncoder:
@@ -38,7 +45,7 @@ class ChunkedEncoder:
         self.stride = stride
         self.max_chunks = max_chunks
         self.verify_every = verify_every
-        self.cache: dict[bytes, list[int]] = {}
+        self.cache: dict[bytes, bytes] = {}  # chunk name → its ids, packed
         self.disabled: str | None = None
         self.encodings = 0
         self.hit_chars = 0
@@ -47,8 +54,8 @@ class ChunkedEncoder:
             tokenizer.encode("a b", add_special_tokens=False).ids
         self._probe()
 
-    def _full(self, text: str, specials: bool) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=specials).ids)
+    def _full(self, text: str, specials: bool) -> bytes:
+        return pack(self.tok.encode(text, add_special_tokens=specials).ids)
 
     def _probe(self) -> None:
         rng = random.Random(0)
@@ -57,7 +64,7 @@ class ChunkedEncoder:
             text = " ".join(rng.choice(words) for _ in range(400)) + "\n\n  tail"
             self.cache.clear()
             self.encode(text[: rng.randrange(100, len(text))], False, check=False)  # caches a prefix
-            if self.encode(text, False, check=False) != self._full(text, False):
+            if self.encode_packed(text, False, check=False) != self._full(text, False):
                 self.disabled = "chunked encoding differs from the full encoding on probe texts"
                 log.warning("tokenizer_chunking_off", reason=self.disabled)
                 break
@@ -76,46 +83,62 @@ class ChunkedEncoder:
     def encode(self, text: str, specials: bool, *, check: bool = True,
                verify: Callable[[Callable[[], None]], None] | None = None) -> list[int]:
         """The token ids of ``text`` (``specials``: with the post-processor's special tokens)."""
+        return list(unpack(self.encode_packed(text, specials, check=check, verify=verify)))
+
+    def encode_packed(self, text: str, specials: bool, *, check: bool = True,
+                      verify: Callable[[Callable[[], None]], None] | None = None,
+                      max_new_chars: int | None = None) -> bytes:
+        """``encode``, packed as the estimate request carries token ids. ``max_new_chars``: raise
+        ``Deferred`` (nothing changed) rather than encode more new text than this."""
         if self.disabled is not None or (specials and not self._specials_free) or len(text) < 2 * self.stride:
+            if max_new_chars is not None and len(text) > max_new_chars:
+                raise Deferred
             return self._full(text, specials)
         cuts = self._boundaries(text)
-        ids: list[int] = []
+        parts: list[bytes] = []
         state, start, k = hashlib.blake2b(digest_size=16), 0, 0  # the digest of text[:start]
+        raw = text.encode() if text.isascii() else None  # ASCII: char cuts are byte cuts, no slice copies
+        view = memoryview(raw) if raw is not None else None
         while k < len(cuts):
             nxt = state.copy()
-            nxt.update(text[start:cuts[k]].encode())
+            nxt.update(view[start:cuts[k]] if view is not None else text[start:cuts[k]].encode())
             got = self.cache.get(nxt.digest())
             if got is None:
                 break
-            ids.extend(got)
+            parts.append(got)
             state, start, k = nxt, cuts[k], k + 1
+        if max_new_chars is not None and len(text) - start > max_new_chars:
+            raise Deferred
         self.total_chars += len(text)
         self.hit_chars += start
         enc = self.tok.encode(text[start:], add_special_tokens=False)
-        rest = list(enc.ids)
+        rest = pack(enc.ids)
         self._store(text, cuts[k:], start, state, rest, enc.offsets)
-        ids.extend(rest)
+        parts.append(rest)
+        ids = b"".join(parts)
         self.encodings += 1
         if check and verify is not None and self.verify_every and self.encodings % self.verify_every == 0:
-            verify(lambda: self._verify(text, specials, list(ids)))
+            verify(lambda: self._verify(text, specials, ids))
         return ids
 
-    def _store(self, text: str, cuts: list[int], start: int, state: Any, ids: list[int],
+    def _store(self, text: str, cuts: list[int], start: int, state: Any, ids: bytes,
                offsets: list[tuple[int, int]]) -> None:
-        """Cache the chunks of ``text[start:]`` that end at ``cuts`` (its ids: ``ids``, with their
-        character offsets from ``start``)."""
+        """Cache the chunks of ``text[start:]`` that end at ``cuts`` (its ids: ``ids``, packed,
+        with their character offsets from ``start``)."""
+        if not cuts:
+            return
         if len(self.cache) + len(cuts) > self.max_chunks:
             self.cache.clear()  # a bounded cache; the next prompts fill it again
-        j, s = 0, start
+        j, s, n = 0, start, len(offsets)
         for end in cuts:
             first = j
-            while j < len(ids) and offsets[j][0] < end - start:
+            while j < n and offsets[j][0] < end - start:  # the first token starting at or past the cut
                 j += 1
             state.update(text[s:end].encode())
-            self.cache[state.digest()] = ids[first:j]
+            self.cache[state.digest()] = ids[4 * first:4 * j]
             s = end
 
-    def _verify(self, text: str, specials: bool, got: list[int]) -> None:
+    def _verify(self, text: str, specials: bool, got: bytes) -> None:
         if self.disabled is None and got != self._full(text, specials):
             self.disabled = "a chunked encoding differed from the full one"
             self.cache.clear()

@@ -13,11 +13,12 @@ import pytest
 from test_estimator_service import until
 
 from bear import libbea
-from bear.estimator.client import EstimatorClient
+from bear.estimator.client import EstimatorClient, decode_reply
 from bear.estimator.estimate import EstimatorConfig
 from bear.estimator.worker import EstimatorWorker
 from bear.instance.publisher import InstancePublisher
 from bear.prefix.hashing import BlockHasher, HashSpec
+from bear.protocol.errors import BearError, ErrorCode
 from bear.protocol.messages import (
     EstimateCandidate,
     EstimateQuery,
@@ -28,6 +29,7 @@ from bear.protocol.messages import (
     encode,
 )
 from bear.protocol.subjects import Subjects
+from bear.protocol.token_ids import pack
 from bear.runtime.kv import ensure_kv
 from bear.sim.profile import load_profile
 
@@ -93,6 +95,16 @@ async def test_mirrored_hit_reaches_the_replay(env) -> None:
     cold = libbea.estimate(s, {"id": "q", "prompt_tokens": 2000, "max_tokens": 8}, beta=beta,
                            default_output_tokens=256)["ttft_s"]
     assert a.ttft_s == pytest.approx(want, rel=1e-9) and a.ttft_s < cold
+    # the packed wire form (the router's) gives the same rows as the list form
+    packed = await client.estimate(q, cands, tokens={"tok-a": pack(prompt)})
+    assert [(r.prefix, r.prefix_hit_tokens, r.tokens, r.ttft_s) for r in packed.estimates] == [
+        (r.prefix, r.prefix_hit_tokens, r.tokens, r.ttft_s) for r in reply.estimates]
+    # a packed field that is not whole uint32s: one coded error, the worker keeps serving
+    raw = encode({"v": "bear.estimate/1", "query": {"id": "q", "prompt_tokens": 10}, "instances": ["a"],
+                  "tokens": {"tok-a": pack(prompt)[:-1]}})
+    with pytest.raises(BearError) as bad:
+        decode_reply((await nc.request(S.estimate, raw, timeout=2.0)).data)
+    assert bad.value.code == ErrorCode.BAD_REQUEST and "4 bytes each" in bad.value.message
     # no token ids: the old rule (the query's estimated length, no hit)
     reply = await client.estimate(q, [EstimateCandidate(instance="a", tokenizer="tok-a")])
     assert (reply.estimates[0].tokens, reply.estimates[0].prefix, reply.estimates[0].prefix_hit_tokens) == (

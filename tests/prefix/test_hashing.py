@@ -30,9 +30,11 @@ def test_golden_covers_the_grid() -> None:
     assert sum(len(r["hashes"]) for r in rows) > 1000
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["libbea", "python"])
 @pytest.mark.parametrize("row", golden(), ids=lambda r: f"{r['algo']}-b{r['block_size']}-s{r['seed']}-n{len(r['tokens'])}")
-def test_hashes_equal_vllm(row: dict) -> None:
-    h = BlockHasher(HashSpec(algo=row["algo"], block_size=row["block_size"], seed=row["seed"] or DEFAULT_SEED))
+def test_hashes_equal_vllm(row: dict, native: bool) -> None:
+    h = BlockHasher(HashSpec(algo=row["algo"], block_size=row["block_size"], seed=row["seed"] or DEFAULT_SEED),
+                    native=native)
     assert h.hashes(row["tokens"]) == row["hashes"]
     if row["digests"] is not None:
         assert [d.hex() for d in h.digests(row["tokens"])] == row["digests"]

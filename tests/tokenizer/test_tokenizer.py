@@ -12,6 +12,7 @@ import nats
 import pytest
 
 from bear.protocol.subjects import Subjects
+from bear.protocol.token_ids import count, unpack
 from bear.tokenizer.bundle import BundleError, TokenizerBundle, from_model_dir
 from bear.tokenizer.cache import TokenizerCache, load
 from bear.tokenizer.store import get_bundle, put_bundle
@@ -84,7 +85,7 @@ async def test_router_cache_fetches_by_id_and_encodes_off_loop(nats_server, tmp_
             await asyncio.sleep(0.05)
         msgs = [{"role": "user", "content": "hello"}]
         got = await cache.encode([bid, "tok-missing"], None, msgs)
-        assert got == {bid: load(bundle).encode(None, msgs)}
+        assert {k: list(unpack(v)) for k, v in got.items()} == {bid: load(bundle).encode(None, msgs)}  # packed
         long = "word " * 8000
         ticks = 0
 
@@ -97,8 +98,22 @@ async def test_router_cache_fetches_by_id_and_encodes_off_loop(nats_server, tmp_
         t = asyncio.create_task(ticker())
         ids = await cache.encode([bid], long, None)
         t.cancel()
-        assert len(ids[bid]) == len(long.encode())  # byte-level tokenizer: one id per byte
+        assert count(ids[bid]) == len(long.encode())  # byte-level tokenizer: one id per byte
         assert ticks >= 1  # the loop kept running while the prompt was encoded
+        # the same document with a short new tail: encoded inline (no thread job), exactly
+        jobs = 0
+        submit = cache._pool.submit
+
+        def counting(*a: object, **k: object) -> object:
+            nonlocal jobs
+            jobs += 1
+            return submit(*a, **k)
+
+        cache._pool.submit = counting  # type: ignore[method-assign]
+        again = await cache.encode([bid], long + "and a question", None)
+        assert list(unpack(again[bid])) == load(bundle).tokenizer.encode(long + "and a question").ids and jobs == 0
+        fresh = await cache.encode([bid], "other " * 2000, None)  # 12k new characters: the thread pool
+        assert count(fresh[bid]) == 12_000 and jobs == 1
     finally:
         await cache.close()
         await nc.close()

@@ -1,0 +1,106 @@
+"""``bear bench prefix --micro``: the per-query pieces of exact tokens + hit lookup, timed in
+process (no stack), each against the form it replaced — vLLM's block-hash chain of an 8k-token
+prompt in Python and in libbea (cold: a new hasher; warm: the prompt seen before), the estimate
+request with token ids as msgpack ints and as packed bytes, the whole hit lookup at a mirror
+that holds the prompt, and the router's chunked encoding of a prompt whose document it has seen.
+Medians and p99 over ``reps`` runs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from bear.prefix.hashing import BlockHasher, HashSpec
+from bear.prefix.hits import Hashers, Target, prefix_hits
+from bear.prefix.mirror import PrefixMirror
+from bear.protocol.messages import EstimateQuery, EstimateRequest, KvEvents, KvOp, KvState, decode, encode
+from bear.protocol.token_ids import pack, unpack
+
+
+def _time(fn: Callable[[], Any], reps: int) -> dict[str, float]:
+    xs = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        xs.append(time.perf_counter() - t)
+    a = np.asarray(xs) * 1e3
+    return {"p50_ms": float(np.median(a)), "p99_ms": float(np.percentile(a, 99)), "n": reps}
+
+
+def _mirror(names: list[int]) -> PrefixMirror:
+    m = PrefixMirror("bench")
+    m.install(KvState(instance="bench", epoch="e", seq=-1, t=0.0))
+    m.apply(KvEvents(instance="bench", epoch="e", seq=0, t=0.0, ops=[KvOp("stored", names)]))
+    return m
+
+
+def _request(tokens: list[int] | bytes) -> EstimateRequest:
+    return EstimateRequest(query=EstimateQuery(id="q", prompt_tokens=len(tokens)), instances=["a", "b", "c"],
+                           tokens={"tok-bench": tokens})
+
+
+def run_micro(prompt_tokens: int = 8192, block_size: int = 16, reps: int = 200, seed: int = 0,
+              tokenizer: bool = True) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    ids = [int(x) for x in rng.integers(0, 151_000, prompt_tokens)]
+    packed = pack(ids)
+    spec = HashSpec(block_size=block_size)
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "block_size": block_size,
+                           "blocks": prompt_tokens // block_size}
+    cold = max(5, reps // 10)  # a cold Python chain costs milliseconds: fewer runs
+    warm_py, warm_nat = BlockHasher(spec, native=False), BlockHasher(spec, native=True)
+    warm_py.hashes(ids)
+    warm_nat.hashes(packed)
+    out["hash"] = {
+        "python_cold": _time(lambda: BlockHasher(spec, native=False).hashes(ids), cold),
+        "python_warm": _time(lambda: warm_py.hashes(ids), reps),
+        "libbea_cold": _time(lambda: BlockHasher(spec, native=True).hashes(packed), reps),
+        "libbea_warm": _time(lambda: warm_nat.hashes(packed), reps),
+        "libbea_warm_from_list": _time(lambda: warm_nat.hashes(ids), reps),
+    }
+    as_list, as_bytes = encode(_request(ids)), encode(_request(packed))
+    out["estimate_request"] = {
+        "bytes_list": len(as_list), "bytes_packed": len(as_bytes),
+        "encode_list": _time(lambda: encode(_request(ids)), reps),
+        "encode_packed": _time(lambda: encode(_request(packed)), reps),
+        "decode_list": _time(lambda: decode(EstimateRequest, as_list), reps),
+        "decode_packed": _time(lambda: unpack(decode(EstimateRequest, as_bytes).tokens["tok-bench"]), reps),
+    }
+    names = warm_nat.hashes(packed)
+    targets = [Target(_mirror(names), spec)]
+    py_hashers, nat_hashers = Hashers(), Hashers()
+    py_hashers._by_spec[spec] = warm_py
+    nat_hashers._by_spec[spec] = warm_nat
+    view = unpack(packed)
+    out["hit_lookup_warm"] = {
+        "python_list": _time(lambda: prefix_hits(ids, targets, py_hashers), reps),
+        "libbea_packed": _time(lambda: prefix_hits(view, targets, nat_hashers), reps),
+    }
+    if tokenizer:
+        out["tokenize"] = _tokenize_micro(prompt_tokens, reps, seed)
+    return out
+
+
+def _tokenize_micro(prompt_tokens: int, reps: int, seed: int) -> dict[str, Any]:
+    """The router's chunked encoding of prompts over one seen document: the cost is the
+    encoding of what follows the document's last cached chunk."""
+    import tempfile
+    from pathlib import Path
+
+    from bear.stack.prefix_bench import _prompts, write_bench_tokenizer
+    from bear.tokenizer.chunks import ChunkedEncoder
+
+    with tempfile.TemporaryDirectory() as d:
+        tok, vocab = write_bench_tokenizer(Path(d) / "tok", seed)
+    prompts = _prompts(tok, vocab, reps + 1, prompt_tokens, 1, seed)
+    ce = ChunkedEncoder(tok)
+    ce.encode_packed(prompts[0], False)  # the document, seen once
+    it = iter(prompts[1:])
+    full = _time(lambda: tok.encode(prompts[0], add_special_tokens=False), max(5, reps // 20))
+    h0, t0 = ce.hit_chars, ce.total_chars
+    warm = _time(lambda: ce.encode_packed(next(it), False), reps)
+    return {"full_encoding": full, "chunked_seen_document": warm,
+            "cached_share_of_chars": (ce.hit_chars - h0) / max(1, ce.total_chars - t0)}
