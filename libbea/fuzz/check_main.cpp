@@ -1,5 +1,6 @@
 // Standalone driver for sanitizer builds: feeds files (or stdin) as msgpack snapshots through the
-// parser, validator and a replay. Any input must end in a clean error or an estimate.
+// parser, validator and a replay — or, for a msgpack list [snapshot, delta, ...], applies the
+// bear.delta/1 messages to the snapshot first. Any input must end in a clean error or an estimate.
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -7,12 +8,21 @@
 #include "driver.h"
 #include "bea/core/replay.h"
 #include "bea/core/snapshot.h"
+#include "bea/core/snapshot_delta.h"
 #include "bea/core/value.h"
 
 static int run_one(const std::vector<uint8_t>& buf) {
   try {
     bea::Value v = bea::parse_msgpack(buf.data(), buf.size());
-    bea::Snapshot s = bea::snapshot_from_value(v);
+    const bool chain = v.type == bea::Value::Type::Arr && !v.arr.empty();
+    bea::Snapshot s = bea::snapshot_from_value(chain ? v.arr[0] : v);
+    if (chain) {
+      bea::ResidentIds ids = bea::resident_ids(s);
+      for (size_t k = 1; k < v.arr.size(); ++k) {
+        const bea::DeltaHeader h = bea::delta_header(v.arr[k]);
+        bea::apply_delta(s, ids, v.arr[k], h, [](const std::string& id) { return static_cast<int64_t>(id.size()); });
+      }
+    }
     bea::ReplayOptions opt;
     opt.beta = {0.001, 1e-5, 1e-7, 1e-9};
     opt.max_steps = 100000;

@@ -4,6 +4,7 @@
 namespace py = pybind11;
 
 void bind_replay(py::module_& m);     // replay_binding.cpp: snapshots, estimates, ageing, analytic
+void bind_delta(py::module_& m);     // delta_binding.cpp: bear.delta/1 applied to snapshots
 void bind_engine(py::module_& m);     // engine_binding.cpp: the sim instance's engine
 void bind_predictor(py::module_& m);  // predictor_binding.cpp: prompt features, LightGBM heads
 void bind_prefix(py::module_& m);     // prefix_binding.cpp: vLLM block hashes of token ids
@@ -11,6 +12,7 @@ void bind_prefix(py::module_& m);     // prefix_binding.cpp: vLLM block hashes o
 PYBIND11_MODULE(libbea, m) {
   m.doc() = "BEA: replay vLLM V1 scheduling from a per-step snapshot to predict a query's TTFT.";
   bind_replay(m);
+  bind_delta(m);
   bind_engine(m);
   bind_predictor(m);
   bind_prefix(m);

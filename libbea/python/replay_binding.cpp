@@ -144,6 +144,8 @@ void bind_replay(py::module_& m) {
       .def_property_readonly("instance", [](const PySnapshot& s) { return s.snap().instance; })
       .def_property_readonly("model", [](const PySnapshot& s) { return s.snap().model; })
       .def_property_readonly("seq", [](const PySnapshot& s) { return s.snap().seq; })
+      .def_property_readonly("generation", [](const PySnapshot& s) { return s.snap().generation; })
+      .def_property_readonly("broken", &PySnapshot::broken, "A delta failed to apply: the state is unknown.")
       .def_property_readonly("time", [](const PySnapshot& s) { return s.snap().time; })
       .def_property_readonly("free_blocks", [](const PySnapshot& s) { return s.snap().free_blocks; })
       .def_property_readonly("n_running", [](const PySnapshot& s) { return s.snap().running.size(); })
@@ -180,7 +182,8 @@ void bind_replay(py::module_& m) {
         const Query q = query_from(request);
         const ReplayOptions opt =
             options(beta, trace, collapse, default_output_tokens, overrun_fraction, max_steps, arrival_tokens_per_s);
-        const Prepared& p = s.prepared(opt);
+        const auto held = s.prepared_ptr(opt);  // kept alive while the GIL is released
+        const Prepared& p = *held;
         if (!std::isfinite(age_s) || age_s < 0.0) throw std::invalid_argument("age_s must be finite and >= 0");
         if (age_s > 0.0 && trace) throw std::invalid_argument("trace is not available with age_s > 0");
         const std::vector<Query> before = queries_from(ahead);
@@ -215,14 +218,14 @@ void bind_replay(py::module_& m) {
           if (!std::isfinite(a) || a < 0.0) throw std::invalid_argument("ages must be finite and >= 0");
         const Query q = query_from(request);
         std::vector<ReplayOptions> opts;
-        std::vector<const Prepared*> preps;
+        std::vector<std::shared_ptr<const Prepared>> preps;  // kept alive while the GIL is released
         opts.reserve(snaps.size());
         for (size_t k = 0; k < snaps.size(); ++k) {
           if (!snaps[k]) throw std::invalid_argument("snapshot is None");
           opts.push_back(options(betas[k], false, true, default_output_tokens, overrun_fraction, 2'000'000,
                                  arrival_rates.empty() ? 0.0 : arrival_rates[k]));
         }
-        for (size_t k = 0; k < snaps.size(); ++k) preps.push_back(&snaps[k]->prepared(opts[k]));
+        for (size_t k = 0; k < snaps.size(); ++k) preps.push_back(snaps[k]->prepared_ptr(opts[k]));
         std::vector<std::vector<Query>> before(snaps.size());
         if (!aheads.is_none()) {
           auto seq = py::reinterpret_borrow<py::sequence>(aheads);
@@ -285,7 +288,8 @@ void bind_replay(py::module_& m) {
         if (reps < 1) throw std::invalid_argument("reps must be >= 1");
         const Query q = query_from(request);
         const ReplayOptions opt = options(beta, false, true, -1, 0.5, 2'000'000);
-        const Prepared& p = s.prepared(opt);
+        const auto held = s.prepared_ptr(opt);
+        const Prepared& p = *held;
         std::vector<double> out;
         {
           py::gil_scoped_release nogil;

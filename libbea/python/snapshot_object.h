@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <stdexcept>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -14,6 +15,7 @@
 
 #include "bea/core/replay.h"
 #include "bea/core/snapshot.h"
+#include "bea/core/snapshot_delta.h"
 #include "convert.h"
 
 namespace bea_py {
@@ -25,14 +27,39 @@ class PySnapshot {
   PySnapshot(const PySnapshot&) = delete;  // ids_ views point into this object's snapshot
   PySnapshot& operator=(const PySnapshot&) = delete;
 
-  const bea::Prepared& prepared(const bea::ReplayOptions& opt) {
+  const bea::Prepared& prepared(const bea::ReplayOptions& opt) { return *prepared_ptr(opt); }
+  // Shared, so that a replay running without the GIL keeps its prepared form alive while the
+  // event loop applies the next delta (which replaces it).
+  std::shared_ptr<const bea::Prepared> prepared_ptr(const bea::ReplayOptions& opt) {
+    if (broken_) throw std::invalid_argument("snapshot: a delta failed to apply to it; its state is unknown");
     if (!prep_ || opt.default_output_tokens != prep_default_ || opt.overrun_fraction != prep_overrun_) {
-      prep_ = std::make_unique<bea::Prepared>(bea::prepare(snap_, opt));
+      prep_ = std::make_shared<const bea::Prepared>(bea::prepare(snap_, opt));
       prep_default_ = opt.default_output_tokens;
       prep_overrun_ = opt.overrun_fraction;
     }
-    return *prep_;
+    return prep_;
   }
+  // Apply a bear.delta/1 in place (bea/core/snapshot_delta.h): the arrivals' ids. A delta for
+  // another state (generation, seq, time) throws and changes nothing; a malformed one throws and leaves the snapshot
+  // broken (never estimated again).
+  std::vector<std::string> apply_delta(const bea::Value& v, const bea::DeltaHeader& h, const bea::LengthLookup& lookup) {
+    if (broken_) throw std::invalid_argument("snapshot: a delta failed to apply to it; its state is unknown");
+    if (h.generation != snap_.generation || h.base != snap_.seq || h.base_time != snap_.time)
+      return bea::apply_delta(snap_, resident_ids_, v, h);  // throws before changing anything
+    if (!have_ids_) {
+      resident_ids_ = bea::resident_ids(snap_);
+      have_ids_ = true;
+    }
+    ids_.clear();  // views into requests that move
+    prep_.reset();
+    try {
+      return bea::apply_delta(snap_, resident_ids_, v, h, lookup);
+    } catch (...) {
+      broken_ = true;
+      throw;
+    }
+  }
+  bool broken() const { return broken_; }
   void set_lengths(const std::unordered_map<std::string, int64_t>& l) {
     snap_.set_output_lengths(l);
     prep_.reset();
@@ -66,7 +93,7 @@ class PySnapshot {
   // when the dict is anything else (nothing is applied then).
   bool usual_lengths(pybind11::handle d, std::vector<std::pair<int32_t, int64_t>>& updates) {
     if (!PyDict_Check(d.ptr())) return false;
-    if (ids_.empty()) {  // the residents' ids never change: index them once
+    if (ids_.empty()) {  // index the residents' ids once (again after a delta)
       ids_.reserve(snap_.running.size() + snap_.waiting.size());
       int32_t k = 0;
       for (const auto* list : {&snap_.running, &snap_.waiting})
@@ -94,10 +121,13 @@ class PySnapshot {
   }
 
   bea::Snapshot snap_;
-  std::unique_ptr<bea::Prepared> prep_;
+  std::shared_ptr<const bea::Prepared> prep_;
   int64_t prep_default_ = -1;
   double prep_overrun_ = 0.5;
-  std::unordered_map<std::string_view, int32_t> ids_;  // views of snap_'s own ids (they never move)
+  std::unordered_map<std::string_view, int32_t> ids_;  // views of snap_'s own ids (cleared when a delta moves them)
+  bea::ResidentIds resident_ids_;  // the residents' ids while deltas apply (built on the first)
+  bool have_ids_ = false;
+  bool broken_ = false;
 };
 
 }  // namespace bea_py

@@ -116,6 +116,13 @@ MetricsHost = Annotated[str, typer.Option("--metrics-host",
 DEFAULT_METRICS_HOST = LOOPBACK
 PolicyOpt = Annotated[PolicyName, typer.Option("--policy", help="Routing policy: bear, bear-lagrange or a baseline.")]
 JsonOut = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+DeltasOpt = Annotated[bool, typer.Option(
+    "--deltas/--no-deltas", help="Publish a bear.delta/1 every step on bear.delta.<id> (estimators apply them "
+                                 "in libbea); --no-deltas: full snapshots only, every step.")]
+FullEveryOpt = Annotated[int, typer.Option(
+    "--full-every", min=0, help="With --deltas: a full bear.snapshot/1 on bear.snapshot.<id> every this many "
+                                "steps (1: every step, for tools that read full snapshots; 0: only when a delta "
+                                "cannot express the change). Resyncs are answered on bear.resync.<id> either way.")]
 TraceExporterOpt = Annotated[Exporter, typer.Option(
     "--trace-exporter", help="Export OpenTelemetry spans: auto (otlp when OTEL_EXPORTER_OTLP_ENDPOINT or "
                              "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set, else none), none, console (JSON on "

@@ -1,4 +1,5 @@
-"""``bear bench estimator``: per-estimate time and memory of the BEA replay.
+"""``bear bench estimator``: per-estimate time and memory of the BEA replay (and, in
+``bear.estimator.ingest_bench``, what keeping each instance's state costs per engine step).
 
 Timing is measured inside C++ around each call (``libbea.time_estimates``) so that the numbers
 are the estimator's own; the Python call overhead is measured separately through
@@ -102,7 +103,8 @@ def _stats(samples: np.ndarray) -> dict[str, float]:
 
 
 def run_bench(n: int, timing_reps: int, cases_path: Path | None, as_json: bool,
-              population_reps: int = 0) -> dict[str, Any]:
+              population_reps: int = 0, ingest_steps: int = 0, ingest_passes: int = 3,
+              nats_seconds: float = 0.0) -> dict[str, Any]:
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -150,6 +152,10 @@ def run_bench(n: int, timing_reps: int, cases_path: Path | None, as_json: bool,
     result: dict[str, Any] = {"rows": rows}
     if population_reps > 0:
         result["population"] = run_population(population_reps, as_json=as_json, print_table=False)
+    if ingest_steps > 0:
+        from bear.estimator.ingest_bench import run_ingest
+
+        result["ingest"] = run_ingest(ingest_steps, ingest_passes, nats_seconds)
     if as_json:
         print(json.dumps(result, indent=2))
     else:
@@ -164,6 +170,10 @@ def run_bench(n: int, timing_reps: int, cases_path: Path | None, as_json: bool,
         Console().print(table)
         if population_reps > 0:
             _print_population(result["population"])
+        if ingest_steps > 0:
+            from bear.estimator.ingest_bench import print_ingest
+
+            print_ingest(result["ingest"])
     return result
 
 

@@ -120,12 +120,23 @@ def bench_estimator(
     population_reps: Annotated[
         int, typer.Option(help="Timed estimates per cell of the time-vs-population table (0: skip the table).")
     ] = 2_000,
+    ingest_steps: Annotated[
+        int, typer.Option(help="Engine steps per population for the ingest table (full snapshots vs deltas at "
+                               "64/256/1,024 residents; 0: skip it).")
+    ] = 300,
+    ingest_passes: Annotated[int, typer.Option(min=1, help="Passes over those steps (every step timed).")] = 3,
+    nats_seconds: Annotated[
+        float, typer.Option(help="Seconds per population and mode of the NATS receive measurement (a local NATS "
+                                 "and one worker process; 0: skip it and count the in-process ingest only).")
+    ] = 4.0,
 ) -> None:
     """Time per BEA estimate (median, p99) and RSS growth over many estimates, three scenarios; then
-    estimate time vs population (64/256/1,024 running x 0/64/256/512 waiting)."""
+    estimate time vs population (64/256/1,024 running x 0/64/256/512 waiting); then ingest per
+    engine step (full snapshots vs deltas: CPU, bytes, ingest + estimate) and a worker's capacity."""
     from bear.estimator.bench import run_bench
 
-    run_bench(n=n, timing_reps=timing_reps, cases_path=cases, as_json=as_json, population_reps=population_reps)
+    run_bench(n=n, timing_reps=timing_reps, cases_path=cases, as_json=as_json, population_reps=population_reps,
+              ingest_steps=ingest_steps, ingest_passes=ingest_passes, nats_seconds=nats_seconds)
 
 
 def estimator(

@@ -2,7 +2,8 @@
 — no I/O, so the worker (``bear.estimate``) and ``bear eval`` run exactly this.
 
 Per candidate: a snapshot younger than ``max_age_s`` → BEA, the replay of vLLM's scheduler from
-that snapshot with the replay's inputs below; an older one, or none, from an instance that is
+that snapshot with the replay's inputs below; an older one, or none, or one whose delta chain broke
+(``resyncing``: never a BEA estimate from a state known to be behind), from an instance that is
 alive (a recent snapshot or registry heartbeat) → the analytic fallback (paper eq. 13-15); else
 down. Every row also carries the load counters of the snapshot held (for the load-based
 policies).
@@ -55,6 +56,8 @@ class EstimatorConfig:
     shard: int = 0  # the shard this worker serves (0 … shards − 1)
     default_deadline_s: float = 1.0
     snapshot_pending_msgs: int = 256
+    delta_pending_msgs: int = 65_536  # deltas are small; a slow consumer that drops one resyncs
+    resync_timeout_s: float = 1.0
     worker_name: str = ""
 
 
@@ -80,13 +83,15 @@ def replay_inputs(st: InstanceState, now: float, cfg: EstimatorConfig) -> Replay
 
 @dataclass
 class Job:
-    """One BEA replay: the row it fills, the state it reads and the inputs."""
+    """One BEA replay: the row it fills, the state it reads (``snap``: the snapshot as planned, even if
+a newer one is installed while the replay runs off the loop) and the inputs."""
 
     row: EstimateRow
     state: InstanceState
     hit: int
     prompt_tokens: int
     inputs: ReplayInputs
+    snap: Any = None
 
 
 @dataclass
@@ -97,7 +102,7 @@ class Plan:
 
     @property
     def residents(self) -> int:
-        return sum(j.state.snap.n_running + j.state.snap.n_waiting for j in self.jobs)
+        return sum(j.snap.n_running + j.snap.n_waiting for j in self.jobs)
 
 
 @dataclass
@@ -159,16 +164,16 @@ def plan(query: EstimateQuery, candidates: list[EstimateCandidate], store: State
             on_parse(parsed)
         age = st.age(now)
         row.age_s = age
-        if age is not None and age <= cfg.max_age_s:
+        if age is not None and age <= cfg.max_age_s and not st.gapped:
             st.apply_lengths()
             inputs = replay_inputs(st, now, cfg)
             row.ahead = len(inputs.ahead)
-            p.jobs.append(Job(row, st, pa.hit, ptoks, inputs))
+            p.jobs.append(Job(row, st, pa.hit, ptoks, inputs, st.snap))
             continue
         if not ((age is not None and age <= cfg.down_after_s) or now - st.registry_heartbeat <= cfg.down_after_s):
             continue
         row.stale, row.method = True, "analytic"
-        row.status = "no_snapshot" if age is None else "stale"
+        row.status = "resyncing" if st.gapped else "no_snapshot" if age is None else "stale"
         ttft = analytic_ttft(st, max(1, ptoks - pa.hit), now)
         row.ttft_s = ttft if math.isfinite(ttft) else None
         if not math.isfinite(ttft):
@@ -192,7 +197,7 @@ def run_jobs(p: Plan, cfg: EstimatorConfig) -> list[tuple[float, int, str]]:
         jobs = [p.jobs[k] for k in ks]
         try:
             res = libbea.estimate_many(
-                [j.state.snap for j in jobs], qd, [j.inputs.beta for j in jobs],
+                [j.snap for j in jobs], qd, [j.inputs.beta for j in jobs],
                 default_output_tokens=cfg.default_output_tokens, overrun_fraction=cfg.overrun_fraction,
                 ages=[j.inputs.age_s for j in jobs], aheads=[j.inputs.ahead for j in jobs],
                 arrival_rates=[j.inputs.arrival_tokens_per_s for j in jobs])
@@ -205,7 +210,7 @@ def run_jobs(p: Plan, cfg: EstimatorConfig) -> list[tuple[float, int, str]]:
 
 def _one(j: Job, qd: dict[str, Any], cfg: EstimatorConfig) -> tuple[float, int, str]:
     try:
-        r = libbea.estimate(j.state.snap, qd, beta=j.inputs.beta, default_output_tokens=cfg.default_output_tokens,
+        r = libbea.estimate(j.snap, qd, beta=j.inputs.beta, default_output_tokens=cfg.default_output_tokens,
                             overrun_fraction=cfg.overrun_fraction, age_s=j.inputs.age_s, ahead=j.inputs.ahead,
                             arrival_tokens_per_s=j.inputs.arrival_tokens_per_s)
         return float(r["ttft_s"]), int(r["n_batches"]), str(r["status"])

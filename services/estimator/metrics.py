@@ -29,6 +29,12 @@ def metrics() -> Any:
         snapshots_malformed=Counter("bear_estimator_snapshots_malformed_total", "Malformed snapshots dropped"),
         dispatch_malformed=Counter("bear_estimator_dispatch_malformed_total", "Malformed dispatch messages dropped"),
         calibration_updates=Counter("bear_estimator_calibration_updates_total", "β updates received"),
+        state_events=Counter(
+            "bear_estimator_state_events_total",
+            "Ingest of per-step deltas: delta_applied, delta_old, delta_gap, delta_malformed, delta_unreadable, "
+            "delta_future; mirror_verified / mirror_mismatch (a full snapshot of the state held)", ["event"]),
+        resyncs=Counter("bear_estimator_resyncs_total",
+                        "Resync requests by outcome (installed, refused, or the error code)", ["outcome"]),
         prefix=Counter("bear_estimator_prefix_hits_total",
                        "Per-instance answers by how the prefix-cache hit was found (mirror, unsynced, ...)", ["how"]),
         kv_malformed=Counter("bear_estimator_kv_malformed_total", "Malformed prefix-cache messages dropped"),

@@ -1,21 +1,24 @@
-"""What an estimator knows about one instance: the newest snapshot (kept raw and parsed lazily,
-so a burst of snapshots costs one parse), the router's dispatches there (their predicted output
-lengths, the ones the snapshot does not show yet, the rate of prompt tokens), the calibration,
-the registry entry (heartbeat, engine config, how its prefix cache hashes blocks) and the mirror
-of its prefix cache (``bear.prefix.mirror``). Fed by the worker from NATS and by ``bear eval``
-from its simulated instances, through the same methods."""
+"""What an estimator knows about one instance: the newest snapshot (a full one kept raw and parsed
+lazily, so a burst of snapshots costs one parse; then kept current by the per-step deltas,
+``bear.estimator.mirror``), the router's dispatches there (their predicted output lengths, the
+ones the snapshot does not show yet, the rate of prompt tokens), the calibration, the registry
+entry (heartbeat, engine config, how its prefix cache hashes blocks) and the mirror of its prefix
+cache (``bear.prefix.mirror``). Fed by the worker from NATS and by ``bear eval`` from its
+simulated instances, through the same methods."""
 
 from __future__ import annotations
 
 import itertools
 import math
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from bear import libbea
+from bear.estimator import mirror
 from bear.prefix.hashing import HashSpec
 from bear.prefix.hits import Hashers
 from bear.prefix.mirror import PrefixMirror
@@ -38,7 +41,11 @@ class InstanceState:
     snap_received: float = 0.0
     in_use: int = 0  # replays running on ``snap`` off the event loop: its lengths must not change
     lengths: OrderedDict[str, int] = field(default_factory=OrderedDict)
-    lengths_dirty: bool = False
+    lengths_dirty: bool = False  # every resident's prediction is to be handed to libbea (a new snapshot)
+    late_lengths: dict[str, int] = field(default_factory=dict)  # predictions of ids already seen
+    gapped: bool = False  # a delta did not chain onto the state held: no BEA estimate until a full one
+    feed: mirror.DeltaFeed = field(default_factory=mirror.DeltaFeed)
+    on_event: Callable[[str], None] | None = None  # counts ingest events (the worker's metrics)
     seen: OrderedDict[str, None] = field(default_factory=OrderedDict)  # ids some snapshot has held
     dispatches: deque[Dispatch] = field(default_factory=deque)  # in time order
     mean_prompt: float | None = None
@@ -96,7 +103,29 @@ class InstanceState:
         t = float(snap.time)
         if t > self.raw_received + MAX_CLOCK_SKEW_S:
             return False  # a future time would outlive every real snapshot after it
+        mirror.check_full(self, snap)
         return self.install(snap, t, self.raw_received, ids)
+
+    def offer_delta(self, data: bytes, now: float) -> str:
+        """Apply one ``bear.delta/1`` message (``bear.estimator.mirror``); what happened."""
+        return mirror.offer_delta(self, data, now)
+
+    def delta_applied(self, added: list[str], snap_time: float, received: float) -> None:
+        """libbea applied a delta to ``snap``: the new capture time, the arrivals now seen."""
+        self.snap_time = snap_time
+        self.snap_received = received
+        seen = self.seen
+        for rid in added:
+            seen[rid] = None
+        while len(seen) > MAX_SEEN_IDS:
+            seen.popitem(last=False)
+        r = float(self.snap.n_running)
+        if r > 0:
+            self.mean_running = _ewma(self.mean_running, r)
+
+    def event(self, name: str) -> None:
+        if self.on_event is not None:
+            self.on_event(name)
 
     def install(self, snap: Any, snap_time: float, received: float, ids: list[str] | None = None) -> bool | None:
         """Make ``snap`` (captured at ``snap_time``) the current state; None if it is older than
@@ -115,6 +144,8 @@ class InstanceState:
         if r > 0:
             self.mean_running = _ewma(self.mean_running, r)
         self.lengths_dirty = True
+        self.late_lengths.clear()
+        mirror.catch_up(self, received)
         return True
 
     def on_dispatch(self, d: Dispatch, now: float | None = None) -> bool:
@@ -126,7 +157,9 @@ class InstanceState:
         self.lengths.move_to_end(d.request_id)
         while len(self.lengths) > MAX_LENGTHS_PER_INSTANCE:
             self.lengths.popitem(last=False)
-        self.lengths_dirty = True
+        if d.request_id in self.seen:  # already resident: hand it over with the next estimate
+            self.late_lengths[d.request_id] = d.predicted_output_tokens
+        # else it reaches libbea when it arrives: in a delta (looked up there) or a full snapshot
         if self.dispatches and d.t < self.dispatches[-1].t:  # clock skew between routers: keep order
             d = msgspec.structs.replace(d, t=self.dispatches[-1].t)
         self.dispatches.append(d)
@@ -137,14 +170,19 @@ class InstanceState:
         return True
 
     def apply_lengths(self) -> None:
-        """Hand the predicted lengths of the snapshot's residents to libbea (once per change, and
-        never while a replay off the loop reads the snapshot)."""
-        if not self.lengths_dirty or self.snap is None or self.in_use:
+        """Hand the predicted lengths of the snapshot's residents to libbea (all of them for a new
+        full snapshot, else those dispatched after their request was seen; never while a replay off
+        the loop reads the snapshot)."""
+        if self.snap is None or self.in_use or not (self.lengths_dirty or self.late_lengths):
             return
-        known = {rid: self.lengths[rid] for rid in self.snap.request_ids if rid in self.lengths}
+        if self.lengths_dirty:
+            known = {rid: self.lengths[rid] for rid in self.snap.request_ids if rid in self.lengths}
+        else:
+            known = self.late_lengths
         if known:
             self.snap.set_output_lengths(known)
         self.lengths_dirty = False
+        self.late_lengths = {}
 
     # ------------------------------------------------------------------ derived
     def kv_blocks(self) -> tuple[int, int, int]:
@@ -211,12 +249,14 @@ class StateStore:
     mentioned least recently is forgotten (a flood of snapshots for made-up instance ids cannot
     grow the worker without bound)."""
 
-    def __init__(self, max_instances: int = 4096, max_bytes: int = 256 << 20) -> None:
+    def __init__(self, max_instances: int = 4096, max_bytes: int = 256 << 20,
+                 on_event: Callable[[str], None] | None = None) -> None:
         self.instances: OrderedDict[str, InstanceState] = OrderedDict()
         self.max_instances = max_instances
         self.max_bytes = max_bytes
         self.nbytes = 0
         self.evicted = 0
+        self.on_event = on_event
         self.hashers = Hashers()  # vLLM block hashers, one per hash spec (NONE_HASH computed once)
 
     def offer(self, instance: str, data: bytes, now: float) -> bool:
@@ -235,7 +275,7 @@ class StateStore:
     def get(self, instance: str) -> InstanceState:
         st = self.instances.get(instance)
         if st is None:
-            st = self.instances[instance] = InstanceState(instance)
+            st = self.instances[instance] = InstanceState(instance, on_event=self.on_event)
             while len(self.instances) > self.max_instances:
                 _, old = self.instances.popitem(last=False)
                 self.nbytes -= old.nbytes

@@ -1,7 +1,9 @@
 """One estimator worker: a nats.micro service on ``bear.estimate`` (queue group, so more
 processes scale out) that answers "TTFT of this query at each candidate instance, now".
 
-Inputs, all from NATS and nothing else: ``bear.snapshot.*`` (newest per instance kept),
+Inputs, all from NATS and nothing else: ``bear.delta.*`` (per-step deltas, applied in libbea to
+the held state; a broken chain asks ``bear.resync.<id>`` for a full snapshot),
+``bear.snapshot.*`` (full snapshots: newest per instance kept, parsed lazily),
 ``bear.dispatch.*`` (the router's dispatches: predicted lengths, the requests a snapshot does not
 show yet, the prompt-token rate), ``bear.kv.*`` (each instance's prefix-cache events, mirrored;
 on a gap the worker asks the instance for its whole state on ``bear.kv.resync.<id>``), KV
@@ -22,6 +24,7 @@ import structlog
 
 from bear.estimator.estimate import EstimatorConfig, finish, plan, run_jobs
 from bear.estimator.metrics import metrics
+from bear.estimator.mirror import release, resynced
 from bear.estimator.state import StateStore
 from bear.protocol.deadline import Deadline
 from bear.protocol.errors import BearError, ErrorCode
@@ -34,11 +37,13 @@ from bear.protocol.messages import (
     InstanceRecord,
     KvMessage,
     KvResync,
+    ResyncRequest,
     decode,
     encode,
 )
 from bear.protocol.subjects import Subjects
 from bear.runtime.kv import watch_kv
+from bear.runtime.request import error_in, request
 from bear.runtime.shutdown import cancel_all
 
 log = structlog.get_logger("bear.estimator")
@@ -52,9 +57,10 @@ class EstimatorWorker:
         self.nc = nc
         self.cfg = config or EstimatorConfig()
         self.subjects = subjects or Subjects()
-        self.store = StateStore()
-        self.name = self.cfg.worker_name or f"{os.uname().nodename}:{os.getpid()}:{id(self) & 0xFFFF:x}"
         self.m = metrics()
+        self.store = StateStore(on_event=lambda event: self.m.state_events.labels(event=event).inc())
+        self.name = self.cfg.worker_name or f"{os.uname().nodename}:{os.getpid()}:{id(self) & 0xFFFF:x}"
+        self._resyncs: dict[str, asyncio.Task[None]] = {}  # at most one resync request per instance
         self.handled = 0
         self._service: Any = None
         self._subs: list[Any] = []
@@ -69,16 +75,22 @@ class EstimatorWorker:
     def owns(self, instance: str) -> bool:
         return Subjects.shard_of(instance, self.cfg.shards) == self.cfg.shard
 
-    async def _follow(self, snapshots: str, dispatches: str, kv: str) -> list[Any]:
-        """Subscribe to the snapshots, dispatches and prefix-cache events of one instance (or of
-        all: ``*``). The prefix-cache stream is never dropped from: a lost message costs a resync."""
+    async def _follow(self, instance: str) -> list[Any]:
+        """Subscribe to the deltas, snapshots, dispatches and prefix-cache events of one instance
+        (or of all: ``*``). The prefix-cache stream is never dropped from: a lost message costs a
+        resync."""
+        s = self.subjects
+        one = instance != "*"
         subs = [
-            await self.nc.subscribe(snapshots, cb=self._on_snapshot, pending_msgs_limit=self.cfg.snapshot_pending_msgs,
+            await self.nc.subscribe(s.delta(instance) if one else s.delta_all, cb=self._on_delta,
+                                    pending_msgs_limit=self.cfg.delta_pending_msgs),
+            await self.nc.subscribe(s.snapshot(instance) if one else s.snapshot_all, cb=self._on_snapshot,
+                                    pending_msgs_limit=self.cfg.snapshot_pending_msgs,
                                     pending_bytes_limit=64 * 1024 * 1024),
-            await self.nc.subscribe(dispatches, cb=self._on_dispatch),
+            await self.nc.subscribe(s.dispatch(instance) if one else s.dispatch_all, cb=self._on_dispatch),
         ]
         if self.cfg.use_prefix_hits:
-            subs.append(await self.nc.subscribe(kv, cb=self._on_kv, pending_msgs_limit=65536,
+            subs.append(await self.nc.subscribe(s.kv(instance) if one else s.kv_all, cb=self._on_kv, pending_msgs_limit=65536,
                                                 pending_bytes_limit=256 * 1024 * 1024))
         return subs
 
@@ -88,8 +100,7 @@ class EstimatorWorker:
         if not 0 <= self.cfg.shard < max(1, self.cfg.shards):
             raise ValueError(f"shard {self.cfg.shard} is not in 0..{self.cfg.shards - 1}")
         if not self.sharded:
-            self._subs += await self._follow(self.subjects.snapshot_all, self.subjects.dispatch_all,
-                                             self.subjects.kv_all)
+            self._subs += await self._follow("*")
         js = self.nc.jetstream()
         for bucket, handler in (
             (self.subjects.calibration_bucket, self._on_calibration),
@@ -116,9 +127,48 @@ class EstimatorWorker:
         for s in [*self._subs, *(x for subs in self._owned.values() for x in subs)]:
             with contextlib.suppress(Exception):
                 await s.unsubscribe()
-        await cancel_all(self._tasks)
+        await cancel_all([*self._tasks, *self._resyncs.values()])
 
     # ------------------------------------------------------------------ feeds
+    async def _on_delta(self, msg: Any) -> None:
+        instance = Subjects.instance_of(msg.subject)
+        st = self.store.get(instance)
+        st.offer_delta(msg.data, time.time())
+        if st.gapped and instance not in self._resyncs and st.feed.wants_resync(st, time.monotonic()):
+            task = asyncio.create_task(self._resync(instance, st))
+            self._resyncs[instance] = task
+            task.add_done_callback(lambda _t, i=instance: self._resyncs.pop(i, None))
+
+    async def _resync(self, instance: str, st: Any) -> None:
+        """Ask the instance's publisher for its newest full snapshot (its delta chain broke here)."""
+        snap = st.snap
+        ask = ResyncRequest(instance=instance, consumer=self.name,
+                            generation=None if snap is None else int(snap.generation),
+                            seq=None if snap is None else int(snap.seq),
+                            reason="no_state" if snap is None else "gap",
+                            deadline=time.time() + self.cfg.resync_timeout_s)
+        try:
+            data = await request(self.nc, self.subjects.resync(instance), encode(ask),
+                                 deadline=Deadline.after(self.cfg.resync_timeout_s),
+                                 try_timeout_s=self.cfg.resync_timeout_s, retries=0)
+        except BearError as exc:
+            self.m.resyncs.labels(outcome=str(exc.code)).inc()
+            log.info("resync failed", instance=instance, error=exc.message)
+            return
+        err = error_in(data)
+        if err is not None:
+            self.m.resyncs.labels(outcome=str(err.code)).inc()
+            return
+        if self.store.peek(instance) is not st:
+            return  # forgotten meanwhile (deregistered)
+        self.store.offer(instance, data, time.time())  # within the store's byte budget
+        parsed = st.ensure_parsed()
+        if parsed is not None:
+            self._count_parse(parsed)
+        if parsed:
+            resynced(st, time.time())
+        self.m.resyncs.labels(outcome="installed" if parsed else "refused").inc()
+
     async def _on_snapshot(self, msg: Any) -> None:
         if self.store.offer(Subjects.instance_of(msg.subject), msg.data, time.time()):
             self.m.snapshots_dropped.inc()
@@ -197,8 +247,7 @@ class EstimatorWorker:
     async def _own(self, instance: str) -> None:
         """Follow one more instance of this shard (learnt from the registry)."""
         try:
-            self._owned[instance] = await self._follow(self.subjects.snapshot(instance),
-                                                       self.subjects.dispatch(instance), self.subjects.kv(instance))
+            self._owned[instance] = await self._follow(instance)
         except Exception as exc:  # NATS away: the next registry update tries again
             self._owned.pop(instance, None)
             log.warning("cannot follow instance", instance=instance, error=repr(exc))
@@ -243,6 +292,7 @@ class EstimatorWorker:
             finally:
                 for j in p.jobs:
                     j.state.in_use -= 1
+                    release(j.state, time.time())  # the deltas that arrived meanwhile
         else:
             results = run_jobs(p, self.cfg)
         rows = finish(p, results, self.cfg)

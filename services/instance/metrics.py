@@ -14,6 +14,14 @@ class PublisherMetrics:
             "bear_instance_snapshots_dropped",
             "Snapshots not published: coalesced (min interval), NATS disconnected, or publish failed",
             ["reason"], registry=r)
+        self.deltas_published = Counter(
+            "bear_instance_deltas_published", "bear.delta/1 messages published", registry=r)
+        self.state_bytes = Counter(
+            "bear_instance_state_bytes", "Bytes of state published: per-step deltas, full snapshots, resync answers",
+            ["kind"], registry=r)
+        self.resyncs = Counter(
+            "bear_instance_resync_requests", "Resync requests by outcome (answered, rate_limited, no_state, bad_request)",
+            ["outcome"], registry=r)
         self.idle_resends = Counter(
             "bear_instance_idle_resends", "An idle engine's last snapshot re-sent with a fresh time", registry=r)
         self.batches_published = Counter(

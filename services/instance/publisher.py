@@ -1,4 +1,5 @@
-"""Publish one instance's state on NATS: ``bear.snapshot.<id>`` and ``bear.batches.<id>``.
+"""Publish one instance's state on NATS: ``bear.delta.<id>``, ``bear.snapshot.<id>`` and
+``bear.batches.<id>``; answer ``bear.resync.<id>``.
 
 The one publication path of the real-vLLM snapshotter and the simulated instance (design.md §2,
 §3, §6), so that estimators cannot tell them apart. The policy (docs/contract.md, "Publication"):
@@ -8,6 +9,11 @@ The one publication path of the real-vLLM snapshotter and the simulated instance
   queue is bounded: a caller reads only ``room()`` new steps at a time, so steps are never dropped
   from the middle of the stream. With ``min_interval_s`` > 0 only the newest pending snapshot is
   kept and at most one per interval goes out (coalescing; counted).
+* **Deltas and full snapshots** (``bear.instance.delta.StateStream``). Each state goes out as a
+  ``bear.delta/1`` against the state sent before it (``deltas``), and as a full snapshot every
+  ``full_every`` states (1: every state, as before deltas), whenever no delta can express the
+  change (the first state, a new engine generation), and as the answer to a resync request
+  (unicast, at most ``resync_per_s`` per second).
 * **No stale state.** While NATS is down pending snapshots are dropped (an estimator must not get
   a burst of old states when it comes back); batch records wait in a bounded drop-oldest buffer.
 * **Idle re-send.** An engine with nothing running or waiting does not step, so its state cannot
@@ -35,10 +41,12 @@ from typing import Any
 
 import structlog
 
+from bear.instance.delta import StateStream
 from bear.instance.kv_stream import KvStream
 from bear.instance.metrics import PublisherMetrics
 from bear.protocol.codec import pack
-from bear.protocol.messages import KvOp
+from bear.protocol.errors import BearError, ErrorCode, error_reply
+from bear.protocol.messages import KvOp, ResyncRequest, decode, encode
 from bear.protocol.subjects import BATCH_SCHEMA, SNAPSHOT_SCHEMA, Subjects
 
 log = structlog.get_logger("bear.instance")
@@ -49,7 +57,9 @@ class InstancePublisher:
                  idle_snapshot_s: float = 0.5, snapshot_buffer: int = 256, batch_flush_s: float = 0.2,
                  batch_buffer: int = 4096, metrics: PublisherMetrics | None = None,
                  engine_alive: Callable[[], bool] = lambda: True,
-                 initial: Callable[[], dict[str, Any] | None] = lambda: None, kv_events: bool = False) -> None:
+                 initial: Callable[[], dict[str, Any] | None] = lambda: None, deltas: bool = True,
+                 full_every: int = 256, resync_per_s: float = 20.0, generation: int = 0,
+                 kv_events: bool = False) -> None:
         self.nc = nc  # None until connected (the snapshotter connects in the background)
         self.instance = instance
         self.subjects = subjects or Subjects()
@@ -61,6 +71,13 @@ class InstancePublisher:
         self.engine_alive = engine_alive
         self.initial = initial
         self._snap_subject = self.subjects.snapshot(instance)
+        self._delta_subject = self.subjects.delta(instance)
+        self.stream = StateStream(deltas=deltas, full_every=full_every)
+        self.generation = generation  # stamped on every state queued (the snapshotter's: per engine start)
+        self.resync_per_s = resync_per_s
+        self._resync_tokens = max(1.0, resync_per_s)
+        self._resync_refill = time.monotonic()
+        self._resync_sub: Any = None
         self._batch_subject = self.subjects.batches(instance)
         self._pending: deque[dict[str, Any]] = deque()
         self._batches: deque[dict[str, Any]] = deque(maxlen=batch_buffer)
@@ -80,6 +97,7 @@ class InstancePublisher:
         """Queue the state after one step (a ``bear.snapshot/1`` map; ``v``/``instance`` filled in)."""
         snap.setdefault("v", SNAPSHOT_SCHEMA)
         snap.setdefault("instance", self.instance)
+        snap.setdefault("generation", self.generation)
         if self.min_interval_s > 0 and self._pending:
             self.metrics.snapshots_dropped.labels("coalesced").inc(len(self._pending))
             self._pending.clear()
@@ -120,14 +138,26 @@ class InstancePublisher:
             self.metrics.snapshots_dropped.labels("disconnected").inc(len(self._pending))
             self._pending.clear()
             return
+        m = self.metrics
         while self._pending:
             snap = self._pending.popleft()
-            if await self._send(self._snap_subject, pack(snap)):
+            full, delta = self.stream.encode(snap)
+            ok = True
+            if delta is not None:
+                ok = await self._send(self._delta_subject, delta)
+                if ok:
+                    m.deltas_published.inc()
+                    m.state_bytes.labels("delta").inc(len(delta))
+            if full is not None and ok:
+                ok = await self._send(self._snap_subject, full)
+                if ok:
+                    m.state_bytes.labels("full").inc(len(full))
+            if ok:
                 self._last_sent = time.monotonic()
                 self._last = snap
-                self.metrics.snapshots_published.inc()
+                m.snapshots_published.inc()
             else:
-                self.metrics.snapshots_dropped.labels("publish_error").inc()
+                m.snapshots_dropped.labels("publish_error").inc()
 
     async def publish_batches(self) -> None:
         if not self._batches or not self._connected():
@@ -165,11 +195,62 @@ class InstancePublisher:
         if last is None or last.get("running") or last.get("waiting"):
             return
         beat = {**last, "v": SNAPSHOT_SCHEMA, "instance": self.instance, "time": time.time(), "idle": True}
+        beat.setdefault("generation", self.generation)
         if await self._send(self._snap_subject, pack(beat)):
             self._last_sent = time.monotonic()
             self._last = beat
+            self.stream.sent_full(beat)
             self.metrics.snapshots_published.inc()
             self.metrics.idle_resends.inc()
+
+    # ------------------------------------------------------------------ resync (request-reply)
+    async def serve_resync(self) -> None:
+        """Answer ``bear.resync.<id>`` (once connected; ``run()`` calls it every loop turn)."""
+        if self._resync_sub is not None or not self._connected():
+            return
+        try:
+            self._resync_sub = await self.nc.subscribe(self.subjects.resync(self.instance), cb=self._on_resync)
+        except Exception as exc:  # NATS away: the next loop turn tries again
+            self.log.warning("resync_subscribe_failed", error=repr(exc))
+
+    def resync_reply(self, data: bytes) -> bytes:
+        """The answer to one resync request: the newest state sent, as a full snapshot (the state
+        the next delta applies to), or a coded error (bad request, rate limit, nothing sent yet)."""
+        m = self.metrics
+        try:
+            decode(ResyncRequest, data)
+        except BearError as exc:
+            m.resyncs.labels("bad_request").inc()
+            return encode(exc.reply())
+        now = time.monotonic()
+        rate = max(self.resync_per_s, 1e-9)
+        self._resync_tokens = min(max(1.0, rate), self._resync_tokens + (now - self._resync_refill) * rate)
+        self._resync_refill = now
+        if self._resync_tokens < 1.0:
+            m.resyncs.labels("rate_limited").inc()
+            return encode(error_reply(ErrorCode.OVERLOADED, f"at most {self.resync_per_s:g} resyncs/s; retry"))
+        last = self.stream.last
+        if last is None:
+            last = self.initial()
+            if last is not None:
+                last = {**last, "v": SNAPSHOT_SCHEMA, "instance": self.instance}
+                last.setdefault("generation", self.generation)
+        if last is None:
+            m.resyncs.labels("no_state").inc()
+            return encode(error_reply(ErrorCode.NOT_FOUND, f"{self.instance} has published no state yet"))
+        self._resync_tokens -= 1.0
+        m.resyncs.labels("answered").inc()
+        full = pack(last)
+        m.state_bytes.labels("resync").inc(len(full))
+        return full
+
+    async def _on_resync(self, msg: Any) -> None:
+        if not msg.reply:
+            return
+        try:
+            await msg.respond(self.resync_reply(msg.data))
+        except Exception as exc:  # the asker went away, NATS reconnecting
+            self.log.debug("resync_reply_failed", error=repr(exc))
 
     async def _send(self, subject: str, payload: bytes) -> bool:
         try:
@@ -191,6 +272,7 @@ class InstancePublisher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=timeout)
             self._wake.clear()
+            await self.serve_resync()
             await self.publish_snapshots()
             await self.publish_kv()
             if time.monotonic() - last_flush >= self.batch_flush_s:
@@ -206,3 +288,7 @@ class InstancePublisher:
         await self.publish_snapshots()
         await self.publish_kv()
         await self.publish_batches()
+        if self._resync_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._resync_sub.unsubscribe()
+            self._resync_sub = None

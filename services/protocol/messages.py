@@ -226,6 +226,19 @@ class Outcome(Message, tag="bear.outcome/1", kw_only=True):
         _finite(self.ttft_s, self.tpot_s, self.predicted_ttft_s, self.t)
 
 
+class ResyncRequest(Message, tag="bear.resync/1", kw_only=True):
+    """``bear.resync.<instance>``: a consumer's delta chain broke (a lost or malformed delta, a new
+    engine generation, a consumer that just started); the instance's publisher answers with its
+    newest full ``bear.snapshot/1`` (the state its next delta applies to), or a coded error."""
+
+    instance: str = ""
+    consumer: str = ""  # who asks (logs)
+    generation: int | None = None  # the state the consumer holds (None: none)
+    seq: int | None = None
+    reason: str = ""  # gap | malformed | generation | no_state
+    deadline: float | None = None
+
+
 KvMessage = KvEvents | KvState  # what ``bear.kv.<instance>`` carries
 
 
@@ -270,7 +283,7 @@ class EstimateRow(msgspec.Struct, kw_only=True, omit_defaults=False):
     instance: str
     ttft_s: float | None = None
     method: str = "none"  # bea | analytic | none
-    status: str = "down"  # ok | stale | no_snapshot | overloaded | unschedulable | down | ...
+    status: str = "down"  # ok | stale | no_snapshot | resyncing | overloaded | unschedulable | down | ...
     age_s: float | None = None
     stale: bool = False
     n_batches: int = 0

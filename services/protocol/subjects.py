@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SNAPSHOT_SCHEMA = "bear.snapshot/1"
+DELTA_SCHEMA = "bear.delta/1"
 BATCH_SCHEMA = "bear.batch/1"
 CANCEL_SCHEMA = "bear.cancel/1"
 
@@ -18,6 +19,15 @@ class Subjects:
     def snapshot(self, instance: str) -> str:
         return f"{self.prefix}.snapshot.{instance}"
 
+    def delta(self, instance: str) -> str:
+        """``bear.delta.<id>``: the instance's per-step ``bear.delta/1`` messages."""
+        return f"{self.prefix}.delta.{instance}"
+
+    def resync(self, instance: str) -> str:
+        """``bear.resync.<id>``: request-reply, answered by the instance's publisher with its newest
+        full ``bear.snapshot/1`` (a consumer whose delta chain broke)."""
+        return f"{self.prefix}.resync.{instance}"
+
     def batches(self, instance: str) -> str:
         return f"{self.prefix}.batches.{instance}"
 
@@ -27,6 +37,10 @@ class Subjects:
     @property
     def snapshot_all(self) -> str:
         return f"{self.prefix}.snapshot.*"
+
+    @property
+    def delta_all(self) -> str:
+        return f"{self.prefix}.delta.*"
 
     @property
     def batches_all(self) -> str:

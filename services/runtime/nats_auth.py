@@ -8,8 +8,9 @@ another's replies. The predictor and the estimator answer only through *response
 prompt anyway — may publish into the client applications' inboxes (``_INBOX_<client>.>``) and
 nobody else may. Response permissions would not do for the routers: they are state of one server
 connection, so after a reconnect (a NATS restart, a cluster node lost) the new server refuses the
-rest of every answer in flight — the cluster test lost streams that way. Each instance publishes only its own snapshots, batch
-records, prefix-cache events and registry key. JetStream API rights name the exact streams a part uses and never
+rest of every answer in flight — the cluster test lost streams that way. Each instance publishes only its own deltas,
+snapshots, batch records, prefix-cache events and registry key, and answers (response permissions) only the resync
+requests for itself. JetStream API rights name the exact streams a part uses and never
 include deleting, purging or reconfiguring one: only ``admin`` (``bear up`` itself, or the
 operator's provisioning step) creates the KV buckets. The subjects each rule came from were found
 by watching a real nats-server serve nats-py's KV calls (tests/security)."""
@@ -109,8 +110,9 @@ def permissions(role: str, name: str, subjects: Subjects | None = None, instance
         return Permissions(subscribe=(s.predict, "$SRV.>", inbox), responses=True)
     if role == "estimator":
         return Permissions(
-            publish=(*_kv_read(s.instances_bucket), *_kv_read(s.calibration_bucket), s.kv_resync("*")),
-            subscribe=(s.estimate, f"{s.estimate}.*", s.snapshot_all, s.dispatch_all, s.kv_all, "$SRV.>", inbox),
+            publish=(*_kv_read(s.instances_bucket), *_kv_read(s.calibration_bucket), s.kv_resync("*"), s.resync("*")),
+            subscribe=(s.estimate, f"{s.estimate}.*", s.delta_all, s.snapshot_all, s.dispatch_all, s.kv_all, "$SRV.>",
+                       inbox),
             responses=True)
     if role == "calibrator":
         return Permissions(publish=tuple(_kv_write(s.calibration_bucket)),
@@ -122,9 +124,10 @@ def permissions(role: str, name: str, subjects: Subjects | None = None, instance
     if role == "instance":
         if not instance:
             raise ValueError("an instance identity needs its instance id")
-        return Permissions(publish=(s.snapshot(instance), s.batches(instance), s.kv(instance),
+        return Permissions(publish=(s.delta(instance), s.snapshot(instance), s.batches(instance), s.kv(instance),
                                     *_kv_write(s.instances_bucket, instance), *_obj_write(s.tokenizers_bucket)),
-                           subscribe=(s.kv_resync(instance), inbox))
+                           subscribe=(s.resync(instance), s.kv_resync(instance), inbox),
+                           responses=True)  # resync answers
     raise ValueError(f"unknown role {role!r} (admin, {', '.join(SERVICES)}, instance); prefix {p}")
 
 

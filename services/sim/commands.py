@@ -8,6 +8,8 @@ import typer
 
 from bear.options import (
     FIND_NATS,
+    DeltasOpt,
+    FullEveryOpt,
     LogFormatOpt,
     LogLevel,
     LogLevelOpt,
@@ -45,6 +47,8 @@ def sim_engine(
     seed: int = typer.Option(-1, "--seed", help="Seed of the batch-time noise; -1: random"),
     heartbeat_s: float = typer.Option(0.5, "--heartbeat", help="Idle snapshot re-publication period (s)"),
     min_interval_s: float = typer.Option(0.0, "--snapshot-interval", help="Minimum seconds between snapshots; 0: every step"),
+    deltas: DeltasOpt = True,
+    full_every: FullEveryOpt = 256,
     output_lengths: str = typer.Option(
         "lognormal:256:0.8", "--output-lengths", callback=_check_lengths,
         help="Tokens the simulated model generates: 'max' (never EOS: max_tokens) or "
@@ -91,7 +95,7 @@ def sim_engine(
     aio.run(serve(profile, port, instance, nats_url, host=host, prefix=prefix,
                       seed=None if seed < 0 else seed, base_url=base_url or None,
                       heartbeat_s=heartbeat_s, min_interval_s=min_interval_s, output_lengths=output_lengths,
-                      api_keys=keys, tokenizer_dir=tokenizer or None))
+                      api_keys=keys, tokenizer_dir=tokenizer or None, deltas=deltas, full_every=full_every))
 
 
 

@@ -4,6 +4,7 @@ loop and HTTP server, shut down cleanly on SIGINT/SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import structlog
@@ -24,11 +25,13 @@ log = structlog.get_logger("bear.sim")
 async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, host: str = "127.0.0.1",
                 prefix: str = "bear", seed: int | None = None, base_url: str | None = None,
                 heartbeat_s: float = 0.5, min_interval_s: float = 0.0, output_lengths: str = "max",
-                api_keys: Any = None, tokenizer_dir: str | None = None, ready: Any = None) -> None:
+                api_keys: Any = None, tokenizer_dir: str | None = None, deltas: bool = True, full_every: int = 256,
+                ready: Any = None) -> None:
     """``api_keys``: a ``bear.gateway.auth.ApiKeys`` the HTTP API requires (None: open).
     ``tokenizer_dir``: a model directory with a tokenizer.json: prompts are tokenised with it,
     the engine keeps a block-level prefix cache (prompt blocks, vLLM's default sha256 hashing),
-    publishes it on ``bear.kv.<id>`` and registers the tokenizer bundle (docs/sim-engine.md)."""
+    publishes it on ``bear.kv.<id>`` and registers the tokenizer bundle (docs/sim-engine.md).
+    ``deltas``/``full_every``: the publication of its states (bear.instance.publisher)."""
     from dataclasses import replace
 
     from aiohttp import web
@@ -47,6 +50,7 @@ async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, h
         profile = replace(profile, scheduler={**profile.scheduler, "enable_prefix_caching": True})
         hasher = BlockHasher(HashSpec(block_size=int(profile.engine_config()["block_size"])))
     publisher = InstancePublisher(nc, instance, subjects, idle_snapshot_s=heartbeat_s, min_interval_s=min_interval_s,
+                                  deltas=deltas, full_every=full_every, generation=time.time_ns(),
                                   kv_events=bundle is not None)
     sim = SimEngine(profile, instance, publisher, seed=seed, lengths=OutputLengths.parse(output_lengths, seed))
     publisher.initial = lambda: sim.engine.snapshot(instance, profile.model, 0.0)

@@ -11,6 +11,8 @@ import typer
 from bear.options import (
     DEFAULT_METRICS_HOST,
     FIND_NATS,
+    DeltasOpt,
+    FullEveryOpt,
     LogFormatOpt,
     LogLevel,
     LogLevelOpt,
@@ -46,6 +48,8 @@ def snapshotter(
     min_interval_ms: Annotated[
         float, typer.Option(help="Coalesce snapshots: publish at most one per interval (0 = every step).")
     ] = 0.0,
+    deltas: DeltasOpt = True,
+    full_every: FullEveryOpt = 256,
     batch_flush_ms: Annotated[
         float, typer.Option(help="How often buffered bear.batch/1 records are published.")
     ] = 200.0,
@@ -78,7 +82,7 @@ def snapshotter(
     log_format: LogFormatOpt = LogFormat.console,
     log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
-    """Publish bear.snapshot/1 and bear.batch/1 of one vLLM instance and keep it registered."""
+    """Publish bear.delta/1, bear.snapshot/1 and bear.batch/1 of one vLLM instance and keep it registered."""
     import asyncio
     import signal
 
@@ -92,7 +96,7 @@ def snapshotter(
     cfg = SnapshotterConfig(
         instance=instance, shm=shm, nats_url=nats, model=model, base_url=base_url, gpu=gpu,
         price_input_per_mtok=price_input, price_output_per_mtok=price_output, prefix=prefix,
-        min_interval_s=min_interval_ms / 1e3, batch_flush_s=batch_flush_ms / 1e3, heartbeat_s=heartbeat_ms / 1e3,
+        min_interval_s=min_interval_ms / 1e3, deltas=deltas, full_every=full_every, batch_flush_s=batch_flush_ms / 1e3, heartbeat_s=heartbeat_ms / 1e3,
         stale_after_s=stale_after_ms / 1e3, on_down=on_down, record_to=str(record_to) if record_to else None,
         tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None, register_tokenizer=register_tokenizer,
         kv_events=kv_events,

@@ -1,5 +1,6 @@
-"""The snapshotter process: reads the plugin's ring, publishes ``bear.snapshot.<id>`` and
-``bear.batches.<id>``, and keeps the instance's entry in the ``bear_instances`` KV bucket. When
+"""The snapshotter process: reads the plugin's ring, publishes ``bear.delta.<id>``,
+``bear.snapshot.<id>`` and ``bear.batches.<id>`` (answering ``bear.resync.<id>``), and keeps the
+instance's entry in the ``bear_instances`` KV bucket. When
 the engine publishes KV cache events (vLLM ``--kv-events-config``, ZMQ) it also mirrors them on
 ``bear.kv.<id>`` (``kv_events``), registers how the engine hashes its blocks, and puts the
 engine's tokenizer bundle in the ``bear_tokenizers`` object store (its id in the registry entry).
@@ -50,6 +51,8 @@ class SnapshotterConfig:
     price_output_per_mtok: float = 0.0
     prefix: str = "bear"
     min_interval_s: float = 0.0
+    deltas: bool = True  # publish bear.delta/1 every step (bear.delta.<id>)
+    full_every: int = 256  # a full bear.snapshot/1 every this many steps (1: every step; 0: only when needed)
     batch_flush_s: float = 0.2
     batch_buffer: int = 4096
     snapshot_buffer: int = 256
@@ -85,7 +88,8 @@ class Snapshotter:
             None, cfg.instance, self.subjects, min_interval_s=cfg.min_interval_s,
             idle_snapshot_s=cfg.idle_snapshot_s, snapshot_buffer=cfg.snapshot_buffer,
             batch_flush_s=cfg.batch_flush_s, batch_buffer=cfg.batch_buffer, metrics=self.metrics.publisher,
-            engine_alive=self._engine_alive, initial=self._empty_snapshot, kv_events=cfg.kv_events)
+            engine_alive=self._engine_alive, initial=self._empty_snapshot, deltas=cfg.deltas,
+            full_every=cfg.full_every, kv_events=cfg.kv_events)
         self._kv_reader: KvEventsReader | None = None
         self._kv_task: asyncio.Task[None] | None = None
         self._tokenizer_task: asyncio.Task[None] | None = None
@@ -197,6 +201,7 @@ class Snapshotter:
         if self._reader is not None:
             self._reader.close()
         self._reader = reader
+        self.publisher.generation = reader.generation  # seq restarts with the engine: deltas never cross it
         self._meta = reader.meta()
         self._builder.reset()
         self._decoder = StepDecoder()

@@ -1,5 +1,5 @@
 """The fuzz suite of issue 16: ≥ 2,000 hostile messages on every subject a BEAR service reads
-(submit, predict, estimate, snapshot, batches, dispatch) and into every KV bucket (instances,
+(submit, predict, estimate, snapshot, delta, batches, dispatch) and into every KV bucket (instances,
 calibration, queries), against a router, an estimator worker, a predictor and a calibrator on one
 NATS server. Every request gets a coded reply within its deadline, no traceback reaches any log,
 memory stays bounded, and afterwards the estimates, predictions and routing decisions for the two
@@ -30,6 +30,7 @@ from bear.calibrator.service import OnlineCalibrator, valid_record
 from bear.estimator.estimate import EstimatorConfig
 from bear.estimator.state import MAX_CLOCK_SKEW_S
 from bear.estimator.worker import EstimatorWorker
+from bear.instance.delta import encode_delta
 from bear.instance.record import instance_record
 from bear.predictor.runtime import Predictor
 from bear.predictor.service import PredictorService, ServiceLimits
@@ -54,15 +55,30 @@ CODES = {str(c) for c in ErrorCode}
 BETA = (3e-3, 2e-5, 5e-8, 4e-9)
 
 
-def snapshot(instance: str, at: float) -> dict[str, Any]:
+def _engine(instance: str, steps: int) -> Any:
     cfg = {**load_profile("qwen3-8b-h100").engine_config(), "num_gpu_blocks": 3000, "max_num_seqs": 32}
     e = libbea.Engine(cfg)
     for k in range(12):
         e.add(f"{instance}-{k}", 300 + 40 * k, 512, 50 + 10 * k)
-    for _ in range(5):
+    for _ in range(steps):
         if e.step():
             e.finish_step()
-    return e.snapshot(instance, "m", at)
+    return e
+
+
+def snapshot(instance: str, at: float) -> dict[str, Any]:
+    return _engine(instance, 5).snapshot(instance, "m", at)
+
+
+def a_delta(instance: str, at: float) -> dict[str, Any]:
+    """A real ``bear.delta/1``: one step of the fuzz engine."""
+    e = _engine(instance, 4)
+    prev = e.snapshot(instance, "m", at - 0.01)
+    if e.step():
+        e.finish_step()
+    d = encode_delta(prev, e.snapshot(instance, "m", at))
+    assert d is not None
+    return d
 
 
 def rss_mb() -> float:
@@ -256,6 +272,14 @@ def _parses(data: bytes) -> bool:
     return float(snap.time) <= time.time() + MAX_CLOCK_SKEW_S
 
 
+def _reads_delta(data: bytes) -> bool:
+    try:
+        libbea.Delta.from_msgpack(data)
+    except (ValueError, TypeError):
+        return False
+    return True  # readable: it could gap a real instance (legitimately), so only made-up ids get it
+
+
 def _instance_for(rng: random.Random, data_valid: bool) -> str:
     """A real instance only for a message that is invalid; made-up ids otherwise (and often)."""
     if not data_valid and rng.random() < 0.5:
@@ -314,12 +338,13 @@ async def test_fuzz_every_subject_and_bucket(nats_server: LocalNatsServer, predi
 
         phases.append(('publish', time.monotonic()))
         published: Counter[str] = Counter()
-        snap = snapshot("fz", time.time())
-        for _ in range(N):
-            data = hostile(dict(snap, time=time.time()), rng)
-            inst = _instance_for(rng, _parses(data))
-            await nc.publish(S.snapshot(inst), data)
-            published["snapshot" + (" (real instance)" if inst in REAL else "")] += 1
+        for kind, base, valid in (("snapshot", snapshot("fz", time.time()), _parses),
+                                  ("delta", a_delta("fz", time.time()), _reads_delta)):
+            for _ in range(N):
+                data = hostile(dict(base, time=time.time()), rng)
+                inst = _instance_for(rng, valid(data))
+                await nc.publish(getattr(S, kind)(inst), data)  # S.snapshot / S.delta
+                published[kind + (" (real instance)" if inst in REAL else "")] += 1
         batch = {"v": "bear.batch/1", "seq": 1, "duration_s": 0.01, "items": [{"n": 100, "context": 0, "decode": False},
                                                                               {"n": 1, "context": 300, "decode": True}]}
         for _ in range(N):
@@ -378,7 +403,7 @@ async def test_fuzz_every_subject_and_bucket(nats_server: LocalNatsServer, predi
               f"{[(n, round(t - t0, 1)) for n, t in phases]}")
     for subject in ("submit", "predict", "estimate"):
         assert sum(counts[subject].values()) == N
-    for kind in ("snapshot", "batches", "dispatch", "kv bear_instances", "kv bear_calibration", "kv bear_queries"):
+    for kind in ("snapshot", "delta", "batches", "dispatch", "kv bear_instances", "kv bear_calibration", "kv bear_queries"):
         assert sum(v for k, v in published.items() if k.startswith(kind)) == N, kind
     assert "Traceback" not in out + err, (out + err)[-3000:]
     assert rss1 - rss0 < 120, (rss0, rss1)

@@ -18,6 +18,37 @@ import pytest
 from bea_helpers import decoding, req, snapshot
 
 
+def delta_chains() -> list[list[dict]]:
+    """[snapshot, delta, ...] inputs: the driver applies the deltas before the replay (each chain
+    checked here to apply in full, so that the mutations start from real chains)."""
+    from bear import libbea
+    from bear.instance.delta import encode_delta
+    from bear.protocol.codec import pack
+
+    eng = libbea.Engine({"max_num_batched_tokens": 256, "max_num_seqs": 8, "block_size": 16, "num_gpu_blocks": 60,
+                         "max_model_len": 2048})
+    rng = random.Random(5)
+    states = [eng.snapshot("i", "m", 0.0)]
+    for step in range(120):
+        if rng.random() < 0.3:
+            eng.add(f"r{step}", rng.randint(5, 300), rng.randint(1, 40), rng.randint(1, 40))
+        if eng.has_work and eng.step():
+            eng.finish_step()
+        if eng.seq != states[-1]["seq"]:  # one published state per engine step
+            states.append(eng.snapshot("i", "m", float(step)))
+    chains = []
+    for start in range(0, len(states) - 10, 10):
+        ds = [encode_delta(a, b) for a, b in zip(states[start:start + 10], states[start + 1:start + 11], strict=True)]
+        assert all(d is not None for d in ds)
+        mirror = libbea.Snapshot.from_dict(states[start])
+        for d in ds:
+            mirror.apply_delta(libbea.Delta.from_msgpack(pack(d)))
+        assert libbea.snapshot_difference(mirror, libbea.Snapshot.from_dict(states[start + 10])) is None
+        chains.append([states[start], *ds])
+    assert len(chains) >= 5
+    return chains
+
+
 @pytest.mark.slow
 def test_sanitized_fuzz(tmp_path: Path, sanitized_tool: Callable[[str], Path]) -> None:
     bea_check = sanitized_tool("bea_check")
@@ -29,6 +60,7 @@ def test_sanitized_fuzz(tmp_path: Path, sanitized_tool: Callable[[str], Path]) -
                  inflight={"started": 100.0, "items": [{"id": "A", "n": 1, "context": 15}]}),
         snapshot([], [req("W", 5000)], free=4, num_gpu_blocks=5, policy="priority"),
     ]
+    seeds += delta_chains()
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     n = 0

@@ -128,7 +128,7 @@ async def test_rogue_registration_is_refused(env: Env) -> None:
     assert entry.value == b"genuine"
 
 
-@pytest.mark.parametrize("subject", [S.snapshot("a"), S.batches("a"), S.dispatch("a"), S.outcome("a"),
+@pytest.mark.parametrize("subject", [S.snapshot("a"), S.delta("a"), S.batches("a"), S.dispatch("a"), S.outcome("a"),
                                      f"$KV.{S.calibration_bucket}.a"])
 async def test_forging_another_instances_messages_is_refused(env: Env, subject: str) -> None:
     admin = await env.nc("admin")
@@ -151,6 +151,31 @@ async def test_an_instance_publishes_its_own_state(env: Env) -> None:
     assert {m.subject for m in got} == {S.snapshot("a")}
     got = await _received(admin, "bear.>", lambda: _publish(own, S.batches("a")), expect=1)
     assert {m.subject for m in got} == {S.batches("a")}
+    got = await _received(admin, "bear.>", lambda: _publish(own, S.delta("a")), expect=1)
+    assert {m.subject for m in got} == {S.delta("a")}
+
+
+async def test_an_estimator_asks_an_instance_to_resync(env: Env) -> None:
+    """bear.resync.<id>: an estimator may ask, the instance itself answers (response permission);
+    another instance cannot take its requests."""
+    own = await env.nc("instance-a")
+    other = await env.nc("instance-b")
+    estimator = await env.nc("estimator")
+    stolen: list[Any] = []
+
+    async def answer(msg: Any) -> None:
+        await msg.respond(b"full state")
+
+    async def steal(msg: Any) -> None:
+        stolen.append(msg)
+
+    await own.subscribe(S.resync("a"), cb=answer)
+    with contextlib.suppress(Exception):
+        await other.subscribe(S.resync("a"), cb=steal)
+    await own.flush()
+    reply = await estimator.request(S.resync("a"), b"resync", timeout=5.0)
+    await asyncio.sleep(0.3)  # a subscription that got through would have its copy by now
+    assert reply.data == b"full state" and stolen == []
 
 
 async def test_inboxes_are_private(env: Env) -> None:

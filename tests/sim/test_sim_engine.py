@@ -275,16 +275,21 @@ async def test_sim_publishes_snapshots_and_batches(nats_server) -> None:
 
     nc = await nats.connect(nats_server.url)
     snaps: list[bytes] = []
+    deltas: list[bytes] = []
     groups: list[list] = []
     subjects = Subjects()
 
     async def on_snap(m) -> None:
         snaps.append(m.data)
 
+    async def on_delta(m) -> None:
+        deltas.append(m.data)
+
     async def on_batches(m) -> None:
         groups.append(msgpack.unpackb(m.data))
 
     await nc.subscribe(subjects.snapshot("pub-a"), cb=on_snap)
+    await nc.subscribe(subjects.delta("pub-a"), cb=on_delta)
     await nc.subscribe(subjects.batches("pub-a"), cb=on_batches)
     pub = InstancePublisher(nc, "pub-a", subjects, idle_snapshot_s=0.2, batch_flush_s=0.05)
     sim = SimEngine(load_profile("qwen3-0.6b-h100"), "pub-a", pub, seed=2)
@@ -294,7 +299,7 @@ async def test_sim_publishes_snapshots_and_batches(nats_server) -> None:
         while not r.finished:
             await r.changed.wait()
             r.changed.clear()
-    n_busy = len(snaps)
+    n_busy = len(deltas)
     await asyncio.sleep(0.5)  # idle: heartbeats keep the snapshot fresh
     sim.stop()
     await pub.close()
@@ -303,10 +308,15 @@ async def test_sim_publishes_snapshots_and_batches(nats_server) -> None:
     await nc.flush()
     await asyncio.sleep(0.05)
     await nc.close()
+    # every step a delta; full snapshots: the initial state, then only the idle re-sends
     parsed = [libbea.Snapshot.from_msgpack(b) for b in snaps]
-    assert parsed[0].n_running == 0 and n_busy >= 3
-    assert any(s.n_running > 0 for s in parsed)
-    assert len(snaps) > n_busy and pub.metrics.idle_resends._value.get() >= 1
+    assert parsed[0].n_running == 0 and n_busy >= 3 and len(deltas) >= n_busy
+    mirror, busy = parsed[0], 0
+    for b in deltas:
+        mirror.apply_delta(libbea.Delta.from_msgpack(b))
+        busy += mirror.n_running > 0
+    assert busy > 0 and libbea.snapshot_difference(mirror, parsed[-1], compare_time=False) is None
+    assert len(snaps) >= 2 and pub.metrics.idle_resends._value.get() >= 1
     last = msgpack.unpackb(snaps[-1])
     assert last["v"] == "bear.snapshot/1" and last["instance"] == "pub-a" and abs(last["time"] - time.time()) < 0.5
     records = [r for g in groups for r in g]

@@ -23,6 +23,8 @@ from bear.runtime.nats_server import LocalNatsServer
 from bear.snapshotter.service import Snapshotter, SnapshotterConfig
 from bear.snapshotter.shm import ShmReader, ShmWriter, shm_path
 
+from delta_check import check_mirror
+
 FAKES = Path(__file__).with_name("snapshotter_fakes.py")
 
 
@@ -56,7 +58,8 @@ def start_engine(name: str, mode: str = "full") -> subprocess.Popen[bytes]:
 @pytest.fixture
 async def service(nats_server: LocalNatsServer, shm_name: str) -> AsyncIterator[Snapshotter]:
     cfg = SnapshotterConfig(instance="i1", shm=shm_name, nats_url=nats_server.url, model="tiny",
-                            base_url="http://127.0.0.1:1/v1", gpu="cpu", heartbeat_s=0.2, batch_flush_s=0.05)  # fmt: skip
+                            base_url="http://127.0.0.1:1/v1", gpu="cpu", heartbeat_s=0.2, batch_flush_s=0.05,
+                            full_every=1)  # every step full too (what these tests read), and the deltas  # fmt: skip
     svc = Snapshotter(cfg)
     task = asyncio.create_task(svc.run())
     yield svc
@@ -86,15 +89,22 @@ async def test_every_step_in_order_then_down_on_kill_and_up_on_restart(
 ) -> None:
     nc = await nats.connect(nats_server.url)
     snaps: list[dict] = []
+    raw_snaps: list[bytes] = []
+    deltas: list[bytes] = []
     batches: list[dict] = []
 
     async def on_snap(msg: nats.aio.msg.Msg) -> None:
         snaps.append(unpack_map(msg.data))
+        raw_snaps.append(msg.data)
+
+    async def on_delta(msg: nats.aio.msg.Msg) -> None:
+        deltas.append(msg.data)
 
     async def on_batches(msg: nats.aio.msg.Msg) -> None:
         batches.extend(unpack(msg.data))
 
     await nc.subscribe("bear.snapshot.i1", cb=on_snap)
+    await nc.subscribe("bear.delta.i1", cb=on_delta)
     await nc.subscribe("bear.batches.i1", cb=on_batches)
     engine = start_engine(shm_name)
     try:
@@ -128,6 +138,12 @@ async def test_every_step_in_order_then_down_on_kill_and_up_on_restart(
         await asyncio.sleep(0.5)
         new = [s["seq"] for s in snaps[n_before:] if not s.get("idle")]
         assert new and new[0] == 0 and new == list(range(len(new)))
+        # the per-step deltas rebuild every published state, across the engine restart
+        assert len({s["generation"] for s in snaps if not s.get("idle")}) == 2
+        await nc.flush()
+        mirror = check_mirror(raw_snaps, deltas)
+        assert mirror["differences"] == [] and mirror["compared"] >= len(seqs) + len(new) - 3, mirror
+        assert mirror["restarts"] == 1 and mirror["unchained"] == 0, mirror
     finally:
         engine.kill()
         engine.wait()
@@ -266,7 +282,8 @@ async def test_a_reader_behind_publishes_every_step_through_a_small_buffer(
 
     await nc.subscribe("bear.snapshot.i1", cb=on_snap)
     cfg = SnapshotterConfig(instance="i1", shm=shm_name, nats_url=nats_server.url, model="tiny",
-                            base_url="http://127.0.0.1:1/v1", snapshot_buffer=16, idle_snapshot_s=0)  # fmt: skip
+                            base_url="http://127.0.0.1:1/v1", snapshot_buffer=16, idle_snapshot_s=0,
+                            full_every=1)  # fmt: skip
     svc = Snapshotter(cfg)
     task = asyncio.create_task(svc.run())
     try:

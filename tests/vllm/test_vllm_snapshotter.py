@@ -1,7 +1,8 @@
 """Real vLLM (CPU build) + BEAR plugin + snapshotter + nats-server: every step arrives on NATS in
 order; libbea replays vLLM's batches from the snapshot seen at each arrival; the state mirrored
 from the plugin's per-step deltas equals the full state at every step (BEAR_SNAPSHOT_VERIFY=1);
-the plugin's overhead at 256 residents; faults."""
+the estimator's mirror, built in libbea from the published bear.delta/1 messages, equals the
+published full snapshot at every step; the plugin's overhead at 256 residents; faults."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from bear.snapshotter.cases import generations, record_run
 from bear.snapshotter.records import StepDecoder, batches_of
 from bear.snapshotter.service import Snapshotter, SnapshotterConfig
 from bear.snapshotter.shm import ShmReader
+
+from delta_check import check_mirror
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -101,20 +104,23 @@ def save_result(name: str, result: dict[str, Any]) -> None:
     print(json.dumps(result))
 
 
-async def _collect(nc: Any, subject: str, sink: list[dict[str, Any]]) -> Any:
+async def _collect(nc: Any, subject: str, sink: list[dict[str, Any]], raw: list[bytes] | None = None) -> Any:
     async def on_msg(msg: Any) -> None:
         sink.append(unpack_map(msg.data))
+        if raw is not None:
+            raw.append(msg.data)
 
-    return await nc.subscribe(subject, cb=on_msg)
+    return await nc.subscribe(subject, cb=on_msg, pending_msgs_limit=1 << 20, pending_bytes_limit=1 << 30)
 
 
 async def _load_under_snapshotter(
     srv: VllmServer, nats_url: str, instance: str, step_log: Path, load: Load
 ) -> tuple[Snapshotter, list[dict[str, Any]]]:
-    """Run a snapshotter (every step logged to ``step_log``) beside the started vLLM while ``load``
-    runs, then stop it: (the snapshotter, the load's per-request results)."""
+    """Run a snapshotter (every step logged to ``step_log``; every state published in full and as a
+    delta) beside the started vLLM while ``load`` runs, then stop it: (the snapshotter, the load's
+    per-request results)."""
     svc = Snapshotter(SnapshotterConfig(instance=instance, shm=srv.shm, nats_url=nats_url, model="tiny",
-                                        base_url=srv.base_url, record_to=str(step_log)))  # fmt: skip
+                                        base_url=srv.base_url, record_to=str(step_log), full_every=1))  # fmt: skip
     task = asyncio.create_task(svc.run())
     await asyncio.sleep(1.0)
     results = await run_load(srv.base_url, load)
@@ -136,9 +142,14 @@ async def test_every_step_published_and_replayed(
         try:
             nc = await nats.connect(nats_srv.url)
             snaps: list[dict[str, Any]] = []
-            await _collect(nc, f"bear.snapshot.vllm-{config}", snaps)
+            raw_snaps: list[bytes] = []
+            deltas: list[dict[str, Any]] = []
+            raw_deltas: list[bytes] = []
+            await _collect(nc, f"bear.snapshot.vllm-{config}", snaps, raw_snaps)
+            await _collect(nc, f"bear.delta.vllm-{config}", deltas, raw_deltas)
             await nc.flush()
             svc, results = await _load_under_snapshotter(srv, nats_srv.url, f"vllm-{config}", step_log, spec["load"])
+            await nc.flush()
             await nc.close()
         finally:
             srv.stop()
@@ -157,6 +168,10 @@ async def test_every_step_published_and_replayed(
     assert all(not (s["running"] or s["waiting"]) for s in snaps if s.get("idle"))
     for s in snaps[:: max(1, len(snaps) // 50)]:
         libbea.Snapshot.from_dict(s)
+    # the estimator's side: the published deltas, applied in libbea, equal every published state
+    delta_mirror = check_mirror(raw_snaps, raw_deltas)
+    assert delta_mirror["differences"] == [] and delta_mirror["unchained"] == 0, delta_mirror
+    assert delta_mirror["compared"] == len(seqs) - 1 == delta_mirror["deltas"], delta_mirror
     overhead = [st["overhead_ns"] / 1e3 for st in steps[1:] if st["overhead_ns"]]
     max_res = max(len(st["running"]) + len(st["waiting"]) for st in steps)
     out = tmp_path / "record"
@@ -166,7 +181,9 @@ async def test_every_step_published_and_replayed(
     fid = replay_fidelity(cases, batches_of(steps, config))
     fid.update(config=config, steps=last, requests=len(results), max_resident=max_res,
                overhead_us_median=sorted(overhead)[len(overhead) // 2], vllm=meta["vllm_version"],
-               skipped_steps=last + 1 - len(steps), delta_mirror=mirror)  # fmt: skip
+               skipped_steps=last + 1 - len(steps), delta_mirror=mirror,
+               published_deltas={k: v for k, v in delta_mirror.items() if k != "differences"},
+               published_full_bytes=sum(map(len, raw_snaps)))  # fmt: skip
     save_result(config, fid)
     assert fid["arrivals"] >= 0.9 * len(results)
     assert fid["exact_frac"] >= 0.99, fid
@@ -188,16 +205,29 @@ async def test_delta_mirror_equals_full_capture(vllm_py: str, tiny_model: Path, 
     snapshotter rebuilt from the deltas equals the full state vLLM had."""
     srv = VllmServer(vllm_py, tiny_model, MIRROR_CONFIG["args"], log_path=tmp_path / "vllm.log", env=VERIFY_ENV)
     step_log = tmp_path / "steps.jsonl.gz"
+    snaps: list[dict[str, Any]] = []
+    raw_snaps: list[bytes] = []
+    deltas: list[dict[str, Any]] = []
+    raw_deltas: list[bytes] = []
     with LocalNatsServer() as nats_srv:
         await asyncio.to_thread(srv.start)
         try:
+            nc = await nats.connect(nats_srv.url)
+            await _collect(nc, "bear.snapshot.vm", snaps, raw_snaps)
+            await _collect(nc, "bear.delta.vm", deltas, raw_deltas)
+            await nc.flush()
             svc, results = await _load_under_snapshotter(srv, nats_srv.url, "vm", step_log, MIRROR_CONFIG["load"])
+            await nc.flush()
+            await nc.close()
         finally:
             srv.stop()
     ((meta, steps),) = generations(step_log)
     mirror = _mirror_stats(svc, steps)
+    published = check_mirror(raw_snaps, raw_deltas)
     res = {
         **mirror,
+        "published_deltas": {k: v for k, v in published.items() if k != "differences"},
+        "published_full_bytes": sum(map(len, raw_snaps)),
         "steps": steps[-1]["seq"],
         "requests": len(results),
         "aborted": sum(1 for r in results if r.get("aborted")),
@@ -210,6 +240,9 @@ async def test_delta_mirror_equals_full_capture(vllm_py: str, tiny_model: Path, 
     assert res["verified"] >= len(steps) - 1 - mirror["records"].get("check", 0), res
     assert res["steps"] + 1 == len(steps), "steps missing from the log"
     assert res["preemptions"] > 0 and res["prefix_hit_admissions"] > 0 and res["aborted"] > 0, res
+    busy = [s["seq"] for s in snaps if not s.get("idle")]
+    assert published["differences"] == [] and published["unchained"] == 0, published
+    assert published["compared"] == len(busy) - 1 == published["deltas"], published
 
 
 def _drain_steps(reader: ShmReader, dec: StepDecoder, sink: list[dict[str, Any]]) -> None:
@@ -339,6 +372,7 @@ async def test_faults_nats_restart_and_vllm_kill(vllm_py: str, tiny_model: Path,
                 got.set()
 
             await nc.subscribe("bear.snapshot.vf", cb=on_snap)
+            await nc.subscribe("bear.delta.vf", cb=on_snap)  # every step: a delta (full ones every 256)
             await asyncio.wait_for(got.wait(), 5)
             resumed_s = time.monotonic() - t_start
             await asyncio.sleep(2.0)

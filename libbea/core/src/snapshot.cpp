@@ -67,6 +67,7 @@ Snapshot snapshot_from_value(const Value& v) {
     bad("schema", "expected bear.snapshot/1, got '" + schema->s + "'");
   s.instance = opt_str(v, "instance", "", "");
   s.model = opt_str(v, "model", "", "");
+  s.generation = opt_int(v, "generation", "", 0, INT64_MAX, 0);
   s.seq = opt_int(v, "seq", "", 0, INT64_MAX, 0);
   s.time = opt_double(v, "time", "", 0.0);
   s.config = config_from(require(v, "config", ""));
@@ -132,10 +133,11 @@ Value config_to_value(const Config& c) {
 
 Value snapshot_to_value(const Snapshot& s) {
   Value d = map_value();
-  d.map.reserve(10);
+  d.map.reserve(11);
   d.map.emplace_back("v", str_value("bear.snapshot/1"));
   d.map.emplace_back("instance", str_value(s.instance));
   d.map.emplace_back("model", str_value(s.model));
+  if (s.generation != 0) d.map.emplace_back("generation", int_value(s.generation));
   d.map.emplace_back("seq", int_value(s.seq));
   d.map.emplace_back("time", real_value(s.time));
   d.map.emplace_back("config", config_to_value(s.config));

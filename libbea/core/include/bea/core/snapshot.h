@@ -66,6 +66,7 @@ struct Inflight {
 struct Snapshot {
   std::string instance;
   std::string model;
+  int64_t generation = 0;  // the engine process (seq restarts with it); 0: not given
   int64_t seq = 0;
   double time = 0.0;
   Config config;
