@@ -31,6 +31,7 @@ from bear.estimator.estimate import EstimatorConfig, estimate
 from bear.estimator.state import StateStore
 from bear.evaluation.workload import QuerySet
 from bear.load.metrics import Outcome
+from bear.predictor.synth import MAX_OUTPUT_TOKENS
 from bear.protocol.messages import Calibration, EstimateCandidate, EstimateQuery
 from bear.router.candidates import ModelPrediction, build_candidates, dispatch_for
 from bear.router.policies import Policy, QueryContext
@@ -39,7 +40,7 @@ from bear.sim.profile import Profile, load_profile
 from bear.sim.roofline import RooflineModel
 
 PAPER_POOL = ("qwen3-0.6b-h100", "qwen3-8b-h100", "qwen3-32b-2xh100-tp2")
-MAX_TOKENS = 4096
+MAX_TOKENS = MAX_OUTPUT_TOKENS  # every query's max_tokens
 HEARTBEAT_S = 0.5  # the instance publisher's idle re-publication period
 
 
@@ -53,6 +54,11 @@ class InstanceSpec:
     def from_profile(cls, profile_name: str) -> InstanceSpec:
         p = load_profile(profile_name)
         return cls(name=p.name, model=p.model.rsplit("/", 1)[-1], profile=p)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt the instance accepts with ``max_tokens`` = MAX_TOKENS."""
+        return int(self.profile.engine_config()["max_model_len"]) - MAX_TOKENS
 
 
 @dataclass

@@ -52,14 +52,15 @@ def setup(seed: int, n_queries: int, cache: Path | None = None, n_train: int = 3
     """Predictor trained on synthetic data (seed-disjoint), evaluation and calibration queries,
     per-instance calibration: built once per (seed, n) and cached."""
     cache = cache or default_cache_dir()
-    path = cache / f"eval-setup-v2-{seed}-{n_queries}-{n_train}-{n_calib}.pkl"
+    path = cache / f"eval-setup-v3-{seed}-{n_queries}-{n_train}-{n_calib}.pkl"
     if path.exists():
         with open(path, "rb") as f:
             return pickle.load(f)
     pred_dir = trained_predictor_dir(n_train, seed=10_000 + seed, cache=cache)
-    qs = build_queries(n_queries, seed=seed, predictor_dir=pred_dir)
-    cal_qs = build_queries(n_calib, seed=20_000 + seed, predictor_dir=pred_dir)
     specs = [InstanceSpec.from_profile(p) for p in PAPER_POOL]
+    limit = min(sp.max_prompt_tokens for sp in specs)
+    qs = build_queries(n_queries, seed=seed, predictor_dir=pred_dir, max_prompt_tokens=limit)
+    cal_qs = build_queries(n_calib, seed=20_000 + seed, predictor_dir=pred_dir, max_prompt_tokens=limit)
     s = Setup(seed=seed, n_queries=n_queries, queries=qs, calibration=calibrate_pool(specs, cal_qs, seed=seed + 3))
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:

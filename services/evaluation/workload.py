@@ -38,13 +38,15 @@ class QuerySet:
         return float(self.true_quality[i, j] - lam * cost)
 
 
-def build_queries(n: int, seed: int, predictor_dir: Path) -> QuerySet:
+def build_queries(n: int, seed: int, predictor_dir: Path, max_prompt_tokens: int | None = None) -> QuerySet:
+    """``n`` queries of the synthetic task mix with the predictor's answers; prompts longer than
+    ``max_prompt_tokens`` (the pool's context less ``max_tokens``) are truncated."""
     from bear.predictor.runtime import Predictor
-    from bear.predictor.synth import generate
+    from bear.predictor.synth import MAX_PROMPT_TOKENS, generate
 
     pred = Predictor(predictor_dir)
     models = pred.models
-    recs = list(generate(n, seed=seed, models=tuple(models)))
+    recs = list(generate(n, seed=seed, models=tuple(models), max_prompt_tokens=max_prompt_tokens or MAX_PROMPT_TOKENS))
     m = len(models)
     ids, tasks = [], []
     shape = (n, m)
