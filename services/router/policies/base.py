@@ -42,6 +42,8 @@ class Candidate:
     throughput_rps: float = 0.0  # completed requests per second (recent)
     observed_ttft_p50: float = 0.0
     observed_ttft_p90: float = 0.0
+    observed_ttft_p95: float = 0.0  # 0: no observation yet
+    observed_tpot_p90: float = 0.0
 
     @property
     def queue_len(self) -> int:
