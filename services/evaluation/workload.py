@@ -71,3 +71,16 @@ def build_queries(n: int, seed: int, predictor_dir: Path, max_prompt_tokens: int
         price_in=np.array([pred.by_name[x].price_in for x in models]),
         price_out=np.array([pred.by_name[x].price_out for x in models]),
     )
+
+
+def length_distributions(qs: QuerySet) -> dict[str, dict]:
+    """Prompt tokens per task and true response tokens per task and model (Figs. 12, 13), with
+    their means."""
+    tasks = sorted(set(qs.tasks))
+    idx = {t: [i for i, x in enumerate(qs.tasks) if x == t] for t in tasks}
+    prompt = {t: qs.prompt_tokens[idx[t], 0].tolist() for t in tasks}
+    out = {t: {m: qs.true_output[idx[t], j].tolist() for j, m in enumerate(qs.models)} for t in tasks}
+    return {"prompt_tokens": prompt, "output_tokens": out,
+            "prompt_mean": {t: float(np.mean(v)) for t, v in prompt.items()},
+            "output_mean": {t: {m: float(np.mean(v)) for m, v in per.items()} for t, per in out.items()},
+            "n": {t: len(v) for t, v in idx.items()}}
