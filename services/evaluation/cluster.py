@@ -163,7 +163,8 @@ class Cluster:
                 info.obs.add_outcome(0.0, ttft, tpot, False)
             self.infos.append(info)
         self.events: list[tuple[float, int]] = []
-        self.trace: list[list[Candidate]] | None = None  # every decision's candidates, when set to []
+        # every decision's candidates and each instance's free KV blocks then, when set to []
+        self.trace: list[tuple[list[Candidate], dict[str, int]]] | None = None
         self.live: dict[str, _Live] = {}
         self.first_token: dict[str, float] = {}
         self.finished_at: dict[str, float] = {}
@@ -228,7 +229,8 @@ class Cluster:
                                     default_output_tokens=self.cfg.default_output_tokens)
         d = policy.decide(QueryContext(qs.ids[i], target_s, lam, query.prompt_tokens), cs)
         if self.trace is not None:
-            self.trace.append(cs)
+            self.trace.append((cs, {inst.spec.name: int(self.store.get(inst.spec.name).snap.free_blocks)
+                                    for inst in self.insts}))
         k = next(n for n, info in enumerate(self.infos) if info.id == d.candidate.instance)
         self.store.get(self.infos[k].id).on_dispatch(dispatch_for(qs.ids[i], qs.ids[i], used[self.infos[k].id],
                                                                    MAX_TOKENS, t))

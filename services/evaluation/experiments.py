@@ -40,7 +40,7 @@ PAPER_RATES = [5.0, 6.0, 7.0, 8.0, 8.9]  # Fig. 8's arrival rates (q/s)
 PAPER_RATE = 8.0  # Figs. 9 and 14
 DEFAULT_LAMBDA = 5e-4  # §5.1
 HEADLINE_SEEDS = (2026, 2027, 2028)  # seeds no earlier result of this project used
-SETUP_VERSION = "v4"
+SETUP_VERSION = "v5"
 
 
 # ------------------------------------------------------------------------------------- entries
@@ -92,11 +92,14 @@ class Variant:
     compute_scale: float = 1.0
     memory_scale: float = 1.0
     max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None  # a shorter context: prompts are truncated to it (new queries)
 
     def apply(self, p: Profile) -> Profile:
         sched = dict(p.scheduler)
         if self.max_num_batched_tokens is not None:
             sched["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.max_model_len is not None:
+            sched["max_model_len"] = self.max_model_len
         return dataclasses.replace(p, compute_efficiency=p.compute_efficiency * self.compute_scale,
                                    memory_efficiency=min(1.0, p.memory_efficiency * self.memory_scale),
                                    scheduler=sched)
@@ -105,8 +108,11 @@ class Variant:
 SENSITIVITY = [
     Variant("prefill-25%", compute_scale=0.75), Variant("prefill+25%", compute_scale=1.25),
     Variant("decode-25%", memory_scale=0.75), Variant("decode+25%", memory_scale=1.25),
-    Variant("budget-2048", max_num_batched_tokens=2048), Variant("budget-4096", max_num_batched_tokens=4096),
-    Variant("budget-16384", max_num_batched_tokens=16384),
+    Variant("budget-2048", max_num_batched_tokens=2048), Variant("budget-16384", max_num_batched_tokens=16384),
+    # Qwen3's native context (model card: 32,768; config.json's 40,960 leaves room for the output),
+    # and shorter deployment limits, all with max_tokens 4,096: GovReport's long tail truncated.
+    Variant("context-32k", max_model_len=32_768), Variant("context-16k", max_model_len=16_384),
+    Variant("context-8k", max_model_len=8_192),
 ]
 
 
@@ -147,7 +153,7 @@ def setup(seed: int, n_queries: int, cache: Path | None = None, n_train: int = 3
     specs = [dataclasses.replace(sp, profile=variant.apply(sp.profile))
              for sp in (InstanceSpec.from_profile(p) for p in PAPER_POOL)]
     limit = min(sp.max_prompt_tokens for sp in specs)
-    if variant.name:  # the same queries as the seed's base setup, profiled on the changed instances
+    if variant.name and variant.max_model_len is None:  # the seed's queries, profiled on the changed instances
         base = setup(seed, n_queries, cache, n_train, n_calib)
         qs = base.queries
     else:

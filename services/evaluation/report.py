@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from bear.evaluation.plots import accuracy_index
 from bear.predictor.synth import OUTPUT_LENGTHS, PROMPT_LENGTHS
 
 
@@ -74,15 +75,15 @@ def rates_section(r: dict[str, Any], title: str) -> list[str]:
                 rows.append([n, inst, *(f"{_f(c.get(inst, {}).get('share', {}).get('mean'), 2)} "
                                         f"({_f(c.get(inst, {}).get('on_time_share', {}).get('mean'), 2)})" for c in per)])
         lines += _table(["router", "instance", *(f"{x:g}" for x in xs)], rows)
-    k = len(xs) - 1
+    k = accuracy_index(xs)
     lines += ["", f"Latency-estimate MAPE per instance at {xs[k]:g} q/s (Fig. 19), mean over seeds:", ""]
     rows = []
+    insts = sorted({i for per in r["ttft_prediction_by_instance"].values() for i in per[k]})
     for n, per in r["ttft_prediction_by_instance"].items():
         v = per[k]
         if any(x.get("n") for x in v.values()):
             rows.append([n, *(f"{_f(v[i]['mape']['mean'] * 100, 0)} %" if v.get(i, {}).get("n") else "–"
-                              for i in sorted(v))])
-            insts = sorted(v)
+                              for i in insts)])
     if rows:
         lines += _table(["router", *insts], rows)
     return [*lines, "", *_figs(r), ""]
@@ -99,10 +100,13 @@ def delta_section(r: dict[str, Any]) -> list[str]:
 
 
 def staleness_section(r: dict[str, Any]) -> list[str]:
-    lines = [f"## Stale snapshots ({r['figure']}, {r['rate']:g} q/s)", ""]
-    rows = [[n, *(_mr(v, k) for k in range(len(r["delays_s"])))] for n, v in r["on_time_utility"].items()]
-    rows += [[f"{n}: drop vs 0 ms", *(_pct(d["mean"]) for d in drops)] for n, drops in r["drop_vs_zero_delay"].items()]
-    lines += _table(["router", *(f"{d * 1e3:g} ms" for d in r["delays_s"])], rows)
+    lines = [f"## Stale snapshots ({r['figure']})", ""]
+    rows = []
+    for rate, table in r["on_time_utility"].items():
+        rows += [[f"{float(rate):g}", n, *(_mr(v, k) for k in range(len(r["delays_s"])))] for n, v in table.items()]
+        rows += [[f"{float(rate):g}", f"{n}: change vs 0 ms", *(_pct(-d["mean"]) for d in drops)]
+                 for n, drops in r["drop_vs_zero_delay"][rate].items()]
+    lines += _table(["q/s", "router", *(f"{d * 1e3:g} ms" for d in r["delays_s"])], rows)
     lines += ["", f"The paper: close to the zero-delay value up to 400 ms, −{r['paper']['drop_at_1s'] * 100:.0f} % at 1 s."]
     return [*lines, "", *_figs(r), ""]
 
@@ -182,19 +186,28 @@ def diagnose_section(r: dict[str, Any]) -> list[str]:
     lines = [f"## Diagnosis: BEA and eq. 8 on the same states (seed {r['seed']})", "",
              "Every decision of a run traced with both estimates of every candidate. On the chosen instance: "
              "share of queries each estimator called feasible that were late (false feasible) and called infeasible "
-             "that were on time (false infeasible); how often the eq. 8 rule would have picked the same instance; "
+             "that were on time (false infeasible); share of queries whose feasible sets (over all instances) differ between the two; how often the eq. 8 rule would have picked the same instance; "
              "share with no instance predicted feasible; on-time queries with negative utility.", ""]
     rows = []
     for x in r["runs"]:
         cf = x["confusion"]
         rows.append([x["entry"], f"{x['rate']:g}", _f(cf["bea"].get("feasible/late", 0), 3),
                      _f(cf["bea"].get("infeasible/on time", 0), 3), _f(cf["eq8"].get("feasible/late", 0), 3),
-                     _f(cf["eq8"].get("infeasible/on time", 0), 3), _f(x["eq8_rule_agrees"], 3),
+                     _f(cf["eq8"].get("infeasible/on time", 0), 3), _f(x["feasible_sets_differ"], 3), _f(x["eq8_rule_agrees"], 3),
                      _f(x["none_feasible"]["bea"], 3), _f(x["none_feasible"]["eq8"], 3),
                      _f(x["on_time_negative_utility_share"], 3), _f(x["on_time_negative_utility_sum_per_query"], 4)])
     lines += _table(["run", "q/s", "BEA false feasible", "BEA false infeasible", "eq. 8 false feasible",
-                     "eq. 8 false infeasible", "eq. 8 rule same pick", "none feasible (BEA)", "none feasible (eq. 8)",
+                     "eq. 8 false infeasible", "feasible sets differ", "eq. 8 rule same pick", "none feasible (BEA)", "none feasible (eq. 8)",
                      "on time, utility < 0", "their utility / query"], rows)
+    lines += ["", "KV cache in use at the decisions (mean; share of decisions with ≥ 95 % in use):", ""]
+    insts = sorted(r["runs"][0]["kv_use"])
+    lines += _table(["run", "q/s", *insts], [[x["entry"], f"{x['rate']:g}", *(
+        f"{x['kv_use'][i]['mean']:.2f} ({x['kv_use'][i]['share_above_95']:.2f})" for i in insts)] for x in r["runs"]])
+    lines += ["", "Per quarter of each run (in arrival order): share on time; median predicted / observed TTFT of "
+              "the chosen instance (s):", ""]
+    lines += _table(["run", "q/s", "1st", "2nd", "3rd", "4th"], [[x["entry"], f"{x['rate']:g}", *(
+        f"{q['on_time']:.2f}; {q['median_predicted_s']:.3f} / {q['median_observed_s']:.3f}" for q in x["by_quarter"])]
+        for x in r["runs"]])
     lines += ["", "Per task (share of queries per instance; share on time; mean utility of the on-time ones):", ""]
     rows = []
     for x in r["runs"]:

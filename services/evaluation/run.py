@@ -74,19 +74,22 @@ def run_single(names: Sequence[str], s: Setup, workers: int) -> dict[str, dict[s
     results: dict[str, Any] = {}
     if "workload" in names:
         results["workload"] = {"seed": s.seed, **length_distributions(s.queries)}
+    for name in names:
+        results.setdefault(name, {})["figure"] = SINGLE[name]
     if not jobs:
         return results
     with ProcessPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as ex:
         outs = list(ex.map(_single, [j[0] for j in jobs], [s] * len(jobs), [j[1] for j in jobs]))
     for (name, _k), o in zip(jobs, outs, strict=True):
+        r = results[name]
         if name == "diagnose":
-            results.setdefault("diagnose", {"seed": s.seed, "runs": []})["runs"].append(o)
+            r.setdefault("runs", []).append(o)
         elif name == "lps":
-            results["lps"] = {"seed": s.seed, **o, "paper": {"k": PAPER["lps_k"], "concurrency": PAPER["lps_measured_concurrency"]}}
+            r.update(o, paper={"k": PAPER["lps_k"], "concurrency": PAPER["lps_measured_concurrency"]})
         else:
-            results.setdefault("estimates", {"seed": s.seed, "instances": [],
-                                             "paper": {k: PAPER[k] for k in ("bea_mape", "eq8_mape", "eq12_mape")}})
-            results["estimates"]["instances"].append(o)
+            r.setdefault("instances", []).append(o)
+            r["paper"] = {k: PAPER[k] for k in ("bea_mape", "eq8_mape", "eq12_mape")}
+        r["seed"] = s.seed
     return results
 
 

@@ -40,9 +40,10 @@ DELAYS = [0.0, 0.025, 0.1, 0.4, 1.0]  # App. F, Fig. 14
 LAMBDAS = [1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3]
 BURSTY_RATES = [6.0, 7.0, 8.0]  # App. B, Table 3
 BURST_RATIOS = [3.0, 6.0]
-SENSITIVITY_RATES = [5.0, 7.0, 8.9]
-HIGH_LOAD_RATES = [10.0, 12.0, 14.0, 16.0]
-COMPOSITION = ["bear", "bear+ext", "shortest-queue", "latency-agnostic", "round-robin"]  # Fig. 1
+SENSITIVITY_RATES = [5.0, 8.0]
+HIGH_LOAD_RATES = [10.0, 12.0]
+COMPOSITION = ["bear", "bear+ext", "shortest-queue", "latency-agnostic", "round-robin",  # Fig. 1
+               "score", "routebalance"]
 STALE_MAX_AGE_S = 2.0  # BEA on snapshots up to 1 s old: the fallback age above the largest delay
 
 
@@ -160,22 +161,28 @@ def delta_experiment(rate: float = PAPER_RATE) -> Experiment:
 
 
 # ------------------------------------------------------------------------------------- staleness
-def staleness_experiment(rate: float = PAPER_RATE) -> Experiment:
+STALENESS_RATES = [PAPER_RATE, 6.0]  # the paper's 8 q/s, and a rate this pool serves without collapse
+
+
+def staleness_experiment(rates: Sequence[float] = STALENESS_RATES) -> Experiment:
     names = ["bear", "bear+ext"]
 
-    def row(n: str) -> Callable[[int], list[Cell]]:
+    def row(n: str, rate: float) -> Callable[[int], list[Cell]]:
         return lambda s: [cell(n, rate, s, delay_s=d, max_age_s=STALE_MAX_AGE_S) for d in DELAYS]
 
     def cells(seeds: Sequence[int]) -> list[Cell]:
-        return [c for s in seeds for n in names for c in row(n)(s)]
+        return [c for s in seeds for r in rates for n in names for c in row(n, r)(s)]
 
     def result(res: Results, seeds: Sequence[int]) -> dict[str, Any]:
-        out = {"rate": rate, "delays_s": DELAYS, "seeds": list(seeds), "entries": _labels(names),
-               "on_time_utility": {n: _per_seed(res, seeds, row(n), "on_time_utility") for n in names},
-               "paper": {"drop_at_1s": PAPER["staleness_drop_at_1s"]}}
-        out["drop_vs_zero_delay"] = {
-            n: [spread(1.0 - v[k] / v[0] for v in out["on_time_utility"][n]["per_seed"].values())
-                for k in range(len(DELAYS))] for n in names}
+        out: dict[str, Any] = {"rates": list(rates), "delays_s": DELAYS, "seeds": list(seeds),
+                               "entries": _labels(names), "paper": {"drop_at_1s": PAPER["staleness_drop_at_1s"]},
+                               "on_time_utility": {}, "drop_vs_zero_delay": {}}
+        for r in rates:
+            table = {n: _per_seed(res, seeds, row(n, r), "on_time_utility") for n in names}
+            out["on_time_utility"][str(r)] = table
+            out["drop_vs_zero_delay"][str(r)] = {
+                n: [spread(1.0 - v[k] / v[0] for v in table[n]["per_seed"].values()) for k in range(len(DELAYS))]
+                for n in names}
         return out
 
     return Experiment("staleness", "Fig. 14", cells, result)
@@ -183,7 +190,7 @@ def staleness_experiment(rate: float = PAPER_RATE) -> Experiment:
 
 # ------------------------------------------------------------------------------------- lambda
 def lambda_experiment(rates: Sequence[float] = PAPER_RATES) -> Experiment:
-    names = ["bear", "bear+ext", "latency-agnostic"]
+    names = ["bear", "latency-agnostic"]  # the paper's Fig. 17 compares these two
 
     def cells(seeds: Sequence[int]) -> list[Cell]:
         return [cell(n, r, s, lam=lam) for s in seeds for n in names for r in rates for lam in LAMBDAS]
@@ -193,7 +200,7 @@ def lambda_experiment(rates: Sequence[float] = PAPER_RATES) -> Experiment:
                 "on_time_utility": {n: {str(r): _per_seed(res, seeds, lambda s, n=n, r=r: [
                     cell(n, r, s, lam=lam) for lam in LAMBDAS], "on_time_utility") for r in rates} for n in names}}
 
-    return Experiment("lambda", "Fig. 17", cells, result)
+    return Experiment("lambda", "Fig. 17", cells, result, multi_seed=False)
 
 
 # ------------------------------------------------------------------------------------- bursty
@@ -211,12 +218,17 @@ def bursty_experiment() -> Experiment:
                 "on_time_utility": {f"r={int(ratio)}": {n: _per_seed(res, seeds, row(n, ratio), "on_time_utility")
                                                         for n in names} for ratio in BURST_RATIOS}}
 
-    return Experiment("bursty", "Fig. 10", cells, result)
+    return Experiment("bursty", "Fig. 10", cells, result, multi_seed=False)
 
 
 # ------------------------------------------------------------------------------------- sensitivity
+# The sensitivity study runs BEAR, the eq. 8 ablation and the two baselines that were the best
+# baseline in every cell of the rates experiment (SCORE, RouteBalance).
+SENSITIVITY_ENTRIES = ["bear", "bear+ext", "prefill-throughput", "score", "routebalance"]
+
+
 def sensitivity_experiment(rates: Sequence[float] = SENSITIVITY_RATES) -> Experiment:
-    names = rate_entries()
+    names = SENSITIVITY_ENTRIES
     variants = ["", *(v.name for v in SENSITIVITY)]
 
     def cells(seeds: Sequence[int]) -> list[Cell]:
@@ -225,7 +237,7 @@ def sensitivity_experiment(rates: Sequence[float] = SENSITIVITY_RATES) -> Experi
     def result(res: Results, seeds: Sequence[int]) -> dict[str, Any]:
         out: dict[str, Any] = {"rates": list(rates), "seeds": list(seeds), "entries": _labels(names),
                                "variants": {}}
-        base = baselines()
+        base = [n for n in names if n in baselines()]
         for v in variants:
             table = {n: [sum(res[cell(n, r, s, variant=v)]["on_time_utility"] for s in seeds) / len(seeds)
                          for r in rates] for n in names}
@@ -238,6 +250,11 @@ def sensitivity_experiment(rates: Sequence[float] = SENSITIVITY_RATES) -> Experi
         return out
 
     return Experiment("sensitivity", "sensitivity study", cells, result, multi_seed=False)
+
+
+def highload_experiment() -> Experiment:
+    e = rates_experiment(rates=HIGH_LOAD_RATES, name="highload", figure="high-load sensitivity")
+    return Experiment(e.name, e.figure, e.cells, e.result, multi_seed=False)
 
 
 def tune_experiment() -> Experiment:
@@ -278,5 +295,5 @@ def registry() -> dict[str, Experiment]:
         rates_experiment(rates=[PAPER_RATE], name="accuracy", figure="Fig. 19"),
         delta_experiment(), staleness_experiment(), lambda_experiment(), bursty_experiment(),
         sensitivity_experiment(),
-        rates_experiment(rates=HIGH_LOAD_RATES, name="highload", figure="high-load sensitivity"),
+        highload_experiment(),
         tune_experiment())}
