@@ -186,7 +186,7 @@ def _words_for(pieces: float, sentence: int) -> int:
     return max(0, round(pieces * sentence / (sentence + 1)))
 
 
-def _alpaca(rng: np.random.Generator, w: _Words, target: int, z: float) -> _Query:
+def _alpaca(rng: np.random.Generator, w: _Words, target: int, z: float, limit: int) -> _Query:
     topic = _topic(rng)
     kinds = {  # kind → (template, natural length, difficulty offset)
         "list": ("List {k} facts about {t}.", 200.0, 0.0),
@@ -213,7 +213,7 @@ def _alpaca(rng: np.random.Generator, w: _Words, target: int, z: float) -> _Quer
     return _Query(prompt, "alpaca", diff, max(12.0, length))
 
 
-def _hotpotqa(rng: np.random.Generator, w: _Words, target: int, z: float) -> _Query:
+def _hotpotqa(rng: np.random.Generator, w: _Words, target: int, z: float, limit: int) -> _Query:
     topic = _topic(rng)
     kind = rng.random()
     a, b = (str(x) for x in rng.choice(_NAMES, size=2, replace=False))
@@ -240,7 +240,7 @@ def _hotpotqa(rng: np.random.Generator, w: _Words, target: int, z: float) -> _Qu
     return _Query(prompt, "hotpotqa", diff, natural)
 
 
-def _govreport(rng: np.random.Generator, w: _Words, target: int, z: float) -> _Query:
+def _govreport(rng: np.random.Generator, w: _Words, target: int, z: float, limit: int) -> _Query:
     topic = str(rng.choice(["finance", "history", "science", "travel"]))
     r = rng.random()
     if r < 0.35:
@@ -252,13 +252,18 @@ def _govreport(rng: np.random.Generator, w: _Words, target: int, z: float) -> _Q
         ask, natural = "Summarize the report above.", 200.0 * math.log(max(target, 800) / 400)
     head = "Government report:"
     doc = w.text(_words_for(target - _pieces(head + " " + ask), 22), topic, topic_share=0.25, sentence=22)
+    # The prompt must fit the context in an engine's own count too (the sim engine counts
+    # ⌈bytes / 4⌉ of a text prompt, more than its pieces): cut the report (ASCII: chars = bytes).
+    room = int(CHARS_PER_TOKEN * limit) - len(head) - len(ask) - 4
+    if len(doc) > room:
+        doc = doc[: doc.rfind(" ", 0, room)]
     # difficulty grows with the document's length quantile (0 … 0.5)
     diff = 0.25 * _TOPICS[topic][0] + 0.25 * (1.0 + math.erf(z / math.sqrt(2.0)))
     prompt = head + "\n\n" + doc + "\n\n" + ask
     return _Query(prompt, "govreport", diff, natural)
 
 
-def _writingprompts(rng: np.random.Generator, w: _Words, target: int, z: float) -> _Query:
+def _writingprompts(rng: np.random.Generator, w: _Words, target: int, z: float, limit: int) -> _Query:
     topic = _topic(rng)
     extras = [" Tell it from the perspective of a villain.", " End with an unexpected twist.",
               " Write it as a poem.", ""]
@@ -292,14 +297,15 @@ _NATURAL_MEAN = {"alpaca": 180.8, "hotpotqa": 56.1, "govreport": 506.3, "writing
 def generate(n_queries: int, seed: int = 0, models: tuple[str, ...] | None = None,
              tasks: tuple[str, ...] = TASKS, max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> Iterator[Record]:
     """``n_queries`` synthetic queries, each of a task drawn uniformly from ``tasks``, one record
-    per (query, model); prompts longer than ``max_prompt_tokens`` are truncated."""
+    per (query, model); prompts longer than ``max_prompt_tokens`` (in pieces, or in ⌈bytes / 4⌉)
+    are truncated."""
     rng = np.random.default_rng(seed)
     w = _Words(rng)
     models = models or tuple(TABLE2["alpaca"])
     for i in range(n_queries):
         task = tasks[int(rng.integers(len(tasks)))]
         target, z = _prompt_target(rng, task, max_prompt_tokens)
-        q = _GENERATORS[task](rng, w, target, z)
+        q = _GENERATORS[task](rng, w, target, z, max_prompt_tokens)
         n_tok, _ = count_pieces(np.frombuffer(q.prompt.encode(), dtype=np.uint8))
         base_len = q.base_len * OUTPUT_LENGTHS[task].mean / _NATURAL_MEAN[task]
         for m in models:
@@ -326,7 +332,7 @@ def trained_predictor_dir(n_train: int, seed: int, cache: Path | None = None) ->
     """Train (once, cached) the predictor on synthetic data disjoint from the evaluation queries."""
     from bear.predictor.train import train
 
-    key = hashlib.sha1(f"synth-v2-{n_train}-{seed}".encode()).hexdigest()[:10]
+    key = hashlib.sha1(f"synth-v3-{n_train}-{seed}".encode()).hexdigest()[:10]
     out = (cache or default_cache_dir()) / f"eval-predictor-{key}"
     if not (out / "meta.json").exists():
         records = list(generate(n_train, seed=seed))

@@ -45,9 +45,12 @@ def test_prompt_lengths_match_their_source(records: list, task: str) -> None:
 
 
 def test_govreport_reaches_the_context_and_is_truncated_there(records: list) -> None:
-    p = np.array([r.prompt_tokens for r in records if r.task == "govreport"])
+    gov = [r for r in records if r.task == "govreport"]
+    p = np.array([r.prompt_tokens for r in gov])
+    engine = np.array([-(-len(r.prompt.encode()) // 4) for r in gov])  # the sim engine's count of a text prompt
     assert np.percentile(p, 90) > 20_000  # the report's tail is long
-    assert 0 < np.mean(p >= MAX_PROMPT_TOKENS - 50) < 0.05  # truncated: a few, not many
+    assert p.max() <= MAX_PROMPT_TOKENS and engine.max() <= MAX_PROMPT_TOKENS  # fits in either count
+    assert 0 < np.mean(engine >= MAX_PROMPT_TOKENS - 50) < 0.10  # truncated: a few, not many
 
 
 @pytest.mark.parametrize("task", TASKS)
