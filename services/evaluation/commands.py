@@ -25,6 +25,12 @@ def _ints(text: str, what: str) -> list[int]:
         raise typer.BadParameter(f"{what}: comma-separated integers, got {text!r}") from exc
 
 
+def default_out(experiment: str, seeds: list[int]) -> Path:
+    """One dated folder per `all` run; a single experiment in a folder of its own inside it."""
+    day = Path("docs/results") / time.strftime("%Y-%m-%d", time.gmtime())
+    return day if experiment == "all" else day / f"{experiment}-{'-'.join(map(str, seeds))}"
+
+
 def eval_cmd(
     experiment: Annotated[str, typer.Option(help=f"Which experiment: {', '.join(EXPERIMENTS)}.")] = "rates",
     seed: Annotated[int | None, typer.Option(help="One seed (queries, arrivals, targets, engine noise).")] = None,
@@ -35,8 +41,9 @@ def eval_cmd(
     rates: Annotated[str | None, typer.Option(
         help="Comma-separated arrival rates (q/s) for rates/estimator; default: the paper's 5,6,7,8,8.9.")] = None,
     workers: Annotated[int, typer.Option(help="Simulation processes (0: one per core).")] = 0,
-    out: Annotated[Path, typer.Option(help="Folder for the JSON results, PNG figures and summary.md.")] = Path(
-        "docs/results/eval"),
+    out: Annotated[Path | None, typer.Option(
+        help="Folder for the JSON results, PNG figures and summary.md; default docs/results/<UTC date> for all, "
+             "docs/results/<UTC date>/<experiment>-<seeds> for one experiment.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the (single) experiment's JSON on stdout.")] = False,
 ) -> None:
     """Reproduce the paper's routing experiments in a virtual-time simulation of the pool."""
@@ -60,6 +67,7 @@ def eval_cmd(
     except ValueError as exc:
         raise typer.BadParameter(f"--rates: comma-separated numbers, got {rates!r}") from exc
     names = runner.ALL if experiment == "all" else [experiment]
+    out = out or default_out(experiment, seed_list)
     console = Console(stderr=True)
     t0 = time.monotonic()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

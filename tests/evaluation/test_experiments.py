@@ -32,6 +32,19 @@ def test_tuned_baselines_are_frozen_in_the_configuration() -> None:
         assert params == {tuple(sorted(chosen.items()))}
 
 
+def test_what_runs_is_read_from_the_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The frozen parameters come from comparison.json, not from code: change the file's values and
+    the rates cells change with them; `all` never runs the tuning grid."""
+    cfg = json.loads(ex.CONFIG.read_text())
+    cfg["entries"]["routebalance"]["params"] = {"w_cost": 2.0, "w_latency": 4.0}
+    cfg["entries"]["score"]["params"] = {"gamma": 0.3}
+    monkeypatch.setattr(ex, "load_config", lambda path=ex.CONFIG: cfg)
+    cells = registry()["rates"].cells([ex.HEADLINE_SEEDS[0]])
+    assert {c.params for c in cells if c.entry == "routebalance"} == {(("w_cost", 2.0), ("w_latency", 4.0))}
+    assert {c.params for c in cells if c.entry == "score"} == {(("gamma", 0.3),)}
+    assert "tune" not in runner.ALL
+
+
 def test_entries_are_registry_policies_with_parameters() -> None:
     es = ex.entries()
     assert {"bear", "bear+ext", "prefill-throughput"} <= set(es)
@@ -92,3 +105,24 @@ def test_variants_change_only_what_they_name() -> None:
     assert q.compute_efficiency == pytest.approx(p.compute_efficiency / 2)
     assert q.memory_efficiency == p.memory_efficiency
     assert q.engine_config()["max_num_batched_tokens"] == 2048 and p.engine_config()["max_num_batched_tokens"] == 8192
+
+
+def test_setups_are_deterministic_per_seed(tmp_path) -> None:
+    """A setup built twice from nothing (predictor training, queries, profiling) is the same, and
+    a run on it gives the same result; another seed gives other queries."""
+    import msgspec
+    import numpy as np
+
+    a = ex.setup(7, 60, cache=tmp_path / "a", n_train=120, n_calib=30)
+    b = ex.setup(7, 60, cache=tmp_path / "b", n_train=120, n_calib=30)
+    c = ex.setup(8, 60, cache=tmp_path / "c", n_train=120, n_calib=30)
+    for f in ("prompt_tokens", "pred_acc", "pred_len", "true_output", "true_quality"):
+        assert np.array_equal(getattr(a.queries, f), getattr(b.queries, f)), f
+    assert not np.array_equal(a.queries.prompt_tokens, c.queries.prompt_tokens)
+    def fitted(s: ex.Setup) -> dict:  # the fit, not the wall-clock time it was made
+        return {k: msgspec.structs.replace(v, updated=0.0) for k, v in s.calibration.items()}
+
+    assert fitted(a) == fitted(b) and a.history == b.history
+    cell = ex.cell("bear", 6.0, 7)
+    assert json.dumps(ex.run_cell(a, cell), sort_keys=True, default=str) == \
+        json.dumps(ex.run_cell(b, cell), sort_keys=True, default=str)
