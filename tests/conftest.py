@@ -1,7 +1,10 @@
-"""Shared fixtures: the public vLLM traces and a local NATS server on a random port."""
+"""Shared fixtures: the public vLLM traces, a local NATS server on a random port, and for the
+tests that run real vLLM (tests/vllm, the gateway's benchmark-client test) its interpreter and a
+tiny local model."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
@@ -11,6 +14,7 @@ import pytest
 
 from bear.protocol.jsonl import read_jsonl
 from bear.runtime.nats_server import LocalNatsServer
+from bear.vllm_instance.launch import make_tiny_model, vllm_python
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO / "tests" / "data" / "vllm-cpu-traces"  # recorded from vLLM (CPU build): README there
@@ -54,3 +58,18 @@ def sanitized_tool(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
 def nats_server() -> Iterator[LocalNatsServer]:
     with LocalNatsServer() as srv:
         yield srv
+
+
+@pytest.fixture(scope="session")
+def vllm_py() -> str:
+    py = vllm_python()
+    if py is None:
+        if os.environ.get("BEAR_REQUIRE_VLLM") == "1":  # .ci/test.sh installed it: a skip would hide a failure
+            pytest.fail("BEAR_REQUIRE_VLLM=1 but BEAR_VLLM_PYTHON is not set or not runnable")
+        pytest.skip("BEAR_VLLM_PYTHON is not set (CI sets it; locally: .ci/install-vllm.sh)")
+    return py
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_py: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(vllm_py, tmp_path_factory.mktemp("tiny-qwen3"))

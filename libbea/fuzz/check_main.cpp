@@ -5,9 +5,9 @@
 #include <vector>
 
 #include "driver.h"
-#include "bea/replay.h"
-#include "bea/snapshot.h"
-#include "bea/value.h"
+#include "bea/core/replay.h"
+#include "bea/core/snapshot.h"
+#include "bea/core/value.h"
 
 static int run_one(const std::vector<uint8_t>& buf) {
   try {

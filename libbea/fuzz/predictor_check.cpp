@@ -1,7 +1,7 @@
 // Standalone driver for sanitizer builds of the predictor's native parts (bea/prompt_text.h,
 // bea/forest.h): every input file (or stdin) is used
 //   - as prompt bytes: counts (vectorised == scalar, else abort), hashed features, the indicator
-//     evaluation, at every suffix length around the block boundaries;
+//     text and its evaluation, at every suffix length around the block boundaries;
 //   - as a recipe for a forest: node arrays read from the bytes (mostly invalid), which must be
 //     rejected with std::invalid_argument or evaluated on rows made from the bytes (NaN, inf,
 //     negative and huge categories included).
@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "driver.h"
-#include "bea/forest.h"
-#include "bea/prompt_text.h"
+#include "bea/predictor/forest.h"
+#include "bea/predictor/prompt_text.h"
 
 namespace {
 
@@ -63,8 +63,14 @@ void check_text(const uint8_t* p, size_t n) {
   bea::prompt::hash_window(p, head_end, h);
   if (tail_start < n) bea::prompt::hash_window(p + tail_start, n - tail_start, h);
   if (static_cast<int64_t>(h.size()) != c.n_hashed) std::abort();
+  // The indicator text has one byte per code point, at most 2 * kIndicatorSpan + 1 of them.
+  const std::string low = bea::prompt::indicator_text(p, n);
+  const auto n_cp = static_cast<size_t>(bea::prompt::count_code_points(p, n));
+  if (low.size() > 2 * 2 * bea::prompt::kIndicatorSpan + 1 || (n_cp <= 2 * bea::prompt::kIndicatorSpan && low.size() < n_cp))
+    std::abort();
   double out[16];
-  (void)indicators().evaluate(std::string_view(reinterpret_cast<const char*>(p), n), out);
+  indicators().evaluate(low, out);
+  indicators().evaluate(std::string_view(reinterpret_cast<const char*>(p), n), out);  // any bytes
 }
 
 // Reads little values from the input, wrapping around; never past its end.

@@ -1,4 +1,6 @@
-// Python objects → libbea inputs, shared by the bindings: one conversion, one set of checks.
+// Python objects ↔ libbea's value tree, shared by the bindings: one conversion, one set of checks.
+// Python dicts reach the core as value trees (bea/core/request_fields.h reads their requests);
+// exported maps (snapshots, configs) come back the same way.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -6,8 +8,8 @@
 #include <cmath>
 #include <string>
 
-#include "bea/batch_time.h"
-#include "bea/value.h"
+#include "bea/core/batch_time.h"
+#include "bea/core/value.h"
 
 namespace bea_py {
 
@@ -50,10 +52,34 @@ inline Value to_value(py::handle h, int depth) {
     v.arr.reserve(seq.size());
     for (auto item : seq) v.arr.push_back(to_value(item, depth + 1));
   } else {
-    throw std::invalid_argument(std::string("unsupported value type: ") + std::string(py::str(h.get_type())));
+    throw std::invalid_argument(std::string("unsupported value type: ") + std::string(py::str(py::type::handle_of(h))));
   }
   return v;
 }
+
+// The value tree as Python objects: maps → dict (in order), lists → list.
+inline py::object from_value(const Value& v) {
+  switch (v.type) {
+    case Value::Type::Nil: return py::none();
+    case Value::Type::Bool: return py::bool_(v.b);
+    case Value::Type::Int: return py::int_(v.i);
+    case Value::Type::Float: return py::float_(v.d);
+    case Value::Type::Str: return py::str(v.s);
+    case Value::Type::Arr: {
+      py::list l;
+      for (const Value& x : v.arr) l.append(from_value(x));
+      return std::move(l);
+    }
+    case Value::Type::Map: {
+      py::dict d;
+      for (const auto& kv : v.map) d[py::str(kv.first)] = from_value(kv.second);
+      return std::move(d);
+    }
+  }
+  return py::none();
+}
+
+inline py::dict dict_from_value(const Value& v) { return py::reinterpret_borrow<py::dict>(from_value(v)); }
 
 inline Coeffs coeffs_from(py::handle h) {
   Coeffs c;

@@ -3,81 +3,32 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <cmath>
 #include <memory>
 #include <string>
-#include <string_view>
-#include <unordered_map>
+#include <vector>
 
-#include "bea/engine.h"
-#include "bea/replay.h"
-#include "bea/snapshot.h"
-#include "bea/scheduler.h"
-#include "bea/value.h"
+#include "bea/core/batch_time.h"
+#include "bea/core/request_fields.h"
+#include "bea/core/snapshot.h"
+#include "bea/sim/engine.h"
 #include "convert.h"
+#include "snapshot_object.h"
 
 namespace py = pybind11;
+using bea::BatchFeatures;
 using bea::Engine;
 using bea::Scheduler;
 
 namespace {
 
-
-py::dict config_dict(const bea::Config& c) {
-  py::dict d;
-  d["max_num_batched_tokens"] = c.max_num_batched_tokens;
-  d["max_num_scheduled_tokens"] = c.max_num_scheduled_tokens;
-  d["max_num_seqs"] = c.max_num_seqs;
-  d["long_prefill_token_threshold"] = c.long_prefill_token_threshold;
-  d["long_prefill_token_threshold_adaptive"] = c.long_prefill_token_threshold_adaptive;
-  d["enable_chunked_prefill"] = c.enable_chunked_prefill;
-  d["policy"] = c.policy == bea::Policy::Fcfs ? "fcfs" : "priority";
-  d["block_size"] = c.block_size;
-  d["num_gpu_blocks"] = c.num_gpu_blocks;
-  d["watermark_blocks"] = c.watermark_blocks;
-  d["max_model_len"] = c.max_model_len;
-  d["scheduler_reserve_full_isl"] = c.scheduler_reserve_full_isl;
-  d["enable_prefix_caching"] = c.enable_prefix_caching;
-  d["async_scheduling"] = c.async_scheduling;
-  return d;
-}
-
-py::dict request_dict(const Scheduler& sched, const std::string& id, int32_t k) {
-  const Scheduler::Req& r = sched.reqs()[static_cast<size_t>(k)];
-  py::dict d;
-  d["id"] = id;
-  d["prompt_tokens"] = r.P;
-  d["computed_tokens"] = r.C;
-  d["output_tokens"] = r.O;
-  d["max_tokens"] = r.max_tokens;
-  d["blocks"] = r.blocks;
-  d["exclusive_blocks"] = r.excl;
-  d["preemptions"] = r.preemptions;
-  d["arrival"] = r.arrival;
-  d["priority"] = r.prio;
-  if (r.C == 0 && r.hit > 0) d["prefix_hit_tokens"] = r.hit;
-  return d;
-}
-
-template <class NameOf>
-py::dict snapshot_dict(const Scheduler& sched, NameOf name_of, const std::string& instance, const std::string& model,
-                       int64_t seq, double time) {
-  py::dict d;
-  d["v"] = "bear.snapshot/1";
-  d["instance"] = instance;
-  d["model"] = model;
-  d["seq"] = seq;
-  d["time"] = time;
-  d["config"] = config_dict(sched.config());
-  d["free_blocks"] = sched.free_blocks();
-  py::list running;
-  for (int32_t k : sched.running()) running.append(request_dict(sched, name_of(k), k));
-  py::list waiting;
-  for (int32_t k : sched.waiting()) waiting.append(request_dict(sched, name_of(k), k));
-  d["running"] = running;
-  d["waiting"] = waiting;
-  d["inflight"] = py::none();
-  return d;
+// The engine's state (between steps) as a snapshot model.
+bea::Snapshot engine_state(const Engine& e, const std::string& instance, const std::string& model, double time) {
+  bea::Snapshot snap = bea::capture(e.scheduler(), e.names());  // the true output lengths stay inside the engine
+  snap.instance = instance;
+  snap.model = model;
+  snap.seq = e.seq();
+  snap.time = time;
+  return snap;
 }
 
 }  // namespace
@@ -90,12 +41,30 @@ void bind_engine(py::module_& m) {
       .def(
           "add",
           [](Engine& e, const std::string& id, int64_t prompt_tokens, int64_t max_tokens, int64_t true_output_tokens,
-             double arrival, int64_t priority) {
-            e.add(id, prompt_tokens, max_tokens, true_output_tokens, arrival, priority);
+             double arrival, int64_t priority, std::vector<uint64_t> block_hashes) {
+            e.add(id, prompt_tokens, max_tokens, true_output_tokens, arrival, priority, std::move(block_hashes));
           },
           py::arg("id"), py::arg("prompt_tokens"), py::arg("max_tokens"), py::arg("true_output_tokens"),
-          py::arg("arrival") = 0.0, py::arg("priority") = 0,
-          "Queue a request that will stop after true_output_tokens (capped by max_tokens/max_model_len).")
+          py::arg("arrival") = 0.0, py::arg("priority") = 0, py::arg("block_hashes") = std::vector<uint64_t>{},
+          "Queue a request that will stop after true_output_tokens (capped by max_tokens/max_model_len).\n"
+          "block_hashes (prefix caching on): vLLM's hashes of its full blocks, prompt then answer tokens.")
+      .def(
+          "take_kv_events",
+          [](Engine& e) {
+            py::list out;
+            for (const auto& ev : e.take_kv_events()) {
+              const char* kind = ev.kind == bea::KvEvent::Stored ? "stored"
+                                 : ev.kind == bea::KvEvent::Removed ? "removed"
+                                                                    : "cleared";
+              out.append(py::make_tuple(kind, py::cast(ev.hashes)));
+            }
+            return out;
+          },
+          "The prefix cache's KV events since the last call: [(stored|removed, [hash, ...]), ...] in order.")
+      .def("cached_blocks", &Engine::cached_hashes, "The hash of every cached block (one entry per block).")
+      .def("prefix_hit_tokens", &Engine::prefix_hit_tokens, py::arg("id"),
+           "The prefix-cache hit a request had at its first admission (vLLM's num_cached_tokens; -1: not yet).")
+      .def_property_readonly("prefix_caching", &Engine::has_prefix_cache)
       .def("abort", &Engine::abort, py::arg("id"), "Drop a request; False when unknown or finished.")
       .def(
           "step",
@@ -129,9 +98,7 @@ void bind_engine(py::module_& m) {
       .def(
           "snapshot",
           [](const Engine& e, const std::string& instance, const std::string& model, double time) {
-            return snapshot_dict(
-                e.scheduler(), [&e](int32_t k) -> const std::string& { return e.name(k); }, instance, model, e.seq(),
-                time);
+            return bea_py::dict_from_value(bea::snapshot_to_value(engine_state(e, instance, model, time)));
           },
           py::arg("instance"), py::arg("model"), py::arg("time"),
           "The scheduler state as a bear.snapshot/1 map (call between steps).")
@@ -143,46 +110,58 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("n_running", [](const Engine& e) { return e.scheduler().running().size(); })
       .def_property_readonly("n_waiting", [](const Engine& e) { return e.scheduler().waiting().size(); })
       .def_property_readonly("free_blocks", [](const Engine& e) { return e.scheduler().free_blocks(); })
-      .def_property_readonly("config", [](const Engine& e) { return config_dict(e.scheduler().config()); });
+      .def_property_readonly("config",
+                             [](const Engine& e) { return bea_py::dict_from_value(bea::config_to_value(e.scheduler().config())); });
 
   m.def(
-      "advance_snapshot",
-      [](py::bytes data, py::handle lengths, double age_s, py::handle beta, int64_t default_output_tokens,
-         double overrun_fraction) {
-        bea::ReplayOptions opt;
-        opt.beta = bea_py::coeffs_from(beta);
-        opt.default_output_tokens = default_output_tokens;
-        if (!std::isfinite(overrun_fraction) || overrun_fraction < 0.0)
-          throw std::invalid_argument("overrun_fraction must be >= 0");
-        opt.overrun_fraction = overrun_fraction;
-        std::unordered_map<std::string, int64_t> known;
-        if (!lengths.is_none()) known = bea::lengths_from_value(bea_py::to_value(lengths, 0));
-        std::string_view sv = data;
-        std::unique_ptr<bea::Advanced> adv;
-        std::string instance, model;
-        int64_t seq = 0;
-        double time = 0.0;
+      "engine_snapshot",
+      [](const Engine& e, const std::string& instance, const std::string& model, double time) {
+        return std::make_shared<bea_py::PySnapshot>(engine_state(e, instance, model, time));
+      },
+      py::arg("engine"), py::arg("instance"), py::arg("model"), py::arg("time"),
+      "The engine's state (between steps) as a replay-ready Snapshot, without a dict round trip.");
+
+  m.def(
+      "engine_step_stats",
+      [](Engine& e) -> py::object {
+        int64_t items = 0, tokens = 0, ctx = 0;
+        double attn = 0.0;
+        BatchFeatures f;
         {
           py::gil_scoped_release nogil;
-          bea::Snapshot snap = bea::snapshot_from_value(
-              bea::parse_msgpack(reinterpret_cast<const uint8_t*>(sv.data()), sv.size()));
-          snap.set_output_lengths(known);
-          instance = snap.instance;
-          model = snap.model;
-          seq = snap.seq;
-          time = snap.time;
-          const bea::Prepared p = bea::prepare(snap, opt);
-          adv = std::make_unique<bea::Advanced>(bea::advance(p, opt.beta, age_s));
+          const auto& batch = e.step();
+          for (const auto& it : batch) {
+            ++items;
+            tokens += it.n;
+            ctx += it.context;
+            const auto n = static_cast<double>(it.n);
+            attn += n * static_cast<double>(it.context) + n * (n + 1.0) * 0.5;
+          }
+          e.scheduler().add_features(batch, f);
         }
-        const bea::Advanced& a = *adv;
-        py::dict snap = snapshot_dict(
-            a.sched, [&a](int32_t k) -> const std::string& { return a.names[static_cast<size_t>(k)]; }, instance, model,
-            seq, time + a.join_s);
-        return py::make_tuple(snap, a.join_s, a.valid_from_s, a.valid_to_s, a.steps);
+        if (items == 0) return py::none();
+        return py::make_tuple(items, tokens, ctx, attn, f.decode_ctx, f.prefill_work);
       },
-      py::arg("snapshot"), py::arg("lengths"), py::arg("age_s"), py::arg("beta"), py::arg("default_output_tokens") = -1,
-      py::arg("overrun_fraction") = 0.5,
-      "Staleness compensation: run a sync-mode snapshot's residents alone (eq. 12 times, predicted lengths)\n"
-      "through the steps that start before age_s. Returns (snapshot dict at the join time, join_s,\n"
-      "valid_from_s, valid_to_s, steps); any age in (valid_from_s, valid_to_s] gives the same state.");
+      py::arg("engine"),
+      "schedule() one step and return its aggregate (requests, tokens, Σ context, Σ attention work over\n"
+      "all items, eq. 12's Σ decode context and Σ prefill work), or None when idle: what batch-time\n"
+      "models need, without per-request Python objects.");
+
+  m.def(
+      "engine_finish_events",
+      [](Engine& e) {
+        std::vector<Engine::Output> res;
+        {
+          py::gil_scoped_release nogil;
+          res = e.finish_step();
+        }
+        py::list first, done;
+        for (const auto& o : res) {
+          if (o.output_tokens == 1) first.append(py::str(e.name(o.req)));
+          if (o.finished) done.append(py::str(e.name(o.req)));
+        }
+        return py::make_tuple(first, done);
+      },
+      py::arg("engine"), "update_from_output(): (ids that got their first token, ids that finished).");
+
 }

@@ -17,8 +17,8 @@
 #include <utility>
 #include <vector>
 
-#include "bea/forest.h"
-#include "bea/prompt_text.h"
+#include "bea/predictor/forest.h"
+#include "bea/predictor/prompt_text.h"
 
 namespace py = pybind11;
 
@@ -28,21 +28,22 @@ constexpr size_t kReleaseBytes = 64 * 1024;
 constexpr size_t kReleaseNodes = 20000;
 
 // UTF-8 bytes of a str (the interpreter's cached UTF-8, no copy for ASCII) or of a bytes object.
-// A str with lone surrogates is encoded with errors="replace", as the Python reference does.
+// A str with lone surrogates is encoded with ``errors`` ("replace" for the pieces, as the features
+// were defined; "surrogatepass" for the indicators, which see a surrogate as a code point).
 struct Utf8 {
   const uint8_t* data = nullptr;
   size_t size = 0;
   py::object keep;  // owns a re-encoded copy when one was needed
 };
 
-Utf8 utf8_of(py::handle text) {
+Utf8 utf8_of(py::handle text, const char* errors = "replace") {
   Utf8 u;
   if (PyUnicode_Check(text.ptr())) {
     Py_ssize_t n = 0;
     const char* p = PyUnicode_AsUTF8AndSize(text.ptr(), &n);
     if (p == nullptr) {
       PyErr_Clear();
-      PyObject* b = PyUnicode_AsEncodedString(text.ptr(), "utf-8", "replace");
+      PyObject* b = PyUnicode_AsEncodedString(text.ptr(), "utf-8", errors);
       if (b == nullptr) throw py::error_already_set();
       u.keep = py::reinterpret_steal<py::object>(b);
       p = PyBytes_AS_STRING(b);
@@ -58,25 +59,6 @@ Utf8 utf8_of(py::handle text) {
     return u;
   }
   throw py::type_error("text must be str or bytes");
-}
-
-// The text of ``low`` if the native indicators can evaluate it: an ASCII str (its own buffer) or
-// bytes. A non-ASCII str (lone surrogates included) gives false: the caller's reference decides.
-bool indicator_view(py::handle low, std::string_view* view) {
-  if (PyUnicode_Check(low.ptr())) {
-    if (!PyUnicode_IS_ASCII(low.ptr())) return false;
-    Py_ssize_t n = 0;
-    const char* p = PyUnicode_AsUTF8AndSize(low.ptr(), &n);
-    if (p == nullptr) throw py::error_already_set();
-    *view = std::string_view(p, static_cast<size_t>(n));
-    return true;
-  }
-  if (PyBytes_Check(low.ptr())) {
-    *view = std::string_view(PyBytes_AS_STRING(low.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(low.ptr())));
-    return true;
-  }
-  if (low.is_none()) return false;
-  throw py::type_error("low must be str, bytes or None");
 }
 
 template <typename T>
@@ -97,24 +79,6 @@ void bind_predictor(py::module_& m) {
   using bea::prompt::kHashDim;
 
   m.def(
-      "prompt_hashed",
-      [](py::handle text) {
-        Utf8 u = utf8_of(text);
-        py::array_t<double> vec_out(static_cast<py::ssize_t>(kHashDim));
-        double* out = vec_out.mutable_data();
-        bea::prompt::PieceCounts c;
-        if (u.size >= kReleaseBytes) {
-          py::gil_scoped_release nogil;
-          c = bea::prompt::hashed_features(u.data, u.size, out);
-        } else {
-          c = bea::prompt::hashed_features(u.data, u.size, out);
-        }
-        return py::make_tuple(std::move(vec_out), c.n_pieces, c.n_sentences, c.n_hashed);
-      },
-      py::arg("text"),
-      "(hashed vector [512], pieces, sentences, hashed pieces) of a prompt (str or UTF-8 bytes).");
-
-  m.def(
       "prompt_piece_hashes",
       [](py::handle text) {
         Utf8 u = utf8_of(text);
@@ -128,10 +92,10 @@ void bind_predictor(py::module_& m) {
         std::copy(h.begin(), h.end(), arr.mutable_data());
         return py::make_tuple(std::move(arr), c.n_pieces, c.n_sentences);
       },
-      py::arg("text"), "(hashes of the hashed pieces, pieces, sentences): the Python text.pieces, for tests.");
+      py::arg("text"), "(hashes of the pieces of the hashed window, pieces, sentences), for tests.");
 
   py::class_<bea::prompt::Indicators>(m, "PromptIndicators",
-                                      "Keyword indicators of lower-cased ASCII text (features.py).")
+                                      "The keyword and length-limit indicators (features.py's tables).")
       .def(py::init([](py::list flags, py::handle leads, py::handle units, std::vector<double> factors,
                        py::handle question_words) {
              std::vector<bea::prompt::IndicatorSpec> specs;
@@ -151,32 +115,26 @@ void bind_predictor(py::module_& m) {
              return bea::prompt::Indicators(std::move(specs), std::move(lim), strings(question_words));
            }),
            py::arg("flags"), py::arg("leads"), py::arg("units"), py::arg("factors"), py::arg("question_words"))
-      .def_property_readonly("n_flags", &bea::prompt::Indicators::n_flags)
-      .def(
-          "evaluate",
-          [](const bea::prompt::Indicators& ind, py::handle low) -> py::object {
-            std::string_view view;
-            py::array_t<double> out(static_cast<py::ssize_t>(1 + ind.n_flags()));
-            if (!indicator_view(low, &view) || !ind.evaluate(view, out.mutable_data())) return py::none();
-            return std::move(out);
-          },
-          py::arg("low"), "[limit, flag...] of lower-cased text (str or bytes), or None if it is not ASCII.");
+      .def_property_readonly("n_flags", &bea::prompt::Indicators::n_flags);
 
   m.def(
       "prompt_analyse",
-      [](py::handle text, int64_t n_chars, py::handle low, const bea::prompt::Indicators& ind) {
+      [](py::handle text, const bea::prompt::Indicators& ind) {
         Utf8 u = utf8_of(text);
-        std::string_view low_view;
-        const bool have_low = indicator_view(low, &low_view);
+        // The indicators read the same bytes unless a str has lone surrogates.
+        Utf8 v = u.keep ? utf8_of(text, "surrogatepass") : Utf8{u.data, u.size, py::object()};
+        const bool is_str = PyUnicode_Check(text.ptr());
         py::array_t<double> hashed(static_cast<py::ssize_t>(kHashDim));
         py::array_t<double> scalars(static_cast<py::ssize_t>(5 + ind.n_flags()));
         double* h = hashed.mutable_data();
         double* s = scalars.mutable_data();
         bea::prompt::PieceCounts c;
-        bool ok = false;
+        int64_t n_chars = is_str ? static_cast<int64_t>(PyUnicode_GET_LENGTH(text.ptr())) : 0;
         auto work = [&] {
           c = bea::prompt::hashed_features(u.data, u.size, h);
-          ok = have_low && ind.evaluate(low_view, s + 4);
+          const std::string low = bea::prompt::indicator_text(v.data, v.size);
+          ind.evaluate(low, s + 4);
+          if (!is_str) n_chars = bea::prompt::count_code_points(v.data, v.size);
         };
         if (u.size >= kReleaseBytes) {
           py::gil_scoped_release nogil;
@@ -188,12 +146,11 @@ void bind_predictor(py::module_& m) {
         s[1] = static_cast<double>(n_chars);
         s[2] = static_cast<double>(c.n_sentences);
         s[3] = static_cast<double>(n_chars) / static_cast<double>(c.n_pieces > 1 ? c.n_pieces : 1);
-        return py::make_tuple(std::move(hashed), std::move(scalars), c.n_pieces, ok);
+        return py::make_tuple(std::move(hashed), std::move(scalars), c.n_pieces);
       },
-      py::arg("text"), py::arg("n_chars"), py::arg("low"), py::arg("indicators"),
-      "(hashed [512], scalars [n_pieces, n_chars, n_sentences, chars/piece, limit, flags...], pieces, "
-      "indicators_done): indicators_done is False when ``low`` is None or not ASCII, and then "
-      "scalars[4:] are unset.");
+      py::arg("text"), py::arg("indicators"),
+      "(hashed [512], scalars [n_pieces, n_chars, n_sentences, chars/piece, limit, flags...], pieces) of a "
+      "prompt (str, or UTF-8 bytes).");
 
   py::class_<bea::Forest>(m, "Forest", "LightGBM regression heads flattened for single-row evaluation.")
       .def(py::init<int32_t>(), py::arg("n_features"))

@@ -8,18 +8,41 @@ from typing import Annotated
 
 import typer
 
-from bear.options import DEFAULT_NATS, LogFormatOpt, LogLevel, LogLevelOpt, MetricsPort, NatsUrl, Prefix
+from bear.options import (
+    DEFAULT_METRICS_HOST,
+    FIND_NATS,
+    LogFormatOpt,
+    LogLevel,
+    LogLevelOpt,
+    MetricsHost,
+    MetricsPort,
+    NatsCreds,
+    NatsUrl,
+    Prefix,
+)
 from bear.runtime import aio
 from bear.runtime.logging import LogFormat, configure_logging
 
 
+def _check_objective(value: str) -> str:
+    from bear.calibrator.fit import OBJECTIVES
+
+    if value not in OBJECTIVES:
+        raise typer.BadParameter(f"{value!r} is not one of: {', '.join(OBJECTIVES)}")
+    return value
+
+
 def calibrator(
-    nats_url: NatsUrl = DEFAULT_NATS,
+    nats_url: NatsUrl = FIND_NATS,
+    nats_creds: NatsCreds = "",
     window: int = typer.Option(2000, "--window", min=10, help="Batch records kept per instance (sliding window)"),
     min_records: int = typer.Option(50, "--min-records", min=4, help="Records needed before the first fit"),
     refit_s: float = typer.Option(5.0, "--refit-every", help="Seconds between refits"),
+    objective: str = typer.Option("absolute", "--objective", callback=_check_objective,
+                                  help="What the fit minimises: absolute (default), sqrt or relative"),
     prefix: Prefix = "bear",
     metrics_port: MetricsPort = 0,
+    metrics_host: MetricsHost = DEFAULT_METRICS_HOST,
     log_format: LogFormatOpt = LogFormat.console,
     log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
@@ -28,8 +51,9 @@ def calibrator(
     from bear.calibrator.service import run_calibrator
     from bear.runtime.metrics import start_metrics_server
 
-    start_metrics_server(metrics_port or None)
-    aio.run(run_calibrator(nats_url, prefix, window=window, min_records=min_records, refit_s=refit_s))
+    start_metrics_server(metrics_port, metrics_host)
+    aio.run(run_calibrator(nats_url, prefix, window=window, min_records=min_records, refit_s=refit_s,
+                          objective=objective))
 
 
 
@@ -39,17 +63,34 @@ def calibrate(
     ],
     out: Annotated[Path, typer.Option(help="Where to write {beta, mape, n} as JSON.")],
     extra: Annotated[list[Path] | None, typer.Argument(help="More batch files.", show_default=False)] = None,
+    objective: Annotated[str, typer.Option(
+        help="What the fit minimises: absolute (least squares on durations: unbiased sums, the default), "
+             "sqrt (weights 1/√duration) or relative (batch-time MAPE).", callback=_check_objective)] = "absolute",
+    cases: Annotated[Path | None, typer.Option(
+        help="Replay cases JSONL(.gz) (engine TTFTs): also report the TTFT error of the fit, and of every "
+             "objective side by side.")] = None,
 ) -> None:
-    """Fit eq. 12's β0..β3 by non-negative least squares and report the batch-time MAPE."""
-    from bear.calibrator.fit import fit_beta, read_records
+    """Fit eq. 12's β0..β3 by non-negative least squares; report the batch-time MAPE and, with
+    --cases, the TTFT MAPE of BEA with that β."""
+    from bear.calibrator.fit import OBJECTIVES, design_matrix, fit_arrays, read_records
 
     files = list(batches) + list(extra or [])
-    cal = fit_beta(read_records(files))
-    out.write_text(json.dumps(cal.to_json(), indent=2) + "\n")
-    print(
-        f"β = [{', '.join(f'{b:.4g}' for b in cal.beta)}]  batch-time MAPE {cal.mape * 100:.1f}% "
-        f"over {cal.n} batches -> {out}"
-    )
+    x, y = design_matrix(read_records(files))
+    fits = {name: fit_arrays(x, y, name) for name in OBJECTIVES}
+    cal = fits[objective]
+    out.write_text(json.dumps({**cal.to_json(), "objective": objective}, indent=2) + "\n")
+    print(f"β = [{', '.join(f'{b:.4g}' for b in cal.beta)}]  ({objective})  batch-time MAPE {cal.mape * 100:.1f}% "
+          f"over {cal.n} batches -> {out}")
+    if cases is None:
+        return
+    from bear.estimator.cases import read_cases, ttft_errors
+
+    rows = list(read_cases(cases))
+    print(f"{'objective':<10} {'batch MAPE':>10} {'TTFT MAPE':>10} {'TTFT median error':>18}   ({len(rows)} cases)")
+    for name, f in fits.items():
+        m, bias, _ = ttft_errors(rows, f.beta)
+        mark = "  <- written" if name == objective else ""
+        print(f"{name:<10} {f.mape * 100:>9.1f}% {m * 100:>9.1f}% {bias * 100:>+17.1f}%{mark}")
 
 
 def register(app: typer.Typer) -> None:

@@ -11,21 +11,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
+import msgspec
+import numpy as np
 import structlog
 
-from bear.calibrator.fit import robust_fit
+from bear.calibrator.fit import DEFAULT_OBJECTIVE, OBJECTIVES, robust_fit
 from bear.protocol.codec import unpack
 from bear.protocol.errors import BearError
-from bear.protocol.messages import Calibration, encode
+from bear.protocol.messages import Calibration, Outcome, decode, encode
 from bear.protocol.subjects import Subjects
 from bear.runtime.kv import ensure_kv
 from bear.runtime.service import connect, stop_event
 from bear.runtime.shutdown import cancel_all, close_nats
 
 log = structlog.get_logger("bear.calibrator")
+
+MAX_INSTANCES = 1024  # instances followed (least recently heard of forgotten first)
+MAX_ITEMS = 8192  # requests in one batch record: more is no engine's batch
 
 
 def valid_record(r: Any) -> bool:
@@ -35,43 +40,56 @@ def valid_record(r: Any) -> bool:
     if d is not None and (not isinstance(d, int | float) or isinstance(d, bool) or not math.isfinite(d) or d < 0):
         return False
     items = r.get("items")
-    if not isinstance(items, list):
+    if not isinstance(items, list) or len(items) > MAX_ITEMS:
         return False
     for it in items:
         if not isinstance(it, dict):
             return False
         n, c = it.get("n"), it.get("context")
-        if not isinstance(n, int) or not isinstance(c, int) or n < 0 or c < 0 or not isinstance(it.get("decode"), bool):
+        if not isinstance(n, int) or not isinstance(c, int) or not 0 <= n < 2**31 or not 0 <= c < 2**31 \
+                or not isinstance(it.get("decode"), bool):
             return False
     return True
 
 
+def compact(r: dict[str, Any]) -> dict[str, Any]:
+    """Only what the fit reads (a record's other fields would be kept for nothing)."""
+    return {"duration_s": float(r["duration_s"]),
+            "items": [{"n": it["n"], "context": it["context"], "decode": it["decode"]} for it in r["items"]]}
+
+
 class OnlineCalibrator:
     def __init__(self, nc: Any, subjects: Subjects | None = None, *, window: int = 2000, min_records: int = 50,
-                 refit_s: float = 5.0) -> None:
+                 refit_s: float = 5.0, objective: str = DEFAULT_OBJECTIVE, ttft_window: int = 500) -> None:
+        if objective not in OBJECTIVES:
+            raise ValueError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")
         self.nc = nc
+        self.objective = objective
+        self.ttft: OrderedDict[str, deque[tuple[float, float]]] = OrderedDict()  # (predicted, observed) BEA TTFTs
+        self.ttft_window = ttft_window
         self.subjects = subjects or Subjects()
         self.window = window
         self.min_records = min_records
         self.refit_s = refit_s
-        self.records: dict[str, deque[dict[str, Any]]] = {}
+        self.records: OrderedDict[str, deque[dict[str, Any]]] = OrderedDict()
         self.new: dict[str, int] = {}
         self.malformed = 0
         self.fits: dict[str, Calibration] = {}
-        self._sub: Any = None
+        self._subs: list[Any] = []
         self._task: asyncio.Task[None] | None = None
         self._kv: Any = None
 
     async def start(self) -> None:
         self._kv = await ensure_kv(self.nc.jetstream(), self.subjects.calibration_bucket)
-        self._sub = await self.nc.subscribe(self.subjects.batches_all, cb=self._on_batches)
+        self._subs.append(await self.nc.subscribe(self.subjects.batches_all, cb=self._on_batches))
+        self._subs.append(await self.nc.subscribe(self.subjects.outcome_all, cb=self._on_outcome))
         self._task = asyncio.create_task(self._loop())
         log.info("calibrator started", window=self.window, refit_s=self.refit_s)
 
     async def stop(self) -> None:
-        if self._sub is not None:
+        for sub in self._subs:
             with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+                await sub.unsubscribe()
         if self._task is not None:
             await cancel_all([self._task])
 
@@ -87,14 +105,44 @@ class OnlineCalibrator:
         if not isinstance(group, list):
             self.malformed += 1
             return
-        buf = self.records.setdefault(instance, deque(maxlen=self.window))
+        buf = self._bounded(self.records, instance, self.window)
         for r in group:
             if not valid_record(r):
                 self.malformed += 1
                 continue
             if r.get("duration_s") and r["items"]:
-                buf.append(r)
+                buf.append(compact(r))
                 self.new[instance] = self.new.get(instance, 0) + 1
+
+    def _bounded(self, table: OrderedDict[str, deque[Any]], instance: str, maxlen: int) -> deque[Any]:
+        """``table[instance]``, created if new; the least recently heard-of instance is forgotten
+        past MAX_INSTANCES (made-up instance ids cannot grow the calibrator)."""
+        buf = table.get(instance)
+        if buf is None:
+            buf = table[instance] = deque(maxlen=maxlen)
+            while len(table) > MAX_INSTANCES:
+                old, _ = table.popitem(last=False)
+                self.new.pop(old, None)
+        else:
+            table.move_to_end(instance)
+        return buf
+
+    async def _on_outcome(self, msg: Any) -> None:
+        """A finished query: its BEA-predicted and observed TTFT, for the instance's TTFT error."""
+        try:
+            o = decode(Outcome, msg.data)
+        except BearError:
+            return
+        if o.method == "bea" and o.predicted_ttft_s is not None and o.ttft_s is not None and o.ttft_s > 0:
+            self._bounded(self.ttft, o.instance, self.ttft_window).append((o.predicted_ttft_s, o.ttft_s))
+
+    def ttft_error(self, instance: str) -> tuple[float | None, float | None, int]:
+        """(MAPE, median relative error, n) of the recent BEA TTFTs at ``instance``."""
+        pairs = self.ttft.get(instance)
+        if not pairs:
+            return None, None, 0
+        rel = np.array([(p - o) / o for p, o in pairs])
+        return float(np.mean(np.abs(rel))), float(np.median(rel)), len(rel)
 
     async def refit_once(self) -> list[str]:
         """Refit every instance with enough new records; returns the instances updated."""
@@ -104,10 +152,12 @@ class OnlineCalibrator:
                 continue
             self.new[instance] = 0
             try:
-                cal = await asyncio.to_thread(robust_fit, list(buf), instance)
+                cal = await asyncio.to_thread(robust_fit, list(buf), instance, self.objective)
             except ValueError as exc:
                 log.warning("calibration fit failed", instance=instance, error=str(exc))
                 continue
+            mape_t, bias_t, n_t = self.ttft_error(instance)
+            cal = msgspec.structs.replace(cal, ttft_mape=mape_t, ttft_bias=bias_t, ttft_n=n_t)
             self.fits[instance] = cal
             try:
                 await self._kv.put(instance, encode(cal))
@@ -122,7 +172,8 @@ class OnlineCalibrator:
             updated = await self.refit_once()
             for inst in updated:
                 cal = self.fits[inst]
-                log.info("beta updated", instance=inst, beta=cal.beta, mape=round(cal.mape, 4), n=cal.n, theta=cal.theta)
+                log.info("beta updated", instance=inst, beta=cal.beta, mape=round(cal.mape, 4), n=cal.n, theta=cal.theta,
+                         ttft_mape=cal.ttft_mape, ttft_n=cal.ttft_n)
 
 
 async def run_calibrator(nats_url: str, prefix: str = "bear", **kwargs: Any) -> None:

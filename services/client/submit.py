@@ -6,17 +6,28 @@ one terminal ``bear.done/1`` or ``bear.error/1``.
 No answer within ``accept_timeout_s`` (no router, or the submission was lost in a NATS restart)
 → the same ``query_id`` is resubmitted (routers deduplicate ids, so it never runs twice); still
 nothing, or a stream silent for ``idle_timeout_s`` → a client-made ``bear.error/1`` (``client:
-true``), so the caller always gets a terminal message."""
+true``), so the caller always gets a terminal message.
+
+A caller that stops before the router's terminal message (closes or cancels the iterator, or the
+client gave up on a silent stream) publishes ``bear.cancel/1`` on ``<prefix>.cancel``, naming the
+answer's inbox: the router serving the query aborts the engine's generation (docs/router.md).
+
+Every submission carries its ``deadline``: when this client stops waiting for the query to start
+(after the last resubmission's ``accept_timeout_s``). A router does not start a query after it —
+the answer would go to nobody. A query larger than the NATS
+server's ``max_payload`` is not sent: it gets a client-made ``too_large`` error at once."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.errors import BearError, ErrorCode, error_reply
-from bear.protocol.subjects import Subjects
+from bear.protocol.subjects import CANCEL_SCHEMA, Subjects
 
 TERMINAL = ("bear.done/1", "bear.error/1")
 
@@ -25,40 +36,105 @@ def is_terminal(msg: dict[str, Any]) -> bool:
     return msg.get("v") in TERMINAL
 
 
+class Inboxes:
+    """Reply inboxes for many submissions under one wildcard subscription (``<prefix>.<n>``), for
+    a process that submits all the time (the gateway): no SUB/UNSUB round of protocol lines per
+    query, and each reply reaches its waiter through one queue instead of nats-py's task per
+    ``next_msg``."""
+
+    def __init__(self, nc: Any) -> None:
+        self.nc = nc
+        self.prefix = nc.new_inbox()
+        self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._n = 0
+        self._sub: Any = None
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(self.prefix + ".*", cb=self._on_msg, pending_msgs_limit=1 << 20)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:
+                pass
+
+    async def _on_msg(self, msg: Any) -> None:
+        q = self._queues.get(msg.subject)
+        if q is not None:  # else: the submission is over (late or duplicate replies)
+            q.put_nowait(msg)
+
+    def open(self) -> tuple[str, asyncio.Queue[Any]]:
+        self._n += 1
+        inbox = f"{self.prefix}.{self._n}"
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[inbox] = q
+        return inbox, q
+
+    def close(self, inbox: str) -> None:
+        self._queues.pop(inbox, None)
+
+
 async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1.0, max_tokens: int = 256,
                  lam: float | None = None, query_id: str | None = None, messages: list[dict[str, Any]] | None = None,
                  prompt_tokens: int | None = None,
                  subjects: Subjects | None = None, accept_timeout_s: float = 2.0, idle_timeout_s: float = 30.0,
-                 resubmits: int = 1) -> AsyncIterator[dict[str, Any]]:
+                 resubmits: int = 1, model: str | None = None, sampling: dict[str, Any] | None = None,
+                 headers: dict[str, str] | None = None, inboxes: Inboxes | None = None,
+                 session: str | None = None) -> AsyncIterator[dict[str, Any]]:
+    """``model``: only that model's instances are candidates (served or predictor name);
+    ``session``: the conversation the query belongs to (session-affinity routing);
+    ``sampling``: engine sampling fields (``bear.protocol.sampling``); ``headers``: NATS headers of
+    the submission (the trace context); ``inboxes``: a shared reply subscription (else one of its
+    own per call)."""
     from nats.errors import TimeoutError as NatsTimeout
 
     subjects = subjects or Subjects()
     qid = query_id or uuid.uuid4().hex
     req: dict[str, Any] = {"v": "bear.submit/1", "query_id": qid, "ttft_target_s": ttft_target_s,
-                           "max_tokens": max_tokens}
+                           "max_tokens": max_tokens, "deadline": time.time() + accept_timeout_s * (resubmits + 1)}
     if messages is not None:
         req["messages"] = messages
     else:
         req["prompt"] = prompt or ""
-    for key, val in (("lam", lam), ("prompt_tokens", prompt_tokens)):
+    for key, val in (("lam", lam), ("prompt_tokens", prompt_tokens), ("model", model), ("sampling", sampling or None),
+                     ("session", session)):
         if val is not None:
             req[key] = val
     payload = pack(req)
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
+    limit = getattr(nc, "max_payload", 0)
+    if isinstance(limit, int) and 0 < limit < len(payload):  # NATS would refuse it: say why, send nothing
+        m = error_reply(ErrorCode.TOO_LARGE, f"query of {len(payload)} bytes exceeds the NATS server's "
+                                             f"max_payload of {limit} bytes")
+        m.update(query_id=qid, client=True)
+        yield m
+        return
+    if inboxes is not None:
+        inbox, queue = inboxes.open()
+
+        async def next_msg(within_s: float) -> Any:
+            async with asyncio.timeout(within_s):
+                return await queue.get()
+    else:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+
+        async def next_msg(within_s: float) -> Any:
+            return await sub.next_msg(timeout=within_s)
+    answered = False  # the router's terminal message arrived: nothing to cancel
     try:
-        await nc.publish(subjects.submit, payload, reply=inbox)
+        await nc.publish(subjects.submit, payload, reply=inbox, headers=headers)
         heard = False
         left = resubmits
         duplicate = False
         while True:
             try:
-                msg = await sub.next_msg(timeout=idle_timeout_s if heard else accept_timeout_s)
+                msg = await next_msg(idle_timeout_s if heard else accept_timeout_s)
             except (NatsTimeout, TimeoutError):
                 if not heard and left > 0:
                     left -= 1
                     try:
-                        await nc.publish(subjects.submit, payload, reply=inbox)
+                        await nc.publish(subjects.submit, payload, reply=inbox, headers=headers)
                     except Exception:
                         pass
                     continue
@@ -79,11 +155,27 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
                 duplicate = True
                 continue
             heard = True
+            answered = is_terminal(d)
             yield d
-            if is_terminal(d):
+            if answered:
                 return
     finally:
-        try:
-            await sub.unsubscribe()
-        except Exception:
-            pass
+        if inboxes is not None:
+            inboxes.close(inbox)
+        else:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+        if not answered:
+            await cancel(nc, qid, inbox, subjects)
+
+
+async def cancel(nc: Any, query_id: str, inbox: str, subjects: Subjects | None = None) -> None:
+    """Tell the routers that nobody waits for ``query_id`` (answered to ``inbox``) any more (best
+    effort: with NATS down the generation runs to its end)."""
+    try:
+        await nc.publish((subjects or Subjects()).cancel,
+                         pack({"v": CANCEL_SCHEMA, "query_id": query_id, "inbox": inbox}))
+    except Exception:
+        pass

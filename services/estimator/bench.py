@@ -101,7 +101,8 @@ def _stats(samples: np.ndarray) -> dict[str, float]:
     return {"median_us": float(np.median(samples) * 1e6), "p99_us": float(np.percentile(samples, 99) * 1e6)}
 
 
-def run_bench(n: int, timing_reps: int, cases_path: Path | None, as_json: bool) -> dict[str, Any]:
+def run_bench(n: int, timing_reps: int, cases_path: Path | None, as_json: bool,
+              population_reps: int = 0) -> dict[str, Any]:
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -146,7 +147,9 @@ def run_bench(n: int, timing_reps: int, cases_path: Path | None, as_json: bool) 
                      "python_call_median_us": float("nan"), "rss_before_mib": t0, "rss_after_mib": t1,
                      "estimates": per_case * len(prepared)})
         progress.advance(task)
-    result = {"rows": rows}
+    result: dict[str, Any] = {"rows": rows}
+    if population_reps > 0:
+        result["population"] = run_population(population_reps, as_json=as_json, print_table=False)
     if as_json:
         print(json.dumps(result, indent=2))
     else:
@@ -159,7 +162,59 @@ def run_bench(n: int, timing_reps: int, cases_path: Path | None, as_json: bool) 
                           "-" if r["python_call_median_us"] != r["python_call_median_us"] else f"{r['python_call_median_us']:.2f}",
                           f"{r['rss_before_mib']:.1f} → {r['rss_after_mib']:.1f} ({r['estimates']:,} estimates)")
         Console().print(table)
+        if population_reps > 0:
+            _print_population(result["population"])
     return result
+
+
+# Estimate time vs population: decoding residents with 1k-token prompts and a queue of 1k-token
+# prompts, budget 2048, block size 16, max_num_seqs max(256, running) (the larger populations run at
+# the cap, so the queue waits for finishes); the query is one more 1k-token prompt.
+POPULATION_RUNNING = (64, 256, 1024)
+POPULATION_WAITING = (0, 64, 256, 512)
+
+
+def population_grid(
+    running: tuple[int, ...] = POPULATION_RUNNING, waiting: tuple[int, ...] = POPULATION_WAITING
+) -> list[tuple[int, int, dict[str, Any], dict[str, int], dict[str, Any]]]:
+    out = []
+    for n_running in running:
+        for n_waiting in waiting:
+            snap, lengths = synthetic_snapshot(n_running, n_waiting, prompt=1024, budget=2048, block_size=16,
+                                               max_num_seqs=max(256, n_running))
+            out.append((n_running, n_waiting, snap, lengths, {"prompt_tokens": 1024, "max_tokens": 256}))
+    return out
+
+
+def run_population(reps: int, as_json: bool = False, print_table: bool = True) -> list[dict[str, Any]]:
+    """Median and p99 µs per estimate (timed in C++, one call at a time) over the population grid."""
+    rows: list[dict[str, Any]] = []
+    for n_running, n_waiting, snap_d, lengths, query in population_grid():
+        snap = libbea.Snapshot.from_dict(snap_d)
+        snap.set_output_lengths(lengths)
+        ref = libbea.estimate(snap, query, beta=BETA)
+        samples = np.asarray(libbea.time_estimates(snap, query, BETA, reps, True))
+        rows.append({"running": n_running, "waiting": n_waiting, "n_batches": ref["n_batches"], **_stats(samples),
+                     "reps": reps})
+    if print_table and not as_json:
+        _print_population(rows)
+    return rows
+
+
+def _print_population(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="BEA estimate time vs population (C++, µs per estimate: median / p99)",
+                  caption="1k-token prompts, budget 2048, block size 16, max_num_seqs max(256, running)")
+    table.add_column("running \\ waiting")
+    for w in POPULATION_WAITING:
+        table.add_column(str(w), justify="right")
+    for n_running in POPULATION_RUNNING:
+        cells = {r["waiting"]: r for r in rows if r["running"] == n_running}
+        table.add_row(str(n_running), *(f"{cells[w]['median_us']:.1f} / {cells[w]['p99_us']:.1f}"
+                                        if w in cells else "-" for w in POPULATION_WAITING))
+    Console().print(table)
 
 
 def _py_call(snap: Any, query: dict[str, Any]) -> float:

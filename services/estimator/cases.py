@@ -60,3 +60,18 @@ def replay_case(case: dict[str, Any], beta: list[float] | tuple[float, ...], tra
         engine_ttft_s=case.get("engine_ttft_s"),
         exact=(batches == expected) if (trace and expected is not None) else None,
     )
+
+
+def ttft_errors(cases: list[dict[str, Any]], beta: list[float] | tuple[float, ...]) -> tuple[float, float, int]:
+    """(MAPE, median relative error, n) of BEA's TTFT against ``engine_ttft_s`` over the cases
+    that carry one, with batch-time coefficients ``beta``."""
+    rel = []
+    for case in cases:
+        truth = case.get("engine_ttft_s")
+        if not truth:
+            continue
+        rel.append((replay_case(case, beta).ttft_s - truth) / truth)
+    if not rel:
+        return math.nan, math.nan, 0
+    rel.sort()
+    return sum(abs(r) for r in rel) / len(rel), rel[len(rel) // 2], len(rel)

@@ -11,7 +11,17 @@ from typing import Annotated, Any
 
 import typer
 
-from bear.options import DEFAULT_NATS, LogFormatOpt, LogLevel, LogLevelOpt, NatsUrl, Prefix
+from bear.options import (
+    DEFAULT_METRICS_HOST,
+    FIND_NATS,
+    LogFormatOpt,
+    LogLevel,
+    LogLevelOpt,
+    MetricsHost,
+    NatsCreds,
+    NatsUrl,
+    Prefix,
+)
 from bear.runtime import aio
 from bear.runtime.logging import LogFormat, configure_logging
 
@@ -107,15 +117,20 @@ def bench_estimator(
         Path | None, typer.Option(help="Replay cases for scenario (c); default: the shared public traces.")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result table as JSON.")] = False,
+    population_reps: Annotated[
+        int, typer.Option(help="Timed estimates per cell of the time-vs-population table (0: skip the table).")
+    ] = 2_000,
 ) -> None:
-    """Time per BEA estimate (median, p99) and RSS growth over many estimates, three scenarios."""
+    """Time per BEA estimate (median, p99) and RSS growth over many estimates, three scenarios; then
+    estimate time vs population (64/256/1,024 running x 0/64/256/512 waiting)."""
     from bear.estimator.bench import run_bench
 
-    run_bench(n=n, timing_reps=timing_reps, cases_path=cases, as_json=as_json)
+    run_bench(n=n, timing_reps=timing_reps, cases_path=cases, as_json=as_json, population_reps=population_reps)
 
 
 def estimator(
-    nats_url: NatsUrl = DEFAULT_NATS,
+    nats_url: NatsUrl = FIND_NATS,
+    nats_creds: NatsCreds = "",
     workers: int = typer.Option(1, "--workers", min=1, help="Worker processes to start (they share only NATS)"),
     max_age_s: float = typer.Option(1.0, "--max-age", help="Snapshots older than this (s) use the analytic fallback"),
     down_after_s: float = typer.Option(
@@ -132,31 +147,47 @@ def estimator(
         help="Run residents through each snapshot's age before inserting the query (assumes NTP-synchronised "
              "clocks between instances and workers)"
     ),
+    prefix_hits: bool = typer.Option(
+        True, "--prefix-hits/--no-prefix-hits",
+        help="Mirror the instances' prefix caches (bear.kv.*) and give each query's hit to the replay; "
+             "--no-prefix-hits: every prompt is estimated as if nothing of it were cached"),
     with_calibrator: bool = typer.Option(
         False, "--with-calibrator", help="Also run the online β calibrator in this process (single worker only)"
     ),
+    shards: int = typer.Option(1, "--shards", min=1, help="Estimator shards of the deployment (the routers' "
+                               "--estimator-shards); 1: every worker serves every instance"),
+    shard: int = typer.Option(0, "--shard", min=0, help="The shard these workers serve, 0 … shards − 1: they follow "
+                              "only the registered instances whose id hashes to it"),
     prefix: Prefix = "bear",
-    metrics_port: int = typer.Option(0, "--metrics-port", help="Prometheus port (worker i uses port+i); 0: off"),
+    metrics_port: int = typer.Option(0, "--metrics-port", min=0, max=65535,
+                                     help="Prometheus port (worker i uses port+i); 0: off"),
+    metrics_host: MetricsHost = DEFAULT_METRICS_HOST,
     log_format: LogFormatOpt = LogFormat.console,
     log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
     """Serve bear.estimate: BEA TTFT per candidate instance from the newest snapshots."""
+    if shard >= shards:
+        raise typer.BadParameter(f"--shard {shard} must be below --shards {shards}")
     if workers > 1:
         from bear.estimator.service import run_forked
 
         argv = ["--nats", nats_url, "--max-age", str(max_age_s), "--down-after", str(down_after_s),
                 "--default-output-tokens", str(default_output_tokens), "--overrun-fraction", str(overrun_fraction),
-                "--prefix", prefix, "--log-format", str(log_format), "--log-level", log_level]
+                "--prefix", prefix, "--log-format", str(log_format), "--log-level", log_level,
+                "--shards", str(shards), "--shard", str(shard), "--metrics-host", metrics_host]
         argv.append("--compensate-staleness" if compensate_staleness else "--no-compensate-staleness")
+        argv.append("--prefix-hits" if prefix_hits else "--no-prefix-hits")
         raise typer.Exit(run_forked(argv, workers, metrics_port or None))
     configure_logging(log_format, log_level)
     from bear.estimator.estimate import EstimatorConfig
     from bear.estimator.service import run_worker
     from bear.runtime.metrics import start_metrics_server
 
-    start_metrics_server(metrics_port or None)
+    start_metrics_server(metrics_port, metrics_host)
     cfg = EstimatorConfig(max_age_s=max_age_s, down_after_s=down_after_s, default_output_tokens=default_output_tokens,
-                          overrun_fraction=overrun_fraction, compensate_staleness=compensate_staleness)
+                          overrun_fraction=overrun_fraction, compensate_staleness=compensate_staleness,
+                          use_prefix_hits=prefix_hits,
+                          shards=shards, shard=shard)
     aio.run(run_worker(nats_url, cfg, prefix, with_calibrator))
 
 

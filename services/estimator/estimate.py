@@ -15,18 +15,24 @@ The replay's inputs (``replay_inputs``), assembled in this one place:
     has shown yet — they queue ahead of the query;
   * the rate of prompt tokens dispatched there recently — the expected later arrivals, which
     take the budget the query's steps leave over;
-  * β of eq. 12 (the instance's calibration, nominal until the first fit).
+  * β of eq. 12 (the instance's calibration, nominal until the first fit);
+  * the query's prefix-cache hit there (``prefix_hits``): computed from the prompt's token ids
+    and the instance's mirrored cache with vLLM's block hashing when the router sent the ids of
+    that instance's tokenizer and the mirror is in sync; else the hit the caller gave (0 unless
+    it knows better). With token ids the prompt length is theirs (``tokens: exact``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from bear import libbea
 from bear.estimator.analytic import analytic_ttft
 from bear.estimator.state import InstanceState, StateStore
+from bear.prefix.hits import Target, prefix_hits
 from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateRow
 
 
@@ -42,7 +48,10 @@ class EstimatorConfig:
     dispatch_grace_s: float = 1.0  # a dispatch this much older than the snapshot may still be unseen
     rate_window_s: float = 10.0  # window of the prompt-token arrival rate
     executor_residents: int = 512  # replays over more residents run off the event loop
+    use_prefix_hits: bool = True  # mirror the instances' prefix caches and hand the replay each hit
     # worker only (I/O):
+    shards: int = 1  # estimator shards of the deployment (1: every worker serves every instance)
+    shard: int = 0  # the shard this worker serves (0 … shards − 1)
     default_deadline_s: float = 1.0
     snapshot_pending_msgs: int = 256
     worker_name: str = ""
@@ -90,14 +99,55 @@ class Plan:
         return sum(j.state.snap.n_running + j.state.snap.n_waiting for j in self.jobs)
 
 
+@dataclass
+class PromptAt:
+    """The query's prompt as one instance sees it: length, whether it is exact, the hit."""
+
+    tokens: int
+    exact: bool
+    hit: int
+    how: str  # EstimateRow.prefix
+
+
+def prompts_at(query: EstimateQuery, candidates: list[EstimateCandidate], store: StateStore,
+               tokens: Mapping[str, Sequence[int]], cfg: EstimatorConfig) -> list[PromptAt]:
+    """Each candidate's prompt length and prefix-cache hit (module doc)."""
+    out: list[PromptAt] = []
+    targets: dict[str, list[tuple[int, Target]]] = {}  # tokenizer → (candidate index, mirror)
+    for k, c in enumerate(candidates):
+        toks = tokens.get(c.tokenizer) if c.tokenizer is not None else None
+        n = len(toks) if toks is not None else (query.prompt_tokens if c.prompt_tokens is None else c.prompt_tokens)
+        pa = PromptAt(n, toks is not None, c.prefix_hit_tokens, "given" if c.prefix_hit_tokens else "none")
+        out.append(pa)
+        st = store.peek(c.instance)
+        if not cfg.use_prefix_hits:
+            pa.hit, pa.how = 0, "none"
+        elif st is None or st.prefix_spec is None:
+            if st is not None and st.engine_config and st.engine_config.get("enable_prefix_caching") is False:
+                pa.hit, pa.how = 0, "off"
+        elif toks is None:
+            pa.how = "no_tokens"
+        elif not st.prefix_events or st.prefix.needs_resync:
+            pa.how = "unsynced"
+        else:
+            targets.setdefault(c.tokenizer or "", []).append((k, Target(st.prefix, st.prefix_spec)))
+    for tok_id, ts in targets.items():
+        hits = prefix_hits(tokens[tok_id], [t for _, t in ts], store.hashers)
+        for (k, _), h in zip(ts, hits, strict=True):
+            out[k].hit, out[k].how = h, "mirror"
+    return out
+
+
 def plan(query: EstimateQuery, candidates: list[EstimateCandidate], store: StateStore, now: float,
-         cfg: EstimatorConfig, on_parse: Any = None) -> Plan:
+         cfg: EstimatorConfig, on_parse: Any = None, tokens: Mapping[str, Sequence[int]] | None = None) -> Plan:
     """Rows for every candidate: analytic and down ones filled in, BEA ones left as jobs.
-    ``on_parse(result)`` sees each lazy snapshot parse (True kept, False malformed)."""
+    ``on_parse(result)`` sees each lazy snapshot parse (True kept, False malformed); ``tokens``:
+    the prompt's token ids per tokenizer id (exact lengths, prefix hits)."""
     p = Plan(query, [])
-    for c in candidates:
-        ptoks = query.prompt_tokens if c.prompt_tokens is None else c.prompt_tokens
-        row = EstimateRow(instance=c.instance)
+    for c, pa in zip(candidates, prompts_at(query, candidates, store, tokens or {}, cfg), strict=True):
+        ptoks = pa.tokens
+        row = EstimateRow(instance=c.instance, tokens="exact" if pa.exact else "estimated",
+                          prefix_hit_tokens=pa.hit, prefix=pa.how)
         p.rows.append(row)
         st = store.peek(c.instance)
         if st is None:
@@ -111,13 +161,13 @@ def plan(query: EstimateQuery, candidates: list[EstimateCandidate], store: State
             st.apply_lengths()
             inputs = replay_inputs(st, now, cfg)
             row.ahead = len(inputs.ahead)
-            p.jobs.append(Job(row, st, c.prefix_hit_tokens, ptoks, inputs))
+            p.jobs.append(Job(row, st, pa.hit, ptoks, inputs))
             continue
         if not ((age is not None and age <= cfg.down_after_s) or now - st.registry_heartbeat <= cfg.down_after_s):
             continue
         row.stale, row.method = True, "analytic"
         row.status = "no_snapshot" if age is None else "stale"
-        ttft = analytic_ttft(st, ptoks, now)
+        ttft = analytic_ttft(st, max(1, ptoks - pa.hit), now)
         row.ttft_s = ttft if math.isfinite(ttft) else None
         if not math.isfinite(ttft):
             row.status = "overloaded"
@@ -173,9 +223,9 @@ def finish(p: Plan, results: list[tuple[float, int, str]], cfg: EstimatorConfig)
 
 
 def estimate(query: EstimateQuery, candidates: list[EstimateCandidate], store: StateStore, now: float,
-             cfg: EstimatorConfig) -> list[EstimateRow]:
+             cfg: EstimatorConfig, tokens: Mapping[str, Sequence[int]] | None = None) -> list[EstimateRow]:
     """Plan, replay and fill in one go (``bear eval``, tests)."""
-    p = plan(query, candidates, store, now, cfg)
+    p = plan(query, candidates, store, now, cfg, tokens=tokens)
     return finish(p, run_jobs(p, cfg), cfg)
 
 
@@ -186,3 +236,4 @@ def load_counters(row: EstimateRow, st: InstanceState, cfg: EstimatorConfig) -> 
     row.n_waiting = int(snap.n_waiting)
     row.pending_prefill_tokens = int(snap.pending_prefill_tokens())
     row.pending_decode_tokens = int(snap.pending_decode_tokens(cfg.default_output_tokens))
+    row.block_size, row.kv_blocks_used, row.kv_blocks_total = st.kv_blocks()

@@ -29,4 +29,9 @@ def metrics() -> Any:
         snapshots_malformed=Counter("bear_estimator_snapshots_malformed_total", "Malformed snapshots dropped"),
         dispatch_malformed=Counter("bear_estimator_dispatch_malformed_total", "Malformed dispatch messages dropped"),
         calibration_updates=Counter("bear_estimator_calibration_updates_total", "β updates received"),
+        prefix=Counter("bear_estimator_prefix_hits_total",
+                       "Per-instance answers by how the prefix-cache hit was found (mirror, unsynced, ...)", ["how"]),
+        kv_malformed=Counter("bear_estimator_kv_malformed_total", "Malformed prefix-cache messages dropped"),
+        kv_resyncs=Counter("bear_estimator_kv_mirror_lost_total", "Mirrors that lost sync (gap, epoch)", ["reason"]),
+        kv_resync_requests=Counter("bear_estimator_kv_resync_requests_total", "Whole-state requests sent"),
     )

@@ -1,8 +1,9 @@
 """What an estimator knows about one instance: the newest snapshot (kept raw and parsed lazily,
 so a burst of snapshots costs one parse), the router's dispatches there (their predicted output
 lengths, the ones the snapshot does not show yet, the rate of prompt tokens), the calibration,
-and the registry heartbeat. Fed by the worker from NATS and by ``bear eval`` from its simulated
-instances, through the same methods."""
+the registry entry (heartbeat, engine config, how its prefix cache hashes blocks) and the mirror
+of its prefix cache (``bear.prefix.mirror``). Fed by the worker from NATS and by ``bear eval``
+from its simulated instances, through the same methods."""
 
 from __future__ import annotations
 
@@ -15,9 +16,13 @@ from typing import Any
 import msgspec
 
 from bear import libbea
-from bear.protocol.messages import NOMINAL_CALIBRATION, Calibration, Dispatch
+from bear.prefix.hashing import HashSpec
+from bear.prefix.hits import Hashers
+from bear.prefix.mirror import PrefixMirror
+from bear.protocol.messages import NOMINAL_CALIBRATION, Calibration, Dispatch, InstanceRecord
 
 MAX_LENGTHS_PER_INSTANCE = 50_000  # predicted lengths kept (oldest forgotten first)
+MAX_CLOCK_SKEW_S = 2.0  # a snapshot stamped further in the future than this is refused
 MAX_SEEN_IDS = 50_000  # request ids some snapshot has shown (oldest forgotten first)
 DISPATCH_LOG_S = 60.0  # dispatches kept this long (rate window and "ahead" horizon are shorter)
 EWMA = 0.05
@@ -43,8 +48,32 @@ class InstanceState:
     calibration: Calibration = NOMINAL_CALIBRATION
     calibrated: bool = False
     registry_heartbeat: float = 0.0
+    nbytes: int = 0  # size of the newest snapshot message (what the store's byte budget counts)
+    engine_config: dict[str, Any] | None = None  # the registry's copy of the engine's scheduler config
+    prefix: PrefixMirror = field(default_factory=PrefixMirror)
+    prefix_spec: HashSpec | None = None  # None: prefix caching off, or the instance says nothing of it
+    prefix_events: bool = False  # the instance publishes its cache (bear.kv.<id>)
+    prefix_problem: str | None = None  # why its registry entry's prefix cache cannot be mirrored
+    resync_asked: float = 0.0  # monotonic time of the last resync request sent for its mirror
+
+    def __post_init__(self) -> None:
+        self.prefix.instance = self.instance
 
     # ------------------------------------------------------------------ feeds
+    def on_registry(self, rec: InstanceRecord) -> None:
+        """The instance's registry entry: heartbeat, engine config, prefix-cache hashing."""
+        self.registry_heartbeat = rec.heartbeat
+        if rec.config is not None:
+            self.engine_config = dict(rec.config)
+        pc = rec.prefix_cache
+        self.prefix_events = bool(pc is not None and pc.enabled and pc.events)
+        self.prefix_spec, self.prefix_problem = None, None
+        if pc is not None and pc.enabled:
+            try:
+                self.prefix_spec = HashSpec(algo=pc.hash_algo, block_size=pc.block_size, seed=pc.hash_seed)
+            except ValueError as exc:
+                self.prefix_problem = str(exc)
+
     def offer_snapshot(self, data: bytes, now: float) -> bool:
         """Keep only the newest raw snapshot; True when an unparsed one was replaced (dropped)."""
         dropped = self.raw is not None
@@ -54,26 +83,30 @@ class InstanceState:
 
     def ensure_parsed(self) -> bool | None:
         """Parse the pending raw snapshot if any: None (nothing new), True (installed), False
-        (malformed: dropped, the previous one is kept)."""
+        (refused: malformed, or stamped in the future; the previous one is kept)."""
         data = self.raw
         if data is None:
             return None
         self.raw = None
         try:
             snap = libbea.Snapshot.from_msgpack(data)
+            ids = snap.request_ids  # ValueError (UnicodeDecodeError) on ids that are not UTF-8
         except ValueError:
             return False
-        return self.install(snap, float(snap.time), self.raw_received)
+        t = float(snap.time)
+        if t > self.raw_received + MAX_CLOCK_SKEW_S:
+            return False  # a future time would outlive every real snapshot after it
+        return self.install(snap, t, self.raw_received, ids)
 
-    def install(self, snap: Any, snap_time: float, received: float) -> bool | None:
+    def install(self, snap: Any, snap_time: float, received: float, ids: list[str] | None = None) -> bool | None:
         """Make ``snap`` (captured at ``snap_time``) the current state; None if it is older than
-        the one held (reordered delivery)."""
+        the one held in both step and time (reordered delivery)."""
         if self.snap is not None and snap.seq < self.snap.seq and snap_time < self.snap_time:
             return None
         self.snap = snap
         self.snap_time = snap_time
         self.snap_received = received
-        for rid in snap.request_ids:
+        for rid in snap.request_ids if ids is None else ids:
             self.seen[rid] = None
         while len(self.seen) > MAX_SEEN_IDS:
             self.seen.popitem(last=False)
@@ -84,7 +117,11 @@ class InstanceState:
         self.lengths_dirty = True
         return True
 
-    def on_dispatch(self, d: Dispatch) -> None:
+    def on_dispatch(self, d: Dispatch, now: float | None = None) -> bool:
+        """Take one dispatch; False (refused) when it is stamped more than MAX_CLOCK_SKEW_S after
+        ``now``: it would sort after every real dispatch and stay "ahead" of each new query."""
+        if now is not None and d.t > now + MAX_CLOCK_SKEW_S:
+            return False
         self.lengths[d.request_id] = d.predicted_output_tokens
         self.lengths.move_to_end(d.request_id)
         while len(self.lengths) > MAX_LENGTHS_PER_INSTANCE:
@@ -97,6 +134,7 @@ class InstanceState:
             self.dispatches.popleft()
         self.mean_prompt = _ewma(self.mean_prompt, float(d.prompt_tokens))
         self.mean_output = _ewma(self.mean_output, float(d.predicted_output_tokens))
+        return True
 
     def apply_lengths(self) -> None:
         """Hand the predicted lengths of the snapshot's residents to libbea (once per change, and
@@ -109,6 +147,16 @@ class InstanceState:
         self.lengths_dirty = False
 
     # ------------------------------------------------------------------ derived
+    def kv_blocks(self) -> tuple[int, int, int]:
+        """(block size, blocks in use, usable blocks) of the held snapshot (zeros when the engine
+        config or the snapshot is unknown). vLLM's null block is not usable; cached blocks no
+        request holds count as free, as vLLM's KV usage counts them."""
+        cfg = self.engine_config
+        if self.snap is None or not cfg:
+            return 0, 0, 0
+        total = max(0, int(cfg.get("num_gpu_blocks") or 0) - 1)
+        return int(cfg.get("block_size") or 0), max(0, total - int(self.snap.free_blocks)), total
+
     def age(self, now: float) -> float | None:
         """Seconds since the held snapshot's capture (None: never had one)."""
         if self.snap is None:
@@ -158,16 +206,48 @@ def _ewma(prev: float | None, x: float) -> float:
 
 
 class StateStore:
-    """All instances one estimator knows, created on first mention."""
+    """All instances one estimator knows, created on first mention and bounded in number and in
+    bytes: past ``max_instances``, or past ``max_bytes`` of snapshot messages held, the instance
+    mentioned least recently is forgotten (a flood of snapshots for made-up instance ids cannot
+    grow the worker without bound)."""
 
-    def __init__(self) -> None:
-        self.instances: dict[str, InstanceState] = {}
+    def __init__(self, max_instances: int = 4096, max_bytes: int = 256 << 20) -> None:
+        self.instances: OrderedDict[str, InstanceState] = OrderedDict()
+        self.max_instances = max_instances
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.evicted = 0
+        self.hashers = Hashers()  # vLLM block hashers, one per hash spec (NONE_HASH computed once)
+
+    def offer(self, instance: str, data: bytes, now: float) -> bool:
+        """``InstanceState.offer_snapshot`` within the byte budget; True when an unparsed
+        snapshot was replaced."""
+        st = self.get(instance)
+        self.nbytes += len(data) - st.nbytes
+        st.nbytes = len(data)
+        dropped = st.offer_snapshot(data, now)
+        while self.nbytes > self.max_bytes and len(self.instances) > 1:
+            _, old = self.instances.popitem(last=False)
+            self.nbytes -= old.nbytes
+            self.evicted += 1
+        return dropped
 
     def get(self, instance: str) -> InstanceState:
         st = self.instances.get(instance)
         if st is None:
             st = self.instances[instance] = InstanceState(instance)
+            while len(self.instances) > self.max_instances:
+                _, old = self.instances.popitem(last=False)
+                self.nbytes -= old.nbytes
+                self.evicted += 1
+        else:
+            self.instances.move_to_end(instance)
         return st
+
+    def forget(self, instance: str) -> None:
+        old = self.instances.pop(instance, None)
+        if old is not None:
+            self.nbytes -= old.nbytes
 
     def peek(self, instance: str) -> InstanceState | None:
         return self.instances.get(instance)

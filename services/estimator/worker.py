@@ -3,8 +3,10 @@ processes scale out) that answers "TTFT of this query at each candidate instance
 
 Inputs, all from NATS and nothing else: ``bear.snapshot.*`` (newest per instance kept),
 ``bear.dispatch.*`` (the router's dispatches: predicted lengths, the requests a snapshot does not
-show yet, the prompt-token rate), KV ``bear_calibration`` (β, θ) and KV ``bear_instances``
-(heartbeats, to tell a stale instance from a dead one). The estimate itself is
+show yet, the prompt-token rate), ``bear.kv.*`` (each instance's prefix-cache events, mirrored;
+on a gap the worker asks the instance for its whole state on ``bear.kv.resync.<id>``), KV
+``bear_calibration`` (β, θ) and KV ``bear_instances`` (heartbeats, to tell a stale instance from
+a dead one; engine config; prefix-cache hashing). The estimate itself is
 ``bear.estimator.estimate`` — the same code ``bear eval`` runs. Contract: docs/estimator.md.
 """
 
@@ -30,6 +32,8 @@ from bear.protocol.messages import (
     EstimateReply,
     EstimateRequest,
     InstanceRecord,
+    KvMessage,
+    KvResync,
     decode,
     encode,
 )
@@ -40,6 +44,7 @@ from bear.runtime.shutdown import cancel_all
 log = structlog.get_logger("bear.estimator")
 
 MAX_CANDIDATES = 64
+RESYNC_EVERY_S = 1.0  # at most one resync request per instance this often
 
 
 class EstimatorWorker:
@@ -53,51 +58,69 @@ class EstimatorWorker:
         self.handled = 0
         self._service: Any = None
         self._subs: list[Any] = []
+        self._owned: dict[str, list[Any]] = {}  # sharded: the subscriptions of each instance owned
         self._tasks: list[asyncio.Task[None]] = []
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def sharded(self) -> bool:
+        return self.cfg.shards > 1
+
+    def owns(self, instance: str) -> bool:
+        return Subjects.shard_of(instance, self.cfg.shards) == self.cfg.shard
+
+    async def _follow(self, snapshots: str, dispatches: str, kv: str) -> list[Any]:
+        """Subscribe to the snapshots, dispatches and prefix-cache events of one instance (or of
+        all: ``*``). The prefix-cache stream is never dropped from: a lost message costs a resync."""
+        subs = [
+            await self.nc.subscribe(snapshots, cb=self._on_snapshot, pending_msgs_limit=self.cfg.snapshot_pending_msgs,
+                                    pending_bytes_limit=64 * 1024 * 1024),
+            await self.nc.subscribe(dispatches, cb=self._on_dispatch),
+        ]
+        if self.cfg.use_prefix_hits:
+            subs.append(await self.nc.subscribe(kv, cb=self._on_kv, pending_msgs_limit=65536,
+                                                pending_bytes_limit=256 * 1024 * 1024))
+        return subs
+
     async def start(self) -> None:
         from nats.micro import add_service
 
-        self._subs.append(
-            await self.nc.subscribe(
-                self.subjects.snapshot_all,
-                cb=self._on_snapshot,
-                pending_msgs_limit=self.cfg.snapshot_pending_msgs,
-                pending_bytes_limit=64 * 1024 * 1024,
-            )
-        )
-        self._subs.append(await self.nc.subscribe(self.subjects.dispatch_all, cb=self._on_dispatch))
+        if not 0 <= self.cfg.shard < max(1, self.cfg.shards):
+            raise ValueError(f"shard {self.cfg.shard} is not in 0..{self.cfg.shards - 1}")
+        if not self.sharded:
+            self._subs += await self._follow(self.subjects.snapshot_all, self.subjects.dispatch_all,
+                                             self.subjects.kv_all)
         js = self.nc.jetstream()
         for bucket, handler in (
             (self.subjects.calibration_bucket, self._on_calibration),
             (self.subjects.instances_bucket, self._on_registry),
         ):
-            self._tasks.append(asyncio.create_task(watch_kv(js, bucket, handler, retry_s=1.0, log=log)))
+            self._tasks.append(asyncio.create_task(watch_kv(js, bucket, handler, retry_s=1.0, log=log, nc=self.nc)))
+        subject = self.subjects.estimate_shard(self.cfg.shard, self.cfg.shards)
         self._service = await add_service(
             self.nc,
             name="bear-estimator",
             version="0.1.0",
             description="BEA TTFT estimates per candidate instance",
-            queue_group="bear-estimator",
+            queue_group=f"bear-estimator-{self.cfg.shard}" if self.sharded else "bear-estimator",
         )
-        await self._service.add_endpoint(name="estimate", subject=self.subjects.estimate, handler=self._handle)
+        await self._service.add_endpoint(name="estimate", subject=subject, handler=self._handle)
         await self.nc.flush()
-        log.info("estimator worker started", worker=self.name, subject=self.subjects.estimate)
+        log.info("estimator worker started", worker=self.name, subject=subject,
+                 shard=f"{self.cfg.shard}/{self.cfg.shards}")
 
     async def stop(self) -> None:
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()
-        for s in self._subs:
+        for s in [*self._subs, *(x for subs in self._owned.values() for x in subs)]:
             with contextlib.suppress(Exception):
                 await s.unsubscribe()
         await cancel_all(self._tasks)
 
     # ------------------------------------------------------------------ feeds
     async def _on_snapshot(self, msg: Any) -> None:
-        st = self.store.get(Subjects.instance_of(msg.subject))
-        if st.offer_snapshot(msg.data, time.time()):
+        if self.store.offer(Subjects.instance_of(msg.subject), msg.data, time.time()):
             self.m.snapshots_dropped.inc()
 
     async def _on_dispatch(self, msg: Any) -> None:
@@ -106,7 +129,39 @@ class EstimatorWorker:
         except BearError:
             self.m.dispatch_malformed.inc()
             return
-        self.store.get(Subjects.instance_of(msg.subject)).on_dispatch(d)
+        if not self.store.get(Subjects.instance_of(msg.subject)).on_dispatch(d, time.time()):
+            self.m.dispatch_malformed.inc()
+
+    async def _on_kv(self, msg: Any) -> None:
+        instance = Subjects.instance_of(msg.subject)
+        try:
+            m = decode(KvMessage, msg.data)  # type: ignore[arg-type]
+        except BearError:
+            self.m.kv_malformed.inc()
+            return
+        if m.instance != instance:
+            self.m.kv_malformed.inc()
+            return
+        st = self.store.get(instance)
+        was = st.prefix.synced
+        st.prefix.offer(m)
+        if was and not st.prefix.synced:
+            self.m.kv_resyncs.labels(reason="gap").inc()
+        if not was and st.prefix.synced:
+            st.resync_asked = 0.0  # answered: the next loss may ask at once
+        if st.prefix.needs_resync:
+            await self._ask_resync(instance, st.prefix.resync_reason or "")
+
+    async def _ask_resync(self, instance: str, reason: str) -> None:
+        """Ask the instance for its whole prefix cache (rate-limited per instance)."""
+        st = self.store.get(instance)
+        now = time.monotonic()
+        if now - st.resync_asked < RESYNC_EVERY_S:
+            return
+        st.resync_asked = now
+        with contextlib.suppress(Exception):
+            await self.nc.publish(self.subjects.kv_resync(instance), encode(KvResync(instance=instance, reason=reason)))
+            self.m.kv_resync_requests.inc()
 
     def _on_calibration(self, key: str, value: bytes | None) -> None:
         st = self.store.get(key)
@@ -120,13 +175,33 @@ class EstimatorWorker:
             log.warning("malformed calibration entry dropped", instance=key, error=exc.message)
 
     def _on_registry(self, key: str, value: bytes | None) -> None:
-        if value is None:
-            self.store.get(key).registry_heartbeat = 0.0
+        if value is None:  # deregistered: forget it (and stop following it, when sharded)
+            self.store.forget(key)
+            for sub in self._owned.pop(key, None) or ():
+                self._tasks.append(asyncio.create_task(sub.unsubscribe()))
             return
         try:
-            self.store.get(key).registry_heartbeat = decode(InstanceRecord, value).heartbeat
+            rec = decode(InstanceRecord, value)
         except BearError:
-            pass
+            return
+        st = self.store.get(key)
+        st.on_registry(rec)
+        if st.prefix_events and st.prefix.needs_resync and self.cfg.use_prefix_hits and (
+                not self.sharded or self.owns(key)):
+            # a worker that starts after the instance: ask for the state instead of waiting for a gap
+            self._tasks.append(asyncio.create_task(self._ask_resync(key, st.prefix.resync_reason or "")))
+        if self.sharded and self.owns(key) and key not in self._owned:
+            self._owned[key] = []  # claimed now; the subscriptions follow on the loop
+            self._tasks.append(asyncio.create_task(self._own(key)))
+
+    async def _own(self, instance: str) -> None:
+        """Follow one more instance of this shard (learnt from the registry)."""
+        try:
+            self._owned[instance] = await self._follow(self.subjects.snapshot(instance),
+                                                       self.subjects.dispatch(instance), self.subjects.kv(instance))
+        except Exception as exc:  # NATS away: the next registry update tries again
+            self._owned.pop(instance, None)
+            log.warning("cannot follow instance", instance=instance, error=repr(exc))
 
     # ------------------------------------------------------------------ requests
     async def _handle(self, req: Any) -> None:
@@ -159,7 +234,7 @@ class EstimatorWorker:
         if len(candidates) > MAX_CANDIDATES:
             raise BearError(ErrorCode.TOO_LARGE, f"at most {MAX_CANDIDATES} candidate instances")
         now = time.time()
-        p = plan(body.query, candidates, self.store, now, self.cfg, on_parse=self._count_parse)
+        p = plan(body.query, candidates, self.store, now, self.cfg, on_parse=self._count_parse, tokens=body.tokens)
         if p.jobs and p.residents > self.cfg.executor_residents:
             for j in p.jobs:
                 j.state.in_use += 1
@@ -173,6 +248,7 @@ class EstimatorWorker:
         rows = finish(p, results, self.cfg)
         for r in rows:
             self.m.methods.labels(method=r.method).inc()
+            self.m.prefix.labels(how=r.prefix).inc()
         return EstimateReply(query_id=body.query.id, worker=self.name, estimates=rows, at=now)
 
     def _count_parse(self, kept: bool) -> None:

@@ -11,10 +11,12 @@ from typing import Annotated, Any
 
 import typer
 
+from bear.options import positive_list
+
 # Kept here (not imported from bear.evaluation.run) so that `bear --help` stays fast; a test
 # checks that it equals run.experiment_names().
 EXPERIMENTS = ["rates", "estimator", "accuracy", "delta", "staleness", "lambda", "bursty", "sensitivity",
-               "highload", "tune", "lps", "estimates", "workload", "diagnose", "all"]
+               "highload", "tune", "lps", "estimates", "workload", "diagnose", "prefix", "all"]
 HEADLINE_SEEDS = "2026,2027,2028"
 
 
@@ -37,10 +39,12 @@ def eval_cmd(
     seeds: Annotated[str | None, typer.Option(
         help=f"Comma-separated seeds; default {HEADLINE_SEEDS.split(',')[0]} for one experiment, "
              f"{HEADLINE_SEEDS} for all. Single-seed parts (sensitivity, lps, estimates, workload, tune) use the first.")] = None,
-    n_queries: Annotated[int, typer.Option(help="Queries per simulated run.")] = 2000,
+    n_queries: Annotated[int, typer.Option(min=1, help="Queries per simulated run (prefix: turns).")] = 2000,
     rates: Annotated[str | None, typer.Option(
-        help="Comma-separated arrival rates (q/s) for rates/estimator; default: the paper's 5,6,7,8,8.9.")] = None,
-    workers: Annotated[int, typer.Option(help="Simulation processes (0: one per core).")] = 0,
+        callback=positive_list,
+        help="Comma-separated arrival rates (q/s) for rates/estimator/prefix; default: the paper's 5,6,7,8,8.9 "
+             "(prefix: 5,8.9,16,32,48).")] = None,
+    workers: Annotated[int, typer.Option(min=0, help="Simulation processes (0: one per core).")] = 0,
     out: Annotated[Path | None, typer.Option(
         help="Folder for the JSON results, PNG figures and summary.md; default docs/results/<UTC date> for all, "
              "docs/results/<UTC date>/<experiment>-<seeds> for one experiment.")] = None,
@@ -95,7 +99,7 @@ def _print(console: Any, name: str, r: dict[str, Any]) -> None:
     from rich.table import Table
 
     if "on_time_utility" in r and "rates" in r and isinstance(r["on_time_utility"], dict) and "entries" in r \
-            and name in ("rates", "estimator", "accuracy", "highload"):
+            and name in ("rates", "estimator", "accuracy", "highload", "prefix"):
         t = Table(title=f"OnTimeUtility ({name}; mean over seeds {', '.join(map(str, r['seeds']))})")
         t.add_column("router")
         for x in r["rates"]:
@@ -109,6 +113,14 @@ def _print(console: Any, name: str, r: dict[str, Any]) -> None:
                           f"[{g['average']['min'] * 100:+.1f}, {g['average']['max'] * 100:+.1f}]")
         for ours, g in r.get("estimator_gain", {}).items():
             console.print(f"{ours} vs eq. 8 under the same rule: " + ", ".join(f"{x * 100:+.1f}%" for x in g["mean"]))
+    elif name == "prefix":
+        t = Table(title=f"OnTimeUtility (prefix; multi-turn sessions, seed {r['seeds'][0]})")
+        t.add_column("policy")
+        for x in r["rates"]:
+            t.add_column(f"{x:g}")
+        for n, v in r["policies"].items():
+            t.add_row(n, *(f"{m:.4f}" for m in v))
+        console.print(t)
     elif name == "tune":
         console.print(f"tuned on seed(s) {r['seeds']}: {json.dumps(r['chosen'])}")
     else:

@@ -151,6 +151,22 @@ def staleness(result: dict[str, Any], out: Path) -> list[str]:
     return [_save(fig, out / "staleness.png")]
 
 
+def prefix(result: dict[str, Any], out: Path) -> list[str]:
+    """OnTimeUtility and the cached share of prompt tokens vs rate, multi-turn sessions."""
+    xs = result["rates"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for name, vals in result["policies"].items():
+        style = STYLE.get(name, dict(marker=".", linewidth=1.2))
+        axes[0].plot(xs, vals, label=name, **style)
+        axes[1].plot(xs, result["hit_share"][name], label=name, **style)
+    axes[0].set(xlabel="arrival rate (turns/s)", ylabel="OnTimeUtility (eq. 6)",
+                title="Multi-turn sessions, prefix caching on")
+    axes[1].set(xlabel="arrival rate (turns/s)", ylabel="prompt tokens cached where the turn ran",
+                title="Prefix-cache hit share")
+    axes[0].legend(fontsize=7)
+    return [_save(fig, out / "prefix.png")]
+
+
 def lambdas(result: dict[str, Any], out: Path) -> list[str]:
     rates_ = result["rates"]
     fig, axes = plt.subplots(1, len(rates_), figsize=(3.4 * len(rates_), 4), sharey=True)

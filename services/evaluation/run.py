@@ -23,12 +23,12 @@ from bear.protocol.codec import json_safe
 
 SINGLE = {"lps": "Fig. 7", "estimates": "Figs. 4, 5", "workload": "Figs. 12, 13",
           "diagnose": "evidence for Figs. 1 and 16"}
-ALL = ["rates", "delta", "staleness", "lambda", "bursty", "sensitivity", "highload", *SINGLE]
+ALL = ["rates", "delta", "staleness", "lambda", "bursty", "sensitivity", "highload", "prefix", *SINGLE]
 PLOTS: dict[str, Callable[[dict[str, Any], Path], list[str]]] = {
     "rates": plots.rates, "estimator": functools.partial(plots.rates, stem="estimator"),
     "accuracy": functools.partial(plots.rates, stem="accuracy"), "highload": functools.partial(plots.rates, stem="highload"),
     "delta": plots.delta, "staleness": plots.staleness, "lambda": plots.lambdas, "bursty": plots.bursty,
-    "sensitivity": plots.sensitivity, "tune": plots.tune, "lps": plots.lps, "estimates": plots.estimates,
+    "sensitivity": plots.sensitivity, "tune": plots.tune, "prefix": plots.prefix, "lps": plots.lps, "estimates": plots.estimates,
     "workload": plots.workload, "diagnose": lambda _r, _o: []}
 VARIANTS = {v.name: v for v in SENSITIVITY}
 
@@ -98,7 +98,7 @@ def run(names: Sequence[str], seeds: Sequence[int], n_queries: int, out: Path, w
         rates: Sequence[float] | None = None) -> dict[str, dict[str, Any]]:
     """Run the named experiments over ``seeds`` (single-seed ones on the first) and write
     ``out/<name>.json`` and its PNGs; returns the results by name."""
-    from bear.evaluation.suite import rates_experiment
+    from bear.evaluation.suite import prefix_experiment, rates_experiment
 
     workers = workers or os.cpu_count() or 1
     reg = registry()
@@ -107,6 +107,8 @@ def run(names: Sequence[str], seeds: Sequence[int], n_queries: int, out: Path, w
     if rates is not None and "estimator" in names:
         reg["estimator"] = rates_experiment(rates=rates, names=["bear", "bear+ext", "prefill-throughput"],
                                             name="estimator", figure="Fig. 16")
+    if rates is not None and "prefix" in names:
+        reg["prefix"] = prefix_experiment(rates=rates)
     exps = [reg[n] for n in names if n in reg]
     t0 = time.monotonic()
     cells = [c for e in exps for c in e.cells(seeds if e.multi_seed else seeds[:1])]

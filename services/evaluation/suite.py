@@ -288,6 +288,27 @@ def tune_experiment() -> Experiment:
     return Experiment("tune", "baseline tuning (§5.3)", cells, result, multi_seed=False)
 
 
+# ------------------------------------------------------------------------------------- prefix
+def prefix_experiment(rates: Sequence[float] | None = None) -> Experiment:
+    """Multi-turn sessions with prefix caching on (``bear.evaluation.prefix``, docs/prefix.md): its
+    own cells (sessions, not the query stream), run in the same pool on the seed's setup."""
+    from dataclasses import asdict
+
+    from bear.evaluation.prefix import PREFIX_POLICIES, PREFIX_RATES, prefix_cells, prefix_result
+    from bear.evaluation.prefix_workload import ChatStats
+
+    xs = list(rates or PREFIX_RATES)
+
+    def cells(seeds: Sequence[int]) -> list[Any]:
+        return [c for s in seeds for c in prefix_cells(xs, list(PREFIX_POLICIES), s)]
+
+    def result(res: Results, seeds: Sequence[int]) -> dict[str, Any]:
+        return {"seeds": list(seeds[:1]), **prefix_result(xs, list(PREFIX_POLICIES), res, seeds[0]),
+                "workload": asdict(ChatStats())}
+
+    return Experiment("prefix", "prefix caching (docs/prefix.md)", cells, result, multi_seed=False)
+
+
 def registry() -> dict[str, Experiment]:
     return {e.name: e for e in (
         rates_experiment(),
@@ -296,4 +317,5 @@ def registry() -> dict[str, Experiment]:
         delta_experiment(), staleness_experiment(), lambda_experiment(), bursty_experiment(),
         sensitivity_experiment(),
         highload_experiment(),
+        prefix_experiment(),
         tune_experiment())}

@@ -16,6 +16,9 @@ The one publication path of the real-vLLM snapshotter and the simulated instance
   yet sends ``initial()`` (its empty state). A busy engine that stops stepping gets nothing: its
   snapshot ages and estimators fall back.
 * **Batch records** go out as msgpack lists of ``bear.batch/1`` every ``batch_flush_s``.
+* **Prefix cache** (``kv_events=True``): what each step did to the cache goes out on
+  ``bear.kv.<id>`` as soon as it is given, and the whole cache on a resync request
+  (``bear.instance.kv_stream``).
 
 ``snapshot`` and ``batch`` are synchronous and cheap: they are called from engine loops that must
 not wait on the network.
@@ -32,8 +35,10 @@ from typing import Any
 
 import structlog
 
+from bear.instance.kv_stream import KvStream
 from bear.instance.metrics import PublisherMetrics
 from bear.protocol.codec import pack
+from bear.protocol.messages import KvOp
 from bear.protocol.subjects import BATCH_SCHEMA, SNAPSHOT_SCHEMA, Subjects
 
 log = structlog.get_logger("bear.instance")
@@ -44,7 +49,7 @@ class InstancePublisher:
                  idle_snapshot_s: float = 0.5, snapshot_buffer: int = 256, batch_flush_s: float = 0.2,
                  batch_buffer: int = 4096, metrics: PublisherMetrics | None = None,
                  engine_alive: Callable[[], bool] = lambda: True,
-                 initial: Callable[[], dict[str, Any] | None] = lambda: None) -> None:
+                 initial: Callable[[], dict[str, Any] | None] = lambda: None, kv_events: bool = False) -> None:
         self.nc = nc  # None until connected (the snapshotter connects in the background)
         self.instance = instance
         self.subjects = subjects or Subjects()
@@ -63,6 +68,7 @@ class InstancePublisher:
         self._last_sent = 0.0  # monotonic
         self._wake = asyncio.Event()
         self._closed = False
+        self.kv = KvStream(instance, self.subjects) if kv_events else None
         self.log = log.bind(instance=instance)
 
     # ------------------------------------------------------------------ engine side (sync, cheap)
@@ -87,6 +93,12 @@ class InstancePublisher:
         if len(self._batches) == self._batches.maxlen:
             self.metrics.batches_dropped.inc()  # the deque drops the oldest
         self._batches.append(record)
+
+    def kv_events(self, ops: list[KvOp], t: float | None = None) -> None:
+        """What one step did to the prefix cache (needs ``kv_events=True``)."""
+        if self.kv is not None and ops:
+            self.kv.events(ops, t)
+            self._wake.set()
 
     @property
     def pending(self) -> int:
@@ -127,6 +139,22 @@ class InstancePublisher:
         else:
             self.metrics.batches_dropped.inc(len(items))
 
+    async def publish_kv(self) -> None:
+        """The prefix-cache stream: queued events, then a state when one is wanted."""
+        kv = self.kv
+        if kv is None or self.nc is None:
+            return
+        if not self._connected():
+            if kv.pending:
+                kv.disconnected()
+            return
+        try:
+            await kv.subscribe(self.nc)
+            await kv.publish(self.nc)
+        except Exception as exc:  # a publisher must survive reconnects and closed connections
+            kv.disconnected()
+            self.log.warning("kv_publish_failed", error=repr(exc))
+
     async def resend_idle(self) -> None:
         """The idle re-send of the module doc (nothing while snapshots are pending)."""
         if self.idle_snapshot_s <= 0 or self._pending or not self._connected() or not self.engine_alive():
@@ -164,6 +192,7 @@ class InstancePublisher:
                 await asyncio.wait_for(self._wake.wait(), timeout=timeout)
             self._wake.clear()
             await self.publish_snapshots()
+            await self.publish_kv()
             if time.monotonic() - last_flush >= self.batch_flush_s:
                 await self.publish_batches()
                 last_flush = time.monotonic()
@@ -175,4 +204,5 @@ class InstancePublisher:
         self._wake.set()
         self.min_interval_s = 0.0
         await self.publish_snapshots()
+        await self.publish_kv()
         await self.publish_batches()

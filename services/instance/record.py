@@ -21,9 +21,12 @@ log = structlog.get_logger("bear.instance")
 
 
 def instance_record(instance: str, model: str, base_url: str, *, gpu: str = "", price_input_per_mtok: float = 0.0,
-                    price_output_per_mtok: float = 0.0, backend: str = "vllm") -> InstanceRecord:
-    """The ``bear_instances`` value of one instance; ``heartbeat`` is set on every put."""
-    return InstanceRecord(id=instance, model=model, base_url=base_url, gpu=gpu, backend=backend,
+                    price_output_per_mtok: float = 0.0, backend: str = "vllm",
+                    config: dict[str, Any] | None = None) -> InstanceRecord:
+    """The ``bear_instances`` value of one instance; ``heartbeat`` is set on every put;
+    ``config``: the engine's scheduler limits (``max_model_len``: routers refuse queries that
+    cannot fit before dispatching them)."""
+    return InstanceRecord(id=instance, model=model, base_url=base_url, gpu=gpu, backend=backend, config=config,
                           prices=Prices(input_per_mtok=price_input_per_mtok, output_per_mtok=price_output_per_mtok))
 
 

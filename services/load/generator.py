@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from bear.load.metrics import Outcome, summary
+from bear.runtime.shutdown import cancel_all
 
 PRICES = {  # USD per million tokens (paper Table 1), by predictor model name
     "Qwen3-0.6B": (0.044, 0.173), "Qwen3-8B": (0.072, 0.287), "Qwen3-32B": (0.287, 0.640)}
@@ -118,15 +119,18 @@ async def run_load(nc: Any, queries: list[LoadQuery], times: np.ndarray, *, lam:
         if terminal != 1:
             res.duplicates_terminal += 1
 
-    tasks = []
-    for q, t in zip(queries, times, strict=True):
-        delay = float(t) - (time.monotonic() - t_start)
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(q)))
-        res.sent += 1
-        if on_event:
-            on_event("sent", res)
-    await asyncio.gather(*tasks)
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        for q, t in zip(queries, times, strict=True):
+            delay = float(t) - (time.monotonic() - t_start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(q)))
+            res.sent += 1
+            if on_event:
+                on_event("sent", res)
+        await asyncio.gather(*tasks)
+    finally:  # cancelled (Ctrl-C) or failed: the queries in flight stop here, not at loop shutdown
+        await cancel_all([t for t in tasks if not t.done()])  # type: ignore[misc]
     res.elapsed_s = time.monotonic() - t_start
     return res

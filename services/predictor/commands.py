@@ -15,7 +15,17 @@ from typing import Any
 import structlog
 import typer
 
-from bear.options import DEFAULT_NATS, LogFormatOpt, LogLevel, LogLevelOpt, NatsUrl, Prefix
+from bear.options import (
+    DEFAULT_METRICS_HOST,
+    FIND_NATS,
+    LogFormatOpt,
+    LogLevel,
+    LogLevelOpt,
+    MetricsHost,
+    NatsCreds,
+    NatsUrl,
+    Prefix,
+)
 from bear.runtime.logging import LogFormat, configure_logging
 
 log = structlog.get_logger(__name__)
@@ -33,7 +43,8 @@ data_app = typer.Typer(help="Datasets for the predictor.", no_args_is_help=True)
 @predictor_app.callback()
 def predictor_service(
     ctx: typer.Context,
-    nats_url: NatsUrl = DEFAULT_NATS,
+    nats_url: NatsUrl = FIND_NATS,
+    nats_creds: NatsCreds = "",
     model_dir: Path | None = typer.Option(None, "--model-dir", help="Directory written by `bear predictor train`."),
     tokenizer_dir: Path | None = typer.Option(
         None, "--tokenizer-dir", help="Folder with <model>/tokenizer.json files (else the HF cache, else fallback)."
@@ -46,7 +57,9 @@ def predictor_service(
         help="Requests up to this size (msgpack bytes) are predicted on the event loop, larger ones in the pool."
     ),
     max_prompt_bytes: int = typer.Option(512 * 1024, "--max-prompt-bytes", min=1, help="Larger prompts get 'too_large'."),
-    metrics_port: int | None = typer.Option(None, "--metrics-port", help="Serve Prometheus metrics on this port."),
+    metrics_port: int | None = typer.Option(None, "--metrics-port", min=1, max=65535,
+                                            help="Serve Prometheus metrics on this port."),
+    metrics_host: MetricsHost = DEFAULT_METRICS_HOST,
     log_format: LogFormatOpt = LogFormat.console,
     log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
@@ -64,7 +77,7 @@ def predictor_service(
     log.info("predictor_loaded", native_forest=predictor.forest is not None, event_loop=aio.loop_name())
     limits = ServiceLimits(max_prompt_bytes=max_prompt_bytes, max_inflight=max_inflight,
                            inline_max_bytes=inline_max_bytes, workers=workers)
-    aio.run(serve(nats_url, predictor, limits, prefix, metrics_port))
+    aio.run(serve(nats_url, predictor, limits, prefix, metrics_port, metrics_host=metrics_host))
 
 
 def _progress_bar() -> Any:
@@ -113,10 +126,10 @@ def train_cmd(
     if len(m_test.quality) == 0:
         log.warning("no_test_records", hint="use --test-fraction > 0 for a report")
         return
-    heads = Predictor(out).heads
-    report = evaluate(heads, m_test)
+    predictor = Predictor(out)
+    report = evaluate(predictor, m_test)
     (out / "report.json").write_text(json.dumps(report, indent=2))
-    plot(heads, m_test, out / "report.png")
+    plot(predictor, m_test, out / "report.png")
     _print_report(Console(), report)
     log.info("trained", out=str(out), report=str(out / "report.json"), plot=str(out / "report.png"))
 

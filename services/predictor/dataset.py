@@ -9,14 +9,14 @@ and test), ``synthetic`` bool (optional; set by ``bear data synth``).
 
 from __future__ import annotations
 
-import gzip
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from bear.protocol.errors import BearError, ErrorCode
+from bear.protocol.jsonl import open_text
 
 
 @dataclass
@@ -59,12 +59,6 @@ class Record:
         return self.query_id if self.query_id is not None else self.prompt
 
 
-def _open_text(path: Path, mode: str) -> TextIO:
-    if path.suffix == ".gz":
-        return gzip.open(path, mode + "t", encoding="utf-8")  # type: ignore[return-value]
-    return open(path, mode, encoding="utf-8")
-
-
 def read_records(path: Path) -> list[Record]:
     """All records of a JSONL(.gz) or Parquet file; a bad line raises ``BearError`` naming it."""
     path = Path(path)
@@ -76,7 +70,7 @@ def read_records(path: Path) -> list[Record]:
         rows = pq.read_table(path).to_pylist()
         return [Record.from_dict(r, f"{path}#{i}") for i, r in enumerate(rows)]
     out: list[Record] = []
-    with _open_text(path, "r") as f:
+    with open_text(path, "rt") as f:
         for i, line in enumerate(f, 1):
             if line.strip():
                 try:
@@ -90,7 +84,7 @@ def read_records(path: Path) -> list[Record]:
 def write_records(path: Path, records: Iterable[Record]) -> int:
     """Write JSONL(.gz); returns the number of records."""
     n = 0
-    with _open_text(Path(path), "w") as f:
+    with open_text(Path(path), "wt") as f:
         for r in records:
             f.write(json.dumps(r.to_dict(), ensure_ascii=False) + "\n")
             n += 1

@@ -5,11 +5,14 @@ recovered — per task × model and overall; plus a plot."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bear.predictor.train import Matrix
+from bear.predictor.train import HEADS, Matrix
+
+if TYPE_CHECKING:
+    from bear.predictor.runtime import Predictor
 
 
 def r2(y: np.ndarray, p: np.ndarray) -> float:
@@ -32,15 +35,17 @@ def _metrics(y_q: np.ndarray, p_q: np.ndarray, y_l: np.ndarray, p: dict[str, np.
     }
 
 
-def predict_matrix(heads: dict[str, Any], m: Matrix) -> dict[str, np.ndarray]:
+def predict_matrix(predictor: Predictor, m: Matrix) -> dict[str, np.ndarray]:
+    """Served values (head → array over the rows of ``m``), computed as the service computes them."""
     from bear.predictor.runtime import finalize
 
-    return finalize({name: np.asarray(h.predict(m.X)) for name, h in heads.items()})
+    served = finalize(predictor.raw_scores(m.X).tolist())
+    return {name: np.asarray(v, dtype=np.float64) for name, v in zip(HEADS, served, strict=True)}
 
 
-def evaluate(heads: dict[str, Any], m: Matrix) -> dict[str, Any]:
+def evaluate(predictor: Predictor, m: Matrix) -> dict[str, Any]:
     """Report dict: ``overall``, ``by_task_model``, ``ranking`` (per task: true vs predicted order)."""
-    p = predict_matrix(heads, m)
+    p = predict_matrix(predictor, m)
     tasks = np.array(m.tasks)
     models = np.array(m.models)
     report: dict[str, Any] = {"overall": _metrics(m.quality, p["acc"], m.output_tokens, p), "by_task_model": {},
@@ -64,14 +69,14 @@ def evaluate(heads: dict[str, Any], m: Matrix) -> dict[str, Any]:
     return report
 
 
-def plot(heads: dict[str, Any], m: Matrix, path: Path) -> None:
+def plot(predictor: Predictor, m: Matrix, path: Path) -> None:
     """Three panels: predicted vs true length, predicted vs true quality, quantile coverage."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    p = predict_matrix(heads, m)
+    p = predict_matrix(predictor, m)
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.5))
     tasks = np.array(m.tasks)
     for t in sorted(set(m.tasks)):

@@ -3,61 +3,46 @@
 A prompt's feature row is computed once per request and shared by every candidate model; the model
 part (categorical id, log parameters, max context) is appended per candidate.
 
-Speed: ``analyse`` runs in C++ (``bear.libbea.prompt_analyse``: one pass over the bytes for the
-counts, the hashes of the head/tail window, and the keyword indicators), ~5-60 µs by prompt length
-instead of ~0.1-0.7 ms. The Python code below stays the definition: ``analyse_py`` is the same computation in
-pure Python/numpy, used when the extension lacks the native functions and, for the indicators,
-whenever the indicator text is not ASCII (Python's regexes and ``str.lower`` have Unicode semantics
-for whitespace, word boundaries and digits that the C++ code does not reproduce). The tests compare
-the two on thousands of prompts, bit for bit.
+The prompt analysis is C++ (``bear.libbea.prompt_analyse``, libbea/src/prompt_text.cpp): one pass
+over the UTF-8 bytes for the piece and sentence counts, the 64-bit hashes of the pieces of the
+head/tail window and their signed 512-bucket vector, and the keyword and length-limit indicators
+of the first and last 600 characters, with Python's Unicode semantics of the regular expressions
+they were defined with (\\s, \\b, \\d, ``str.lower``). This module holds the indicators' tables
+and hands them to C++ once. tests/predictor/data/prompt_golden.jsonl.gz pins every output: trained
+models depend on them.
 """
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from bear import libbea
 from bear.predictor.models import ModelSpec
-from bear.predictor.text import hashed_vector, pieces
-
-try:
-    from bear import libbea as _native
-
-    _HAVE_NATIVE = hasattr(_native, "prompt_analyse")
-except ImportError:  # extension not built: the pure-Python path
-    _native = None
-    _HAVE_NATIVE = False
 
 HASH_DIM = 512
 PCA_DIM = 16
-# Instructions sit at the start or the end of a prompt; the indicators only look there so that a
-# 10^4-token document costs no more than a short question. One regex pass yields the words; the
-# indicators are set look-ups and substring tests (a regex per indicator cost ~10x more).
-INDICATOR_SPAN = 600
 
+# "in/within/under/... N words/sentences/..." → log1p(N x words per unit): the regex
+#   \b(?:lead|...)\s+(\d{1,5})\s+(unit|...)s?\b
+# of the first and last 600 characters, evaluated in C++.
 _UNIT_WORDS = {"word": 1.0, "token": 0.75, "sentence": 20.0, "paragraph": 100.0, "line": 10.0,
                "item": 15.0, "bullet": 15.0, "point": 15.0, "page": 500.0, "character": 0.2}
 _LIMIT_LEADS = ("in", "within", "under", "at most", "no more than", "about", "around", "approximately", "up to",
                 "exactly", "fewer than", "less than")
 _LIMIT_UNITS = ("word", "token", "sentence", "paragraph", "line", "item", "bullet", "point", "page", "character")
-_LIMIT = re.compile(r"\b(?:" + "|".join(_LIMIT_LEADS) + r")\s+(\d{1,5})\s+(" + "|".join(_LIMIT_UNITS) + r")s?\b")
-_WORD = re.compile(r"[a-z]+")
 _QUESTION_WORDS = frozenset("who what when where which why how is are did does do can".split())
 
 
 @dataclass(frozen=True)
 class _Indicator:
-    """Fires when one of ``words`` is a word of the text or one of ``phrases`` occurs in it."""
+    """Fires when one of ``words`` is a word ([a-z]+ run) of the lower-cased text or one of
+    ``phrases`` occurs in it."""
 
     words: frozenset[str]
     phrases: tuple[str, ...] = ()
-
-    def __call__(self, words: set[str], low: str) -> bool:
-        return not self.words.isdisjoint(words) or any(ph in low for ph in self.phrases)
 
 
 def _ind(words: str, *phrases: str) -> _Indicator:
@@ -73,24 +58,14 @@ TASK_INDICATORS: dict[str, _Indicator] = {
     "summarize": _ind("summarize summarise summary summarization abstract overview", "tl;dr", "key points"),
     "explain": _ind("explain explanation describe why", "how does", "how do", "what causes"),
     "write": _ind("write story poem essay narrative compose letter"),
-    "question": _ind(""),  # special-cased: a question word opens a line, or a question mark ends it
+    # Special-cased: the text (right-stripped) ends with "?", or the first [a-z]+ word of its first
+    # 80 characters or of the first 80 of its last line (left-stripped) is a question word.
+    "question": _ind(""),
     "compare": _ind("compare comparison contrast difference differences versus vs"),
     "code": _ind("code function python program script sql algorithm"),
     "translate": _ind("translate translation"),
     "rewrite": _ind("rewrite paraphrase rephrase edit improve"),
 }
-
-
-def _is_question(low: str) -> bool:
-    tail = low.rstrip()
-    if tail.endswith("?"):
-        return True
-    for line in (low[:80], tail[tail.rfind("\n") + 1 :][:80]):
-        first = _WORD.match(line.lstrip())
-        if first is not None and first.group(0) in _QUESTION_WORDS:
-            return True
-    return False
-
 
 SCALAR_NAMES = ["n_pieces", "n_chars", "n_sentences", "chars_per_piece", "limit_words", "brief", "detailed"]
 PROMPT_NAMES = [f"pca{i}" for i in range(PCA_DIM)] + SCALAR_NAMES + [f"task_{k}" for k in TASK_INDICATORS]
@@ -109,62 +84,19 @@ class PromptAnalysis:
     n_pieces: int
 
 
-def _indicator_text(text: str) -> str:
-    if len(text) <= 2 * INDICATOR_SPAN:
-        return text.lower()
-    return (text[:INDICATOR_SPAN] + "\n" + text[-INDICATOR_SPAN:]).lower()
-
-
-def _indicators_py(low: str) -> list[float]:
-    """[limit_words, brief, detailed, task_*...] of the indicator text (lower-cased)."""
-    words = set(_WORD.findall(low))
-    limit = 0.0
-    m = _LIMIT.search(low)
-    if m is not None:
-        limit = math.log1p(float(m.group(1)) * _UNIT_WORDS[m.group(2)])
-    out = [
-        limit,
-        1.0 if _BRIEF(words, low) else 0.0,
-        1.0 if _DETAIL(words, low) else 0.0,
-    ]
-    out += [
-        1.0 if (_is_question(low) if name == "question" else ind(words, low)) else 0.0
-        for name, ind in TASK_INDICATORS.items()
-    ]
-    return out
-
-
-def analyse_py(text: str) -> PromptAnalysis:
-    """Hashed vector and scalar features of one prompt, in Python (the definition of ``analyse``)."""
-    p = pieces(text)
-    scalars = [
-        float(p.n_pieces),
-        float(len(text)),
-        float(p.n_sentences),
-        len(text) / max(1, p.n_pieces),
-        *_indicators_py(_indicator_text(text)),
-    ]
-    return PromptAnalysis(hashed_vector(p, HASH_DIM), np.asarray(scalars, dtype=np.float64), p.n_pieces)
-
-
-def _native_indicators() -> Any:
+def _indicators() -> Any:
     flags = [(sorted(_BRIEF.words), list(_BRIEF.phrases), False), (sorted(_DETAIL.words), list(_DETAIL.phrases), False)]
     flags += [(sorted(ind.words), list(ind.phrases), name == "question") for name, ind in TASK_INDICATORS.items()]
-    return _native.PromptIndicators(flags, list(_LIMIT_LEADS), list(_LIMIT_UNITS),
-                                    [_UNIT_WORDS[u] for u in _LIMIT_UNITS], sorted(_QUESTION_WORDS))
+    return libbea.PromptIndicators(flags, list(_LIMIT_LEADS), list(_LIMIT_UNITS),
+                                   [_UNIT_WORDS[u] for u in _LIMIT_UNITS], sorted(_QUESTION_WORDS))
 
 
-_INDICATORS = _native_indicators() if _HAVE_NATIVE else None
+_INDICATORS = _indicators()
 
 
 def analyse(text: str) -> PromptAnalysis:
-    """Hashed vector and scalar features of one prompt (C++; equal to ``analyse_py``)."""
-    if _INDICATORS is None:
-        return analyse_py(text)
-    low = _indicator_text(text)
-    hashed, scalars, n_pieces, done = _native.prompt_analyse(text, len(text), low, _INDICATORS)
-    if not done:  # non-ASCII indicator text: Python's Unicode-aware regexes decide
-        scalars[4:] = _indicators_py(low)
+    """Hashed vector and scalar features of one prompt (C++, ~5-60 µs by length)."""
+    hashed, scalars, n_pieces = libbea.prompt_analyse(text, _INDICATORS)
     return PromptAnalysis(hashed, scalars, n_pieces)
 
 
@@ -195,18 +127,15 @@ class Pca:
         return cls(np.asarray(d["mean"], dtype=np.float64), np.asarray(d["components"], dtype=np.float64))
 
 
-def prompt_row(a: PromptAnalysis, pca: Pca) -> np.ndarray:
-    return np.concatenate([pca.project(a.hashed), a.scalars])
-
-
 def model_part(index: int, spec: ModelSpec) -> np.ndarray:
     return np.asarray([float(index), spec.log_params, float(spec.max_context)], dtype=np.float64)
 
 
-def rows_for_models(prompt: np.ndarray, parts: list[np.ndarray]) -> np.ndarray:
-    """One feature row per candidate model: shared prompt features + that model's part."""
+def feature_rows(a: PromptAnalysis, pca: Pca, parts: np.ndarray) -> np.ndarray:
+    """One feature row per candidate model (a row of ``parts``, see ``model_part``): the shared
+    prompt features (PCA of the hashed vector, scalars) and that model's part."""
     out = np.empty((len(parts), len(FEATURE_NAMES)), dtype=np.float64)
-    out[:, : len(prompt)] = prompt
-    for i, part in enumerate(parts):
-        out[i, len(prompt) :] = part
+    out[:, :PCA_DIM] = pca.project(a.hashed)
+    out[:, PCA_DIM:MODEL_ID_COLUMN] = a.scalars
+    out[:, MODEL_ID_COLUMN:] = parts
     return out

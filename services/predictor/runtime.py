@@ -2,9 +2,10 @@
 p50, p90) and cost per model. Synchronous and thread-safe (no shared mutable state per call).
 
 Per request: the prompt analysis in C++ (``features.analyse``), the PCA projection in numpy
-(exactly the training computation), one feature row per candidate written into one array, and
-all heads x rows evaluated in one C++ call (``fastlgb.NativeForest``, bit-identical to LightGBM;
-``FastBooster`` per head if the native forest is unavailable or disagrees at load time).
+(exactly the training computation), and all heads x candidate rows evaluated in one C++ call
+(``forest.NativeForest``, bit-identical to LightGBM). A model directory whose trees the native
+forest cannot serve (see ``forest``) is served by LightGBM's ``Booster.predict``, with a warning
+at load time.
 """
 
 from __future__ import annotations
@@ -15,21 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import structlog
 
-from bear.predictor.fastlgb import FastBooster, NativeForest
-from bear.predictor.features import (
-    FEATURE_NAMES,
-    MODEL_ID_COLUMN,
-    PCA_DIM,
-    Pca,
-    PromptAnalysis,
-    analyse,
-    model_part,
-)
+from bear.predictor.features import FEATURE_NAMES, Pca, PromptAnalysis, analyse, feature_rows, model_part
+from bear.predictor.forest import ForestUnsupported, NativeForest
 from bear.predictor.models import ModelSpec
 from bear.predictor.tokens import TokenCounter
 from bear.predictor.train import FORMAT, HEADS
 from bear.protocol.errors import BearError, ErrorCode
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,23 +58,14 @@ def _np_clip01(x: float) -> float:
     return 1.0 if v > 1.0 else v
 
 
-def finalize_lists(raw: list[list[float]]) -> list[list[float]]:
-    """``finalize`` on [acc, len_mean, len_p50, len_p90] lists of a few rows, in plain Python (numpy's
-    per-call overhead is most of the cost at 3 rows); the same values as ``finalize``, bit for bit."""
+def finalize(raw: list[list[float]]) -> list[list[float]]:
+    """Raw [acc, len_mean, len_p50, len_p90] head outputs (each a list over rows) → served values:
+    quality in [0, 1], lengths ≥ 1 token, p90 ≥ p50 (quantiles must not cross). Plain Python:
+    numpy's per-call overhead would be most of the cost at 3 rows. NaN propagates."""
     acc, mean, p50, p90 = raw
     p50 = [_np_max(x, 1.0) for x in p50]
     return [[_np_clip01(x) for x in acc], [_np_max(x, 1.0) for x in mean], p50,
             [_np_max(x, y) for x, y in zip(p90, p50, strict=True)]]
-
-
-def finalize(raw: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Raw head outputs → served values: quality in [0, 1], lengths ≥ 1 token, p90 ≥ p50."""
-    out = dict(raw)
-    out["acc"] = np.clip(raw["acc"], 0.0, 1.0)
-    out["len_mean"] = np.maximum(raw["len_mean"], 1.0)
-    out["len_p50"] = np.maximum(raw["len_p50"], 1.0)
-    out["len_p90"] = np.maximum(raw["len_p90"], out["len_p50"])  # quantiles must not cross
-    return out
 
 
 class Predictor:
@@ -100,27 +87,32 @@ class Predictor:
         self.by_name = {s.name: s for s in self.specs}
         self._parts = {s.name: model_part(i, s) for i, s in enumerate(self.specs)}
         self.pca = Pca.from_dict(meta["pca"])
-        self.heads = {name: FastBooster(lgb.Booster(model_file=str(model_dir / f"{name}.txt"))) for name in HEADS}
+        # In the order finalize expects: acc, len_mean, len_p50, len_p90.
+        self.boosters = {name: lgb.Booster(model_file=str(model_dir / f"{name}.txt")) for name in HEADS}
         self.tokens = TokenCounter(self.specs, tokenizer_dir)
         self._index = {s.name: i for i, s in enumerate(self.specs)}
         self._part_rows = np.stack([self._parts[s.name] for s in self.specs])
-        self._n_features = len(FEATURE_NAMES)
-        # Head order of the raw-score array: what finalize_lists expects.
-        self._head_order = ["acc", "len_mean", "len_p50", "len_p90"]
-        probe = np.vstack([self._rows(analyse(p), list(range(len(self.specs)))) for p in _PROBE_PROMPTS])
-        self.forest = NativeForest.build({h: self.heads[h].booster for h in self._head_order}, probe)
+        every_model = list(range(len(self.specs)))
+        probe = np.vstack([self._rows(analyse(p), every_model) for p in _PROBE_PROMPTS])
+        self.forest: NativeForest | None = None
+        try:
+            self.forest = NativeForest.build(self.boosters, probe)
+        except ForestUnsupported as exc:
+            log.warning("native_forest_unsupported", model_dir=str(model_dir), reason=str(exc),
+                        fallback="LightGBM Booster.predict per head (slower per request)")
 
     @property
     def models(self) -> list[str]:
         return [s.name for s in self.specs]
 
     def _rows(self, a: PromptAnalysis, ids: list[int]) -> np.ndarray:
-        """The feature rows of ``rows_for_models(prompt_row(a, pca), parts)``, written in place."""
-        X = np.empty((len(ids), self._n_features), dtype=np.float64)
-        X[:, :PCA_DIM] = self.pca.project(a.hashed)
-        X[:, PCA_DIM:MODEL_ID_COLUMN] = a.scalars
-        X[:, MODEL_ID_COLUMN:] = self._part_rows[ids]
-        return X
+        return feature_rows(a, self.pca, self._part_rows[ids])
+
+    def raw_scores(self, X: np.ndarray) -> np.ndarray:
+        """Raw head outputs for feature rows ``X``, shape (heads, rows) in ``HEADS`` order."""
+        if self.forest is not None:
+            return self.forest.predict(X)
+        return np.stack([b.predict(X, num_threads=1) for b in self.boosters.values()])
 
     def _ids(self, models: list[str]) -> list[int]:
         try:
@@ -138,9 +130,8 @@ class Predictor:
         if self.forest is not None:
             raw = self.forest.predict_parts(self.pca.project(a.hashed), a.scalars, self._part_rows, ids)
         else:
-            X = self._rows(a, ids)
-            raw = np.stack([self.heads[h].predict(X) for h in self._head_order])
-        y = finalize_lists(raw.tolist())
+            raw = self.raw_scores(self._rows(a, ids))
+        y = finalize(raw.tolist())
         if prompt_tokens:
             need = [m for m in models if m not in prompt_tokens]
             counts = {**self.tokens.counts(prompt, need, a.n_pieces), **prompt_tokens}

@@ -79,8 +79,10 @@ class _Metrics:
 def parse_request(data: bytes, limits: ServiceLimits) -> tuple[dict[str, Any], Deadline]:
     """Validate a ``bear.predict/1`` request; raises ``BearError`` with the right code."""
     req = unpack_map(data, max_bytes=limits.max_request_bytes)
-    if req.get("v") != REQUEST_SCHEMA:
-        raise BearError(ErrorCode.BAD_REQUEST, f"expected v={REQUEST_SCHEMA!r}, got {req.get('v')!r}")
+    v = req.get("v")
+    if v != REQUEST_SCHEMA:
+        got = repr(v[:64]) if isinstance(v, str) else type(v).__name__  # never the repr of a client's structure
+        raise BearError(ErrorCode.BAD_REQUEST, f"expected v={REQUEST_SCHEMA!r}, got {got}")
     deadline = Deadline.from_request(req, limits.default_deadline_s)
     prompt = req.get("prompt")
     if not isinstance(prompt, str):
@@ -170,6 +172,11 @@ class PredictorService:
         except BearError as exc:
             await self._reply(request, exc.reply(), str(exc.code), t0)
             return
+        except Exception as exc:  # a request that breaks the parser: still one coded answer
+            log.warning("request_rejected", error=repr(exc)[:200])
+            await self._reply(request, error_reply(ErrorCode.BAD_REQUEST, f"malformed request: {type(exc).__name__}"),
+                              "bad_request", t0)
+            return
         if self._inflight >= self.limits.max_inflight:
             await self._reply(request, error_reply(ErrorCode.OVERLOADED, "predictor at its in-flight limit"),
                               "overloaded", t0)
@@ -226,9 +233,10 @@ class PredictorService:
 
 
 async def serve(nats_url: str, predictor: Predictor, limits: ServiceLimits, prefix: str = "bear",
-                metrics_port: int | None = None, ready: asyncio.Event | None = None) -> None:
-    """Run until SIGINT/SIGTERM."""
-    start_metrics_server(metrics_port)
+                metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
+    """Run until SIGINT/SIGTERM (the shared service harness: ``bear.runtime.service``)."""
+    start_metrics_server(metrics_port, metrics_host)
+    stop = stop_event()
     nc = await connect(nats_url, "bear-predictor")
     svc = PredictorService(predictor, Subjects(prefix), limits)
     await svc.start(nc)
@@ -236,9 +244,6 @@ async def serve(nats_url: str, predictor: Predictor, limits: ServiceLimits, pref
     # it out of the cyclic GC, so that a full collection (measured ~0.1 s over the ~66k objects of a
     # loaded predictor on a busy host, 0.1 ms after the freeze) never stalls a request.
     gc.freeze()
-    stop = stop_event()
-    if ready is not None:
-        ready.set()
     await stop.wait()
     log.info("predictor_stopping")
     await svc.stop()

@@ -16,7 +16,7 @@ writingprompts  37.9 (28.4 words × 4/3)             979 (734.5 words × 4/3)
 No dataset publishes a spread: prompt lengths are log-normal around the published mean with a σ
 of our choosing (``LengthSource.sigma``), and response lengths follow from what the prompt asks
 for (explicit limits, "briefly", the document length) scaled so that each task's mean is the
-published one. Tokens are pieces (``bear.predictor.text``), ≈ words + punctuation.
+published one. Tokens are pieces (``bear.predictor.features.analyse``), ≈ words + punctuation.
 
 Quality per (model, task) is centred on the paper's Table 2; each query moves it by a difficulty
 that is a function of what is visible in the prompt (topic words, question kind, document length,
@@ -35,9 +35,8 @@ from pathlib import Path
 import numpy as np
 
 from bear.predictor.dataset import Record
-from bear.predictor.text import count_pieces
-
-TASKS = ("alpaca", "hotpotqa", "govreport", "writingprompts")
+from bear.predictor.features import analyse
+from bear.predictor.tasks import TASKS
 
 # Paper Table 2 (LLM-as-judge, per-query task average).
 TABLE2: dict[str, dict[str, float]] = {
@@ -178,7 +177,7 @@ def _constraint(rng: np.random.Generator) -> tuple[str, float | None, float]:
 
 
 def _pieces(text: str) -> int:
-    return count_pieces(np.frombuffer(text.encode(), dtype=np.uint8))[0]
+    return analyse(text).n_pieces
 
 
 def _words_for(pieces: float, sentence: int) -> int:
@@ -306,7 +305,7 @@ def generate(n_queries: int, seed: int = 0, models: tuple[str, ...] | None = Non
         task = tasks[int(rng.integers(len(tasks)))]
         target, z = _prompt_target(rng, task, max_prompt_tokens)
         q = _GENERATORS[task](rng, w, target, z, max_prompt_tokens)
-        n_tok, _ = count_pieces(np.frombuffer(q.prompt.encode(), dtype=np.uint8))
+        n_tok = analyse(q.prompt).n_pieces  # the fallback token count
         base_len = q.base_len * OUTPUT_LENGTHS[task].mean / _NATURAL_MEAN[task]
         for m in models:
             base = TABLE2[task][m]

@@ -1,5 +1,5 @@
 """Prompt token counts per model: the model's own ``tokenizer.json`` when one is on this host,
-else the documented fallback (the number of text pieces, see ``text.py``).
+else the documented fallback (the number of text pieces, see ``features.analyse``).
 
 Lookup order for a model's tokenizer: ``<tokenizer_dir>/<model name>/tokenizer.json``, then
 ``<tokenizer_dir>/<hf repo>/tokenizer.json``, then the Hugging Face cache

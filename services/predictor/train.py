@@ -14,15 +14,7 @@ from typing import Any
 import numpy as np
 
 from bear.predictor.dataset import Record, iter_groups
-from bear.predictor.features import (
-    FEATURE_NAMES,
-    MODEL_ID_COLUMN,
-    Pca,
-    analyse,
-    model_part,
-    prompt_row,
-    rows_for_models,
-)
+from bear.predictor.features import FEATURE_NAMES, MODEL_ID_COLUMN, Pca, analyse, feature_rows, model_part
 from bear.predictor.models import DEFAULT_MODELS, ModelSpec
 from bear.protocol.errors import BearError, ErrorCode
 
@@ -84,9 +76,8 @@ def build_matrix(records: list[Record], specs: dict[str, ModelSpec], pca: Pca | 
     X = np.empty((len(records), len(FEATURE_NAMES)))
     gnames = [""] * len(records)
     for (g, idx), a in zip(groups, analyses, strict=True):
-        prow = prompt_row(a, pca)
-        parts = [model_part(index[records[i].model], specs[records[i].model]) for i in idx]
-        X[idx] = rows_for_models(prow, parts)
+        parts = np.stack([model_part(index[records[i].model], specs[records[i].model]) for i in idx])
+        X[idx] = feature_rows(a, pca, parts)
         for i in idx:
             gnames[i] = g
     m = Matrix(

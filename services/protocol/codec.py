@@ -11,6 +11,7 @@ import msgpack
 from bear.protocol.errors import BearError, ErrorCode
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+MAX_DEPTH = 64  # nesting of maps and lists: far beyond any BEAR message, far below Python's recursion limit
 
 
 def pack(obj: Any) -> bytes:
@@ -18,14 +19,33 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpack(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:
-    """Decode msgpack bytes; malformed or oversized input raises ``BearError(BAD_REQUEST)``."""
+def unpack(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, max_depth: int = MAX_DEPTH) -> Any:
+    """Decode msgpack bytes; malformed, oversized or deeper than ``max_depth`` input raises
+    ``BearError`` (``too_large`` / ``bad_request``): a deep value would otherwise reach code that
+    recurses over it (repr, JSON, validation) and fail there uncoded."""
     if len(data) > max_bytes:
         raise BearError(ErrorCode.TOO_LARGE, f"message of {len(data)} bytes exceeds {max_bytes}")
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated exception types
-        raise BearError(ErrorCode.BAD_REQUEST, f"undecodable msgpack: {exc}") from exc
+        raise BearError(ErrorCode.BAD_REQUEST, f"undecodable msgpack: {type(exc).__name__} {exc}"[:300]) from exc
+    _check_depth(obj, max_depth)
+    return obj
+
+
+def _check_depth(obj: Any, max_depth: int) -> None:
+    stack = [(obj, 0)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict):
+            if d >= max_depth:
+                raise BearError(ErrorCode.BAD_REQUEST, f"message nested deeper than {max_depth} levels")
+            stack.extend((v, d + 1) for v in o.values())
+            stack.extend((k, d + 1) for k in o if isinstance(k, tuple))
+        elif isinstance(o, list | tuple):
+            if d >= max_depth:
+                raise BearError(ErrorCode.BAD_REQUEST, f"message nested deeper than {max_depth} levels")
+            stack.extend((v, d + 1) for v in o)
 
 
 def unpack_map(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +26,8 @@ class Deadline:
         raw = req.get("deadline")
         if raw is None:
             return cls.after(default_s)
-        if not isinstance(raw, int | float) or isinstance(raw, bool):
-            raise BearError(ErrorCode.BAD_REQUEST, "deadline must be a number (epoch seconds)")
+        if not isinstance(raw, int | float) or isinstance(raw, bool) or not math.isfinite(raw):
+            raise BearError(ErrorCode.BAD_REQUEST, "deadline must be a finite number (epoch seconds)")
         return cls(float(raw))
 
     def remaining(self) -> float:

@@ -11,7 +11,7 @@ definition, and it builds the replay's state directly from the bytes.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -21,6 +21,13 @@ from bear.protocol.errors import BearError, ErrorCode
 NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 PosInt = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+# An instance id is one NATS subject token (bear.snapshot.<id>; a dot would split it in two, a
+# wildcard would match other instances' subjects) and an identity name (bear.runtime.identity).
+InstanceId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
+Hash64 = Annotated[int, msgspec.Meta(ge=0)]  # a KV block's name, uint64 (msgpack holds no more; bear.prefix.hashing.external)
+Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+MAX_PROMPT_TOKEN_IDS = 1 << 20
 
 # β used when an instance has no calibration yet: a nominal mid-size model on one modern GPU
 # (8 ms per step, 40 µs/token) — a placeholder until the first fit replaces it.
@@ -47,6 +54,7 @@ class Dispatch(Message, tag="bear.dispatch/1", kw_only=True):
     prompt_tokens: NonNegInt = 0
     predicted_output_tokens: NonNegInt
     max_tokens: PosInt | None = None  # None: the prediction is the cap
+    prefix_hit_tokens: NonNegInt = 0  # the hit the estimator found there when the router decided
     t: float
 
     def __post_init__(self) -> None:
@@ -56,7 +64,7 @@ class Dispatch(Message, tag="bear.dispatch/1", kw_only=True):
         """The request as the replay queues it ahead of a new query."""
         pred = max(1, self.predicted_output_tokens)
         return {"prompt_tokens": max(1, self.prompt_tokens), "max_tokens": self.max_tokens or pred,
-                "predicted_output": pred}
+                "predicted_output": pred, "prefix_hit_tokens": self.prefix_hit_tokens}
 
 
 class Calibration(Message, tag="bear.calibration/1", kw_only=True):
@@ -67,14 +75,24 @@ class Calibration(Message, tag="bear.calibration/1", kw_only=True):
     mape: float = math.nan
     n: NonNegInt = 0
     theta: float | None = None  # prefill tokens/s; None: not measured
+    objective: str = "absolute"  # what the fit minimised (bear.calibrator.fit.OBJECTIVES)
+    ttft_mape: float | None = None  # recent BEA TTFT error against observed first tokens (outcomes)
+    ttft_bias: float | None = None  # their median relative error (negative: predictions too low)
+    ttft_n: NonNegInt = 0
     updated: float = 0.0
 
     def __post_init__(self) -> None:
-        _finite(*self.beta, self.theta, self.updated)
+        _finite(*self.beta, self.theta, self.updated, self.ttft_mape, self.ttft_bias)
         if any(b < 0 for b in self.beta):
             raise ValueError("beta must be non-negative")
         if self.theta is not None and self.theta <= 0:
             raise ValueError("theta must be > 0")
+        # A model no engine could have: a one-token decode step (context 1k) or a 1k-token prefill
+        # predicted below 10 µs or beyond a minute (a β of zeros, a forged or degenerate fit).
+        b0, b1, b2, b3 = self.beta
+        for t in (b0 + b1 + b2 * 1000.0, b0 + 1000.0 * b1 + b3 * 1000.0 * 1001.0 / 2.0):
+            if not 1e-5 <= t <= 60.0:
+                raise ValueError(f"beta predicts {t:.3g} s for a plain step: not a plausible engine")
 
     def prefill_tps(self) -> float:
         """θ of eq. 8: the measured one, else what β implies for a nominal prompt."""
@@ -101,10 +119,22 @@ class Prices(msgspec.Struct, kw_only=True):
         _finite(self.input_per_mtok, self.output_per_mtok)
 
 
+class PrefixCacheInfo(msgspec.Struct, kw_only=True):
+    """How an instance's prefix cache names its blocks (vLLM's ``--prefix-caching-hash-algo``,
+    the ``NONE_HASH`` seed, the block size): what a mirror needs to hash a prompt as that engine
+    does. ``events``: the instance publishes its cache on ``bear.kv.<id>``."""
+
+    enabled: bool = True
+    block_size: PosInt = 16
+    hash_algo: str = "sha256"
+    hash_seed: str = "vllm-none-hash"
+    events: bool = False
+
+
 class InstanceRecord(Message, tag="bear.instance/1", kw_only=True):
     """``bear_instances`` KV value: what a router needs to send an instance queries."""
 
-    id: Id
+    id: InstanceId
     model: str = ""  # the served model name (the OpenAI ``model`` field)
     base_url: str = ""  # OpenAI base URL, ending in /v1
     gpu: str = ""
@@ -117,23 +147,85 @@ class InstanceRecord(Message, tag="bear.instance/1", kw_only=True):
     generation: int | None = None  # the engine process generation (snapshotter)
     vllm_version: str | None = None
     config: dict[str, int | float | bool | str | None] | None = None  # the engine's scheduler config
+    tokenizer: str = ""  # its tokenizer bundle in the bear_tokenizers object store ("": none registered)
+    prefix_cache: PrefixCacheInfo | None = None  # None: the instance says nothing of its prefix cache
 
     def __post_init__(self) -> None:
         _finite(self.heartbeat)
 
 
+class KvOp(msgspec.Struct, array_like=True):
+    """One change of an instance's prefix cache, in the engine's order: blocks ``stored`` (now
+    cached), ``removed`` (evicted) or ``cleared`` (the whole cache dropped; no hashes)."""
+
+    kind: Literal["stored", "removed", "cleared"]
+    hashes: list[Hash64] = msgspec.field(default_factory=list)
+
+
+class KvEvents(Message, tag="bear.kv/1", kw_only=True):
+    """``bear.kv.<instance>``: what one engine step did to the instance's prefix cache (vLLM's
+    KV cache events, renamed). ``seq`` counts these messages within one publisher ``epoch``; a
+    mirror that misses one asks for the whole state (``KvResync``)."""
+
+    instance: Id
+    epoch: Id
+    seq: Seq
+    t: float
+    ops: list[KvOp]
+
+    def __post_init__(self) -> None:
+        _finite(self.t)
+
+
+class KvState(Message, tag="bear.kv.state/1", kw_only=True):
+    """``bear.kv.<instance>``: the whole prefix cache after events message ``seq`` (−1: before the
+    first), as the publisher has it: the block names packed as big-endian uint64 (a name appears
+    once per cached block that carries it). Large states come in ``parts`` consecutive messages.
+    ``complete`` is False when the publisher itself lost engine events it could not recover."""
+
+    instance: Id
+    epoch: Id
+    seq: Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)]
+    t: float
+    hashes: bytes = b""
+    part: NonNegInt = 0
+    parts: PosInt = 1
+    complete: bool = True
+
+    def __post_init__(self) -> None:
+        _finite(self.t)
+        if len(self.hashes) % 8:
+            raise ValueError("hashes must be whole uint64s (8 bytes each)")
+        if self.part >= self.parts:
+            raise ValueError("part must be < parts")
+
+
+class KvResync(Message, tag="bear.kv.resync/1", kw_only=True):
+    """``bear.kv.resync.<instance>``: a mirror lost the thread; the publisher answers by
+    publishing its ``KvState`` on ``bear.kv.<instance>`` (to every mirror)."""
+
+    instance: Id
+    reason: str = ""
+
+
 class Outcome(Message, tag="bear.outcome/1", kw_only=True):
     """``bear.outcome.<instance>``: a router finished a query there (observed TTFT and TPOT feed
-    every router's view of the instance)."""
+    every router's view of the instance; the predicted TTFT beside the observed one tells the
+    calibrator how good its estimates are)."""
 
     instance: Id
     ttft_s: float | None = None
     tpot_s: float | None = None
+    predicted_ttft_s: float | None = None
+    method: str = "none"  # how predicted_ttft_s was made (bea | analytic | router-eq8 | none)
     completed: bool = True
     t: float
 
     def __post_init__(self) -> None:
-        _finite(self.ttft_s, self.tpot_s, self.t)
+        _finite(self.ttft_s, self.tpot_s, self.predicted_ttft_s, self.t)
+
+
+KvMessage = KvEvents | KvState  # what ``bear.kv.<instance>`` carries
 
 
 class EstimateQuery(msgspec.Struct, kw_only=True):
@@ -145,8 +237,9 @@ class EstimateQuery(msgspec.Struct, kw_only=True):
 
 class EstimateCandidate(msgspec.Struct, kw_only=True, omit_defaults=True):
     instance: Id
-    prefix_hit_tokens: NonNegInt = 0
+    prefix_hit_tokens: NonNegInt = 0  # a hit the caller knows; the estimator's mirror finds its own when it can
     prompt_tokens: NonNegInt | None = None  # this instance's count (its tokenizer); None: the query's
+    tokenizer: str | None = None  # which of the request's ``tokens`` lists is this instance's prompt
 
 
 class EstimateRequest(Message, tag="bear.estimate/1", kw_only=True):
@@ -155,6 +248,9 @@ class EstimateRequest(Message, tag="bear.estimate/1", kw_only=True):
     query: EstimateQuery
     instances: Annotated[list[Id | EstimateCandidate], msgspec.Meta(min_length=1)]
     deadline: float | None = None
+    # the prompt's token ids per tokenizer id (the router tokenised it once per tokenizer)
+    tokens: dict[Id, Annotated[list[TokenId], msgspec.Meta(max_length=MAX_PROMPT_TOKEN_IDS)]] = msgspec.field(
+        default_factory=dict)
 
     def candidates(self) -> list[EstimateCandidate]:
         return [c if isinstance(c, EstimateCandidate) else EstimateCandidate(instance=c) for c in self.instances]
@@ -175,6 +271,12 @@ class EstimateRow(msgspec.Struct, kw_only=True, omit_defaults=False):
     pending_prefill_tokens: int = 0
     pending_decode_tokens: int = 0
     ahead: int = 0  # dispatches queued ahead of the query that the snapshot did not show yet
+    tokens: str = "estimated"  # exact: the prompt length came from the instance's tokenizer
+    prefix_hit_tokens: int = 0  # the prompt's prefix-cache hit there, handed to the replay
+    prefix: str = "none"  # how the hit was found: mirror | off | unsynced | no_tokens | given | none
+    block_size: int = 0  # of the held snapshot's KV cache (0: no snapshot)
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
 
 
 class EstimateReply(Message, tag="bear.estimate.reply/1", kw_only=True):

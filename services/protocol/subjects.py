@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 SNAPSHOT_SCHEMA = "bear.snapshot/1"
 BATCH_SCHEMA = "bear.batch/1"
+CANCEL_SCHEMA = "bear.cancel/1"
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,19 @@ class Subjects:
     def dispatch_all(self) -> str:
         return f"{self.prefix}.dispatch.*"
 
+    def kv(self, instance: str) -> str:
+        """``bear.kv.<instance>``: the instance's prefix-cache events (``bear.kv/1``) and, after a
+        resync request, its whole state (``bear.kv.state/1``), in one ordered stream."""
+        return f"{self.prefix}.kv.{instance}"
+
+    @property
+    def kv_all(self) -> str:
+        return f"{self.prefix}.kv.*"
+
+    def kv_resync(self, instance: str) -> str:
+        """``bear.kv.resync.<instance>``: a mirror asks the publisher for the whole state."""
+        return f"{self.prefix}.kv.resync.{instance}"
+
     def outcome(self, instance: str) -> str:
         return f"{self.prefix}.outcome.{instance}"
 
@@ -50,9 +64,19 @@ class Subjects:
     def estimate(self) -> str:
         return f"{self.prefix}.estimate"
 
+    def estimate_shard(self, shard: int, shards: int) -> str:
+        """The estimate subject of one shard (``bear.estimate`` when the pool is not sharded)."""
+        return self.estimate if shards <= 1 else f"{self.prefix}.estimate.{shard}"
+
     @property
     def submit(self) -> str:
         return f"{self.prefix}.submit"
+
+    @property
+    def cancel(self) -> str:
+        """``bear.cancel``: a client gave up on a query (``bear.cancel/1 {query_id}``); every router
+        subscribes (no queue group) and the one serving it aborts the generation."""
+        return f"{self.prefix}.cancel"
 
     @property
     def instances_bucket(self) -> str:
@@ -63,9 +87,25 @@ class Subjects:
         return f"{self.prefix}_calibration"
 
     @property
+    def tokenizers_bucket(self) -> str:
+        """Object store of tokenizer bundles, one object per tokenizer id (``bear.tokenizer``)."""
+        return f"{self.prefix}_tokenizers"
+
+    @property
     def queries_bucket(self) -> str:
         """Create-only KV bucket of the query ids routers have claimed (deduplication)."""
         return f"{self.prefix}_queries"
+
+    @staticmethod
+    def shard_of(instance: str, shards: int) -> int:
+        """The estimator shard that owns ``instance``: FNV-1a (32 bit) of its id modulo the number
+        of shards — stable across processes and versions, so routers and workers agree."""
+        if shards <= 1:
+            return 0
+        h = 0x811C9DC5
+        for byte in instance.encode():
+            h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
+        return h % shards
 
     @staticmethod
     def instance_of(subject: str) -> str:

@@ -9,13 +9,17 @@ Fallbacks, each visible in the candidate:
     cost against latency);
   * no estimator row (estimator silent) → eq. 8 over what this router itself has in flight at
     the instance (method ``router-eq8``).
+
+Prompt lengths: the instance's tokenizer count when the router has it (``prompt_tokens`` per
+instance: exact), else the prediction's (the predictor's count for the model). The prefix-cache
+hit, the KV usage and the block size come from the estimator's row.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from bear import libbea
@@ -66,16 +70,20 @@ class LocalLoad:
 
 def build_candidates(prompt_tokens: int, insts: Sequence[InstanceView],
                      preds: Mapping[str, ModelPrediction] | None, rows: Mapping[str, EstimateRow] | None,
-                     now: float, *, default_output_tokens: int,
-                     local: LocalLoad | None = None) -> tuple[list[Candidate], dict[str, ModelPrediction]]:
+                     now: float, *, default_output_tokens: int, local: LocalLoad | None = None,
+                     exact_tokens: Mapping[str, int] | None = None) -> tuple[list[Candidate], dict[str, ModelPrediction]]:
     """One Candidate per instance, and the prediction each used (by instance id). Prompt lengths
-    are per model (each has its own tokenizer): the prediction's, else ``prompt_tokens``."""
+    are per instance: ``exact_tokens`` (its tokenizer's count), else the prediction's (per model),
+    else ``prompt_tokens``."""
     cands: list[Candidate] = []
     used: dict[str, ModelPrediction] = {}
     for inst in insts:
         p = preds.get(inst.predictor_model) if preds else None
         if p is None:
             p = fallback_prediction(prompt_tokens, inst.price_in, inst.price_out, default_output_tokens)
+        exact = exact_tokens.get(inst.id) if exact_tokens else None
+        if exact is not None and exact != p.prompt_tokens:
+            p = replace(p, prompt_tokens=exact)
         used[inst.id] = p
         theta = inst.calibration.prefill_tps()
         p50, p90 = inst.obs.percentiles()
@@ -83,27 +91,34 @@ def build_candidates(prompt_tokens: int, insts: Sequence[InstanceView],
         c = Candidate(instance=inst.id, model=inst.predictor_model, acc=p.acc, cost=p.cost_usd * MUSD,
                       out_len=p.out_len, out_p90=p.out_p90, prefill_tps=theta, tpot=inst.obs.tpot,
                       throughput_rps=inst.obs.throughput_rps(now), observed_ttft_p50=p50, observed_ttft_p90=p90,
-                      observed_ttft_p95=ttft95, observed_tpot_p90=tpot90)
+                      observed_ttft_p95=ttft95, observed_tpot_p90=tpot90,
+                      prompt_tokens=p.prompt_tokens, tokens_exact=exact is not None)
         row = rows.get(inst.id) if rows is not None else None
         if row is not None:
             c.n_running, c.n_waiting = row.n_running, row.n_waiting
+            c.prefix_hit_tokens = min(row.prefix_hit_tokens, max(0, p.prompt_tokens - 1))
+            c.block_size, c.kv_blocks_used, c.kv_blocks_total = row.block_size, row.kv_blocks_used, row.kv_blocks_total
             c.pending_prefill_tokens = row.pending_prefill_tokens
             c.pending_decode_tokens = float(row.pending_decode_tokens)
             c.ttft = row.ttft_s if row.ttft_s is not None else math.inf
             c.ttft_method = row.method
-        elif rows is None:  # estimator absent: eq. 8 over what this router has in flight there
+        else:  # no estimate (estimator or its shard silent): eq. 8 over what this router has in flight there
             local = local or LocalLoad()
             c.n_running = local.running.get(inst.id, 0)
             c.pending_prefill_tokens = local.pending_prefill_tokens.get(inst.id, 0)
             c.ttft = libbea.prefill_throughput_ttft(c.pending_prefill_tokens, p.prompt_tokens, theta)
             c.ttft_method = "router-eq8"
-        c.ttft_prefill = libbea.prefill_throughput_ttft(c.pending_prefill_tokens, p.prompt_tokens, theta)
+        c.ttft_prefill = libbea.prefill_throughput_ttft(c.pending_prefill_tokens,
+                                                        max(1, p.prompt_tokens - c.prefix_hit_tokens), theta)
         cands.append(c)
     return cands, used
 
 
-def dispatch_for(query_id: str, request_id: str, p: ModelPrediction, max_tokens: int, t: float) -> Dispatch:
-    """The ``bear.dispatch`` message of sending the query to an instance, under prediction ``p``."""
-    return Dispatch(query_id=query_id, request_id=request_id, prompt_tokens=p.prompt_tokens,
-                    predicted_output_tokens=int(max(1, round(min(p.out_len, max_tokens)))), max_tokens=max_tokens,
-                    t=t)
+def dispatch_for(query_id: str, request_id: str, p: ModelPrediction, max_tokens: int, t: float,
+                 prefix_hit_tokens: int = 0) -> Dispatch:
+    """The ``bear.dispatch`` message of sending the query to an instance, under prediction ``p``
+    (and the prefix-cache hit the estimator found there)."""
+    out = p.out_len if math.isfinite(p.out_len) else float(max_tokens)  # a prediction of inf/nan: the cap
+    return Dispatch(query_id=query_id, request_id=request_id, prompt_tokens=min(p.prompt_tokens, 2**31 - 1),
+                    predicted_output_tokens=int(max(1, round(min(out, max_tokens)))), max_tokens=max_tokens,
+                    prefix_hit_tokens=prefix_hit_tokens, t=t)

@@ -6,9 +6,26 @@ from pathlib import Path
 
 import typer
 
-from bear.options import DEFAULT_NATS, LogFormatOpt, LogLevel, LogLevelOpt, MetricsPort, NatsUrl, Prefix
+from bear.options import (
+    DEFAULT_METRICS_HOST,
+    FIND_NATS,
+    LogFormatOpt,
+    LogLevel,
+    LogLevelOpt,
+    MetricsHost,
+    MetricsPort,
+    NatsCreds,
+    NatsUrl,
+    OtlpEndpoint,
+    PolicyName,
+    PolicyOpt,
+    Prefix,
+    TraceExporterOpt,
+    setup_tracing,
+)
 from bear.runtime import aio
 from bear.runtime.logging import LogFormat, configure_logging
+from bear.runtime.tracing import Exporter
 
 
 def _params(raw: list[str]) -> dict[str, float]:
@@ -31,36 +48,94 @@ def _aliases(raw: list[str]) -> dict[str, str]:
     return out
 
 
+def _engine_keys(path: Path | None) -> dict[str, str]:
+    if path is None:
+        return {}
+    import json
+
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(f"cannot read {path}: {exc}", param_hint="--engine-keys") from exc
+    if not isinstance(d, dict) or not all(isinstance(k, str) and isinstance(v, str) and v for k, v in d.items()):
+        raise typer.BadParameter(f"{path} must map instance ids to keys (strings)", param_hint="--engine-keys")
+    return d
+
+
+def _base_urls(raw: list[str]) -> list[str]:
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    for u in raw:
+        if "://" not in u:
+            try:
+                ipaddress.ip_network(u, strict=False)
+                continue
+            except ValueError:
+                pass
+        parts = urlsplit(u)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise typer.BadParameter(f"expected http(s)://HOST[:PORT][/PATH] or a network (10.0.0.0/8), got {u!r}",
+                                     param_hint="--allow-base-url")
+    return raw
+
+
 def router(
-    nats_url: NatsUrl = DEFAULT_NATS,
-    policy: str = typer.Option("bear", "--policy", help="Routing policy: bear, bear-lagrange or a baseline"),
+    nats_url: NatsUrl = FIND_NATS,
+    nats_creds: NatsCreds = "",
+    policy: PolicyOpt = PolicyName.bear,
     param: list[str] = typer.Option([], "--param", help="Policy parameter NAME=VALUE (e.g. delta=0.5); repeatable"),
     lam: float = typer.Option(5e-4, "--lambda", help="Default λ of U = acc − λ·cost (cost in micro-USD)"),
     predict_budget: float = typer.Option(0.2, "--predict-budget", help="Seconds the predictor may take (2 tries)"),
     estimate_budget: float = typer.Option(0.2, "--estimate-budget", help="Seconds the estimator may take (2 tries)"),
     default_output_tokens: int = typer.Option(
         256, "--default-output-tokens", help="Output length assumed when the predictor does not answer"),
-    max_inflight: int = typer.Option(4096, "--max-inflight", help="Queries in progress before `overloaded`"),
+    max_inflight: int = typer.Option(4096, "--max-inflight", min=1,
+                                     help="Queries in progress (answers streaming included) before `overloaded`"),
+    max_deciding: int = typer.Option(256, "--max-deciding", min=1,
+                                     help="Queries being decided (not yet dispatched) before `overloaded`"),
+    shed_lag: float = typer.Option(1.0, "--shed-lag", min=0.001,
+                                   help="Event-loop lag (s) beyond which new submits are refused `overloaded`"),
+    engine_keys: Path | None = typer.Option(
+        None, "--engine-keys", dir_okay=False,
+        help="JSON file {instance id (or \"*\"): API key} of the engines; sent as Authorization: Bearer "
+             "(bear up writes one per run)"),
+    allow_base_url: list[str] = typer.Option(
+        [], "--allow-base-url", help="Route only to instances whose registered base URL is under this one "
+                                     "(scheme, host, optional port and path) or whose host is an address in this "
+                                     "network (e.g. 10.0.0.0/8); repeatable; default: any"),
+    estimator_shards: int = typer.Option(1, "--estimator-shards", min=1,
+                                         help="Estimator shards of the deployment (the workers' --shards)"),
     down_after: float = typer.Option(10.0, "--down-after", help="Registry heartbeat older than this (s): down"),
     model_alias: list[str] = typer.Option(
         [], "--model-alias", help="SERVED=PREDICTOR model name mapping (default: last path part); repeatable"),
     outcome_log: Path | None = typer.Option(None, "--outcome-log", help="JSONL file of every query's record"),
+    tokenize: bool = typer.Option(
+        True, "--tokenize/--no-tokenize",
+        help="Tokenise each query with the tokenizers the instances register (exact prompt lengths, prefix-cache "
+             "hits); --no-tokenize: lengths estimated from the text (bytes / 4), no hits"),
     metrics_port: MetricsPort = 0,
+    metrics_host: MetricsHost = DEFAULT_METRICS_HOST,
     prefix: Prefix = "bear",
+    trace_exporter: TraceExporterOpt = Exporter.auto,
+    otlp_endpoint: OtlpEndpoint = None,
     log_format: LogFormatOpt = LogFormat.console,
     log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
     """Route queries from bear.submit: predictor + estimator → policy → instance, streaming back."""
     configure_logging(log_format, log_level)
+    setup_tracing("bear-router", trace_exporter, otlp_endpoint)
     from bear.router.service import RouterConfig, serve
     from bear.runtime.metrics import start_metrics_server
 
-    cfg = RouterConfig(policy=policy, policy_params=_params(param), lam=lam, predict_budget_s=predict_budget,
+    cfg = RouterConfig(policy=str(policy), policy_params=_params(param), lam=lam, predict_budget_s=predict_budget,
                        predict_try_s=predict_budget / 2, estimate_budget_s=estimate_budget,
                        estimate_try_s=estimate_budget / 2, default_output_tokens=default_output_tokens,
-                       max_inflight=max_inflight, down_after_s=down_after, outcome_log=outcome_log,
-                       aliases=_aliases(model_alias))
-    start_metrics_server(metrics_port or None)
+                       max_inflight=max_inflight, max_deciding=max_deciding, shed_lag_s=shed_lag,
+                       down_after_s=down_after, outcome_log=outcome_log, estimator_shards=estimator_shards,
+                       tokenize=tokenize, aliases=_aliases(model_alias), engine_keys=_engine_keys(engine_keys),
+                       allowed_base_urls=tuple(_base_urls(allow_base_url)))
+    start_metrics_server(metrics_port, metrics_host)
     aio.run(serve(nats_url, cfg, prefix))
 
 

@@ -13,11 +13,13 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from bear.runtime.kv import DEDUP_TTL_S, ensure_kv
+
 LOCAL_IDS = 100_000
 
 
 class Deduplicator:
-    def __init__(self, nc: Any, bucket: str, *, ttl_s: float = 600.0, timeout_s: float = 0.1) -> None:
+    def __init__(self, nc: Any, bucket: str, *, ttl_s: float = DEDUP_TTL_S, timeout_s: float = 0.1) -> None:
         self.nc = nc
         self.bucket = bucket
         self.ttl_s = ttl_s
@@ -33,14 +35,7 @@ class Deduplicator:
 
     async def _bucket(self) -> Any:
         if self._kv is None:
-            from nats.js.api import KeyValueConfig
-            from nats.js.errors import BucketNotFoundError
-
-            js = self.nc.jetstream(timeout=self.timeout_s)
-            try:
-                self._kv = await js.key_value(self.bucket)
-            except BucketNotFoundError:
-                self._kv = await js.create_key_value(KeyValueConfig(bucket=self.bucket, history=1, ttl=self.ttl_s))
+            self._kv = await ensure_kv(self.nc.jetstream(timeout=self.timeout_s), self.bucket, ttl_s=self.ttl_s)
         return self._kv
 
     async def claim(self, query_id: str, owner: str) -> bool:

@@ -5,18 +5,54 @@ id the router announced in ``bear.dispatch``, so estimators can match the instan
 their predicted lengths) and yields text pieces as the SSE chunks arrive, then the usage. A
 failure before the first byte of the answer raises ``InstanceUnavailable`` (the router tries
 another instance); a failure after it raises ``StreamBroken`` (the answer cannot be retried without
-repeating text to the client)."""
+repeating text to the client). An engine that refuses the request itself — HTTP 400, 413 or 422:
+a prompt longer than its context, a bad parameter — raises ``InstanceRefused``: another instance
+would refuse it too, so the router neither retries it nor holds it against the instance."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from bear.protocol.errors import ErrorCode
+
+REFUSED_STATUSES = (400, 413, 422)  # the request's own fault; 404/408/409/429 and 5xx are the instance's
+_TOO_LARGE = re.compile(r"max_model_len|maximum context length|context length|too long|too large|exceeds",
+                        re.IGNORECASE)
+
 
 class InstanceUnavailable(Exception):
-    """Nothing was generated: connection refused, timeout before the response, 5xx/4xx status."""
+    """Nothing was generated: connection refused, timeout before the response, 5xx (or a 4xx that
+    is the instance's, not the request's: unknown model, rate limit)."""
+
+
+class InstanceRefused(Exception):
+    """The engine refused this request for good (HTTP 400/413/422): ``code`` is ``too_large`` for
+    a request beyond the engine's limits (context length, size), else ``bad_request``; ``reason``
+    is the engine's own message."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(f"HTTP {status}: {reason}")
+        self.status = status
+        self.reason = reason
+        self.code = ErrorCode.TOO_LARGE if status == 413 or _TOO_LARGE.search(reason) else ErrorCode.BAD_REQUEST
+
+
+def engine_reason(text: str) -> str:
+    """The message of an OpenAI-style error body (vLLM: ``{"message": …}`` or ``{"error": {"message": …}}``),
+    else the body itself, on one line and at most 300 characters."""
+    msg: Any = text
+    try:
+        d = json.loads(text)
+    except ValueError:
+        d = None
+    if isinstance(d, dict):
+        inner = d.get("error")
+        msg = (inner.get("message") if isinstance(inner, dict) else None) or d.get("message") or inner or text
+    return " ".join(str(msg).split())[:300]
 
 
 class StreamBroken(Exception):
@@ -32,7 +68,8 @@ class Piece:
 
 def request_body(model: str, prompt: str | None, messages: list[dict[str, Any]] | None, max_tokens: int,
                  extra: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-    """(path, JSON body) of a streaming completion or chat completion."""
+    """(path, JSON body) of a streaming completion or chat completion; ``extra``: further body
+    fields (the query's sampling fields, the sim engine's length hints)."""
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": True,
                             "stream_options": {"include_usage": True}}
     if messages is not None:
@@ -47,17 +84,22 @@ def request_body(model: str, prompt: str | None, messages: list[dict[str, Any]] 
 
 
 async def stream_completion(session: Any, base_url: str, request_id: str, path: str, body: dict[str, Any], *,
-                            connect_timeout_s: float = 2.0, idle_timeout_s: float = 60.0) -> AsyncIterator[Piece]:
+                            connect_timeout_s: float = 2.0, idle_timeout_s: float = 60.0,
+                            headers: dict[str, str] | None = None) -> AsyncIterator[Piece]:
+    """``headers``: extra request headers (the trace context). Closing the iterator early (the
+    query was cancelled) closes the connection, which makes the instance abort the request."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=idle_timeout_s)
     started = False
+    hdrs = {"X-Request-Id": request_id, **headers} if headers else {"X-Request-Id": request_id}
     try:
-        async with session.post(base_url + path, json=body, headers={"X-Request-Id": request_id},
-                                timeout=timeout) as resp:
+        async with session.post(base_url + path, json=body, headers=hdrs, timeout=timeout) as resp:
             if resp.status != 200:
-                text = (await resp.text())[:300]
-                raise InstanceUnavailable(f"HTTP {resp.status}: {text}")
+                text = (await resp.text())[:4096]
+                if resp.status in REFUSED_STATUSES:
+                    raise InstanceRefused(resp.status, engine_reason(text))
+                raise InstanceUnavailable(f"HTTP {resp.status}: {engine_reason(text)}")
             buf = b""
             done = False
             # read to the end of the body even after [DONE]: a response left unread closes its
@@ -79,7 +121,7 @@ async def stream_completion(session: Any, base_url: str, request_id: str, path: 
                         if piece is not None:
                             started = started or bool(piece.text)
                             yield piece
-    except (InstanceUnavailable, StreamBroken):
+    except (InstanceUnavailable, InstanceRefused, StreamBroken):
         raise
     except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
         if started:
@@ -100,6 +142,9 @@ def parse_chunk(d: dict[str, Any]) -> Piece | None:
     usage = d.get("usage")
     if isinstance(usage, dict):
         piece.usage = {k: int(v) for k, v in usage.items() if isinstance(v, int)}
+        details = usage.get("prompt_tokens_details")  # vLLM --enable-prompt-tokens-details: the prefix-cache hit
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            piece.usage["cached_tokens"] = int(details["cached_tokens"])
     if not piece.text and piece.usage is None and piece.finish_reason is None:
         return None
     return piece

@@ -38,6 +38,11 @@ def metrics() -> Any:
         fallbacks=Counter("bear_router_fallbacks_total", "Decisions made without a dependency", ["kind"]),
         duplicates=Counter("bear_router_duplicates_total", "Resubmitted query ids not executed again"),
         inflight=Gauge("bear_router_inflight", "Queries in progress"),
+        shed=Counter("bear_router_shed_total", "Submits refused on arrival (overloaded) or not started "
+                                               "(client deadline passed)", ["reason"]),
+        registry_rejected=Counter("bear_router_registry_rejected_total",
+                                  "Registry and calibration entries not taken", ["reason"]),
+        loop_lag=Gauge("bear_router_loop_lag_seconds", "Recent event-loop lag (what admission sheds on)"),
     )
 
 

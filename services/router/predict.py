@@ -10,13 +10,15 @@ The fallbacks for either silence are applied where candidates are built (``route
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from bear.estimator.client import EstimatorClient
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.deadline import Deadline
 from bear.protocol.errors import BearError, is_error
-from bear.protocol.messages import EstimateQuery, EstimateReply
+from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateReply
+from bear.protocol.subjects import Subjects
 from bear.router.candidates import ModelPrediction
 from bear.runtime.request import request
 
@@ -24,15 +26,15 @@ PREDICT_SCHEMA = "bear.predict/1"
 
 
 async def ask_predictor(nc: Any, subject: str, prompt: str, models: list[str], budget_s: float, *,
-                        try_timeout_s: float, prompt_tokens: int | None = None,
-                        query_id: str = "") -> dict[str, ModelPrediction] | None:
+                        try_timeout_s: float, prompt_tokens: int | None = None, query_id: str = "",
+                        headers: dict[str, str] | None = None) -> dict[str, ModelPrediction] | None:
     deadline = Deadline.after(budget_s)
     req: dict[str, Any] = {"v": PREDICT_SCHEMA, "prompt": prompt, "models": models, "deadline": deadline.at,
                            "id": query_id}
     if prompt_tokens is not None:
         req["prompt_tokens"] = int(prompt_tokens)
     try:
-        data = await request(nc, subject, pack(req), deadline=deadline, try_timeout_s=try_timeout_s)
+        data = await request(nc, subject, pack(req), deadline=deadline, try_timeout_s=try_timeout_s, headers=headers)
         reply = unpack_map(data)
     except BearError:
         return None
@@ -50,10 +52,27 @@ async def ask_predictor(nc: Any, subject: str, prompt: str, models: list[str], b
         return None
 
 
-async def ask_estimator(client: EstimatorClient, query: EstimateQuery, instances: list[str],
-                        budget_s: float) -> EstimateReply | None:
-    """The estimator's reply, or None when it gave no answer in time."""
-    try:
-        return await client.estimate(query, list(instances), budget_s=budget_s)
-    except Exception:  # BearError, NATS closed/reconnecting: decide without it
-        return None
+async def ask_estimator(clients: list[EstimatorClient], query: EstimateQuery,
+                        instances: list[str] | list[EstimateCandidate], budget_s: float,
+                        headers: dict[str, str] | None = None,
+                        tokens: dict[str, list[int]] | None = None) -> EstimateReply | None:
+    """The estimator's answer for every candidate: with one client (an unsharded pool) one request;
+    with one client per shard, one request to each shard that owns a candidate, concurrently, and
+    the rows merged (a shard that does not answer leaves its instances without a row). None when
+    no estimator answered in time."""
+    by_shard: dict[int, list[str | EstimateCandidate]] = {}
+    for inst in instances:
+        name = inst if isinstance(inst, str) else inst.instance
+        by_shard.setdefault(Subjects.shard_of(name, len(clients)), []).append(inst)
+
+    async def one(k: int, ids: list[str | EstimateCandidate]) -> EstimateReply | None:
+        try:
+            return await clients[k].estimate(query, list(ids), budget_s=budget_s, headers=headers, tokens=tokens)
+        except Exception:  # BearError, NATS closed/reconnecting: decide without it
+            return None
+
+    replies = [r for r in await asyncio.gather(*(one(k, ids) for k, ids in by_shard.items())) if r is not None]
+    if len(replies) <= 1:
+        return replies[0] if replies else None
+    return EstimateReply(query_id=query.id, worker=",".join(r.worker for r in replies),
+                         estimates=[row for r in replies for row in r.estimates], at=max(r.at for r in replies))

@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import structlog
 
@@ -22,6 +24,8 @@ from bear.runtime.shutdown import cancel_all
 
 log = structlog.get_logger("bear.router")
 
+MAX_INSTANCES = 1024  # registry entries a router follows; more are refused (counted), not grown into
+
 @dataclass
 class InstanceInfo:
     """One registered instance with what routers have observed of it."""
@@ -33,10 +37,13 @@ class InstanceInfo:
     price_out: float = 0.0
     heartbeat: float = 0.0
     status: str = "up"  # the registry's: starting | up | down
+    backend: str = "vllm"  # what serves it (informational: shown to clients, never decided on)
     predictor_model: str = ""  # the model name the predictor knows
     calibration: Calibration = NOMINAL_CALIBRATION  # θ for eq. 8 and SCORE (the calibrator's)
     obs: Observations = field(default_factory=Observations)
     failed_until: float = 0.0  # this router saw a connection failure: avoid until then (monotonic)
+    max_model_len: int | None = None  # the engine's context (its registered config), when known
+    tokenizer: str = ""  # its tokenizer bundle id ("": none registered: lengths are estimated)
 
     def healthy(self, now: float, down_after_s: float) -> bool:
         return (bool(self.base_url) and self.status == "up" and now - self.heartbeat <= down_after_s
@@ -49,19 +56,68 @@ def predictor_name(model: str, aliases: dict[str, str]) -> str:
     return aliases.get(model) or model.rsplit("/", 1)[-1]
 
 
+def url_allowed(url: str, allowed: tuple[str, ...]) -> bool:
+    """Whether ``url`` lies under one of the ``allowed`` base URLs (same scheme and host, the same
+    port where one is given, a path below it) or, for an entry that is a network (``10.0.0.0/8``),
+    has an IP address host inside it; an empty list allows every URL."""
+    if not allowed:
+        return True
+    import ipaddress
+
+    try:
+        u = urlsplit(url)
+        for a in allowed:
+            if "://" not in a:
+                try:
+                    if u.hostname and ipaddress.ip_address(u.hostname) in ipaddress.ip_network(a, strict=False):
+                        return True
+                except ValueError:
+                    pass
+                continue
+            p = urlsplit(a)
+            if (u.scheme, u.hostname) == (p.scheme, p.hostname) and (p.port is None or u.port == p.port) \
+                    and u.path.startswith(p.path.rstrip("/")):
+                return True
+    except ValueError:
+        return False
+    return False
+
+
 class Registry:
-    """Watches the buckets and outcome events; ``healthy()`` is the candidate list of a query."""
+    """Watches the buckets and outcome events; ``healthy()`` is the candidate list of a query.
+
+    An entry is taken only when its record names the key it is stored under (with NATS
+    authorization on, only that instance's identity can write the key: bear.runtime.nats_auth)
+    and its base URL is under ``allowed_base_urls`` (when given). At most ``max_instances``
+    instances are followed; calibrations of instances not registered (yet) wait in a bounded
+    buffer of the same size. What is refused is counted (``rejected``), never raised."""
 
     def __init__(self, nc: Any, subjects: Subjects, *, down_after_s: float = 10.0,
-                 aliases: dict[str, str] | None = None) -> None:
+                 aliases: dict[str, str] | None = None, allowed_base_urls: tuple[str, ...] = (),
+                 max_instances: int = MAX_INSTANCES) -> None:
         self.nc = nc
         self.subjects = subjects
         self.down_after_s = down_after_s
         self.aliases = aliases or {}
+        self.allowed_base_urls = allowed_base_urls
+        self.max_instances = max_instances
         self.instances: dict[str, InstanceInfo] = {}
+        self._calibrations: OrderedDict[str, Calibration] = OrderedDict()  # of instances not registered
+        self.rejected: dict[str, int] = {}
+        self._reconnects = 0
+        self._reconnected_at = -1e9  # monotonic time of the last reconnect seen
         self._tasks: list[asyncio.Task[None]] = []
         self._sub: Any = None
         self.loaded = asyncio.Event()
+        self.on_tokenizer: Any = None  # called with each tokenizer id an entry names (to fetch it early)
+
+    def _reject(self, reason: str, key: str, detail: str = "") -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        with contextlib.suppress(Exception):
+            from bear.router.outcomes import metrics
+
+            metrics().registry_rejected.labels(reason=reason).inc()
+        log.warning("registry entry refused", reason=reason, key=key[:128], detail=detail[:200])
 
     def get(self, instance: str) -> InstanceInfo:
         info = self.instances.get(instance)
@@ -71,15 +127,35 @@ class Registry:
         return info
 
     def healthy(self) -> list[InstanceInfo]:
+        """The instances to route to. While NATS is away, or shortly after it came back, every
+        heartbeat goes stale together: that is the broker's silence, not the instances dying, so
+        each heartbeat is then judged against the newest one seen instead of the clock."""
         now = time.time()
-        return [i for i in sorted(self.instances.values(), key=lambda i: i.id) if i.healthy(now, self.down_after_s)]
+        ref = now
+        if self._broker_silent():
+            ref = min(now, max((i.heartbeat for i in self.instances.values()), default=now))
+        return [i for i in sorted(self.instances.values(), key=lambda i: i.id) if i.healthy(ref, self.down_after_s)]
 
-    async def start(self) -> None:
+    def _broker_silent(self) -> bool:
+        stats = getattr(self.nc, "stats", None)
+        reconnects = int(stats.get("reconnects", 0)) if isinstance(stats, dict) else 0
+        if reconnects != self._reconnects:
+            self._reconnects = reconnects
+            self._reconnected_at = time.monotonic()
+        connected = bool(getattr(self.nc, "is_connected", True))
+        return not connected or time.monotonic() - self._reconnected_at < self.down_after_s
+
+    async def start(self, *, observe: bool = True) -> None:
+        """Follow the registry; ``observe=False``: only the instances (no θ, no outcome events —
+        what the gateway needs to list the pool's models)."""
         js = self.nc.jetstream()
         self._tasks.append(asyncio.create_task(watch_kv(
-            js, self.subjects.instances_bucket, self._on_instance, on_loaded=self.loaded.set, retry_s=0.5, log=log)))
+            js, self.subjects.instances_bucket, self._on_instance, on_loaded=self.loaded.set, retry_s=0.5, log=log,
+            nc=self.nc)))
+        if not observe:
+            return
         self._tasks.append(asyncio.create_task(watch_kv(
-            js, self.subjects.calibration_bucket, self._on_calibration, retry_s=0.5, log=log)))
+            js, self.subjects.calibration_bucket, self._on_calibration, retry_s=0.5, log=log, nc=self.nc)))
         self._sub = await self.nc.subscribe(self.subjects.outcome_all, cb=self._on_outcome,
                                             pending_msgs_limit=65536)
 
@@ -97,26 +173,53 @@ class Registry:
         try:
             rec = decode(InstanceRecord, value)
         except BearError as exc:
-            log.warning("malformed registry entry ignored", instance=key, error=exc.message)
+            self._reject("malformed", key, exc.message)
             return
-        info = self.get(key)
+        if rec.id != key:
+            self._reject("id_mismatch", key, f"record names {rec.id!r}")
+            return
+        if not url_allowed(rec.base_url, self.allowed_base_urls):
+            self._reject("base_url", key, rec.base_url)
+            return
+        info = self.instances.get(key)
+        if info is None:
+            if len(self.instances) >= self.max_instances:
+                self._reject("full", key)
+                return
+            info = self.instances[key] = InstanceInfo(key, calibration=self._calibrations.pop(key, NOMINAL_CALIBRATION))
         info.model = rec.model
         info.base_url = rec.base_url.rstrip("/")
         info.price_in = rec.prices.input_per_mtok
         info.price_out = rec.prices.output_per_mtok
-        info.heartbeat = rec.heartbeat
+        info.heartbeat = min(rec.heartbeat, time.time() + 2.0)  # a future heartbeat would never go stale
         info.status = rec.status
+        info.backend = rec.backend
         info.predictor_model = rec.predictor_model or predictor_name(rec.model, self.aliases)
+        mml = (rec.config or {}).get("max_model_len")
+        info.max_model_len = mml if isinstance(mml, int) and not isinstance(mml, bool) and mml > 0 else None
+        info.tokenizer = rec.tokenizer
+        if rec.tokenizer and self.on_tokenizer is not None:
+            self.on_tokenizer(rec.tokenizer)
 
     def _on_calibration(self, key: str, value: bytes | None) -> None:
-        info = self.get(key)
+        info = self.instances.get(key)
         if value is None:
-            info.calibration = NOMINAL_CALIBRATION
+            self._calibrations.pop(key, None)
+            if info is not None:
+                info.calibration = NOMINAL_CALIBRATION
             return
         try:
-            info.calibration = decode(Calibration, value)
-        except BearError:
-            pass
+            cal = decode(Calibration, value)
+        except BearError as exc:
+            self._reject("malformed_calibration", key, exc.message)
+            return
+        if info is not None:
+            info.calibration = cal
+            return
+        self._calibrations[key] = cal
+        self._calibrations.move_to_end(key)
+        while len(self._calibrations) > self.max_instances:
+            self._calibrations.popitem(last=False)
 
     async def _on_outcome(self, msg: Any) -> None:
         try:

@@ -2,7 +2,10 @@
 per query it asks the predictor and the estimator concurrently (deadlines, fallbacks), builds one
 ``Candidate`` per healthy instance (``router.candidates``, which ``bear eval`` calls too), lets the
 policy pick, publishes ``bear.dispatch.<instance>``, streams the instance's answer to the client's inbox and logs the
-outcome. Routers share nothing but NATS. Protocol and decisions: docs/router.md."""
+outcome. Before asking the estimator it tokenises the query once per tokenizer its candidates
+use (``bear.tokenizer``, off the event loop; the predictor is asked meanwhile), so that the
+estimator gets exact prompt lengths and the token ids it finds prefix-cache hits with. Routers
+share nothing but NATS. Protocol and decisions: docs/router.md."""
 
 from __future__ import annotations
 
@@ -12,32 +15,49 @@ import math
 import os
 import time
 import uuid
-from collections import defaultdict
+from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 
 from bear.estimator.client import EstimatorClient
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.errors import BearError, ErrorCode, error_reply
-from bear.protocol.messages import EstimateQuery, EstimateRow, Outcome, encode
-from bear.protocol.subjects import Subjects
+from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateRow, Outcome, encode
+from bear.protocol.sampling import check_sampling
+from bear.protocol.subjects import CANCEL_SCHEMA, Subjects
+from bear.router.admission import Admission
 from bear.router.candidates import LocalLoad, ModelPrediction, build_candidates, dispatch_for
 from bear.router.dedup import Deduplicator
-from bear.router.dispatch import InstanceUnavailable, StreamBroken, request_body, stream_completion
+from bear.router.dispatch import (
+    InstanceRefused,
+    InstanceUnavailable,
+    StreamBroken,
+    request_body,
+    stream_completion,
+)
 from bear.router.outcomes import OutcomeLog
 from bear.router.policies import Candidate, Decision, Policy, QueryContext, make_policy
 from bear.router.predict import ask_estimator, ask_predictor
 from bear.router.registry import InstanceInfo, Registry
+from bear.runtime import tracing
 from bear.runtime.service import connect, stop_event
 from bear.runtime.shutdown import cancel_all, close_nats
+from bear.tokenizer.cache import TokenizerCache
 
 log = structlog.get_logger("bear.router")
 
 SUBMIT_SCHEMA = "bear.submit/1"
 MAX_PROMPT_BYTES = 4 * 1024 * 1024
+MAX_MESSAGE_DEPTH = 8  # chat messages: role/content maps, content parts, their fields
+DISPATCH_MARGIN_S = 0.05  # a query is not dispatched this close to its client's deadline
+RESEND_S = 3.0  # terminal messages sent this long before a reconnect are sent again after it
+RESEND_MAX = 20_000
+CANCEL_MEMORY = 4096  # ids of cancelled queries remembered (a cancel may overtake its submission)
+CANCEL_MEMORY_S = 60.0
 
 
 @dataclass
@@ -51,8 +71,11 @@ class RouterConfig:
     predict_try_s: float = 0.1
     estimate_budget_s: float = 0.2
     estimate_try_s: float = 0.1
+    estimator_shards: int = 1  # estimator shards of the deployment (each its own queue group)
     default_output_tokens: int = 256  # fallback prediction of the output length
-    max_inflight: int = 4096
+    max_inflight: int = 4096  # queries in progress (streaming included) before `overloaded`
+    max_deciding: int = 256  # queries being decided (before dispatch) before `overloaded`
+    shed_lag_s: float = 1.0  # event-loop lag beyond which new submits are refused (GC and a busy host stay below)
     down_after_s: float = 10.0
     fail_backoff_s: float = 5.0  # an instance that refused a connection is avoided this long
     max_attempts: int = 2  # instances tried per query before an `unavailable` error
@@ -63,6 +86,9 @@ class RouterConfig:
     outcome_log: Path | None = None
     aliases: dict[str, str] = field(default_factory=dict)  # served model → predictor model
     name: str = ""
+    engine_keys: dict[str, str] = field(default_factory=dict)  # instance (or "*") → its engine's API key
+    allowed_base_urls: tuple[str, ...] = ()  # instances only under these base URLs (empty: any)
+    tokenize: bool = True  # exact prompt tokens (and prefix hits) where instances register a tokenizer
 
 
 @dataclass
@@ -74,6 +100,14 @@ class Query:
     max_tokens: int
     lam: float
     prompt_tokens: int | None
+    model: str | None = None  # only this model's instances are candidates (served or predictor name)
+    sampling: dict[str, Any] = field(default_factory=dict)  # engine sampling fields, validated
+    trace: dict[str, str] | None = None  # trace-context headers for the calls this query makes
+    served_by: str | None = None  # the instance it was last dispatched to
+    deadline: float | None = None  # the client stops waiting for the start then (epoch s)
+    inbox: str = ""  # where the answer goes (a cancel must name it)
+    deciding: bool = True  # counted in Admission.deciding until dispatched or finished
+    session: str | None = None  # the conversation it belongs to (session-affinity routing)
 
     @property
     def text(self) -> str:
@@ -111,23 +145,79 @@ def parse_submit(data: bytes, cfg: RouterConfig) -> Query:
     pt = d.get("prompt_tokens")
     if pt is not None and (not isinstance(pt, int) or isinstance(pt, bool) or pt < 0):
         raise BearError(ErrorCode.BAD_REQUEST, "prompt_tokens must be a non-negative integer")
+    model = d.get("model")
+    if model is not None and (not isinstance(model, str) or not model or len(model) > 256):
+        raise BearError(ErrorCode.BAD_REQUEST, "model must be a non-empty string (≤ 256 chars)")
+    if messages is not None:
+        for m in messages:
+            _check_json(m, "messages", MAX_MESSAGE_DEPTH)
+    deadline = d.get("deadline")
+    if deadline is not None and (not isinstance(deadline, int | float) or isinstance(deadline, bool)
+                                 or not math.isfinite(deadline)):
+        raise BearError(ErrorCode.BAD_REQUEST, "deadline must be a finite number (epoch seconds)")
+    session = d.get("session")
+    if session is not None and (not isinstance(session, str) or not session or len(session) > 256):
+        raise BearError(ErrorCode.BAD_REQUEST, "session must be a non-empty string (≤ 256 chars)")
+    max_tokens = num("max_tokens", cfg.default_max_tokens, 1)
+    if max_tokens > 2**31 - 1:
+        raise BearError(ErrorCode.BAD_REQUEST, "max_tokens must be < 2^31")
     q = Query(query_id=qid, prompt=prompt, messages=messages,
               ttft_target_s=num("ttft_target_s", cfg.default_ttft_target_s, 0.0),
-              max_tokens=int(num("max_tokens", cfg.default_max_tokens, 1)), lam=num("lam", cfg.lam, 0.0),
-              prompt_tokens=pt)
+              max_tokens=int(max_tokens), lam=num("lam", cfg.lam, 0.0),
+              prompt_tokens=pt, model=model, sampling=check_sampling(d.get("sampling")),
+              deadline=None if deadline is None else float(deadline), session=session)
     if len(q.text.encode()) > MAX_PROMPT_BYTES:
         raise BearError(ErrorCode.TOO_LARGE, f"prompt larger than {MAX_PROMPT_BYTES} bytes")
     return q
 
 
+def _check_json(v: Any, where: str, depth: int) -> None:
+    """``v`` is what the engine's JSON body can carry: maps with string keys, lists, strings,
+    finite numbers, booleans, null — at most ``depth`` levels (a msgpack timestamp or bytes would
+    fail only after dispatch, inside the HTTP client)."""
+    if depth < 0:
+        raise BearError(ErrorCode.BAD_REQUEST, f"{where} nested too deeply")
+    if isinstance(v, dict):
+        for k, x in v.items():
+            if not isinstance(k, str):
+                raise BearError(ErrorCode.BAD_REQUEST, f"{where}: keys must be strings")
+            _check_json(x, where, depth - 1)
+    elif isinstance(v, list):
+        for x in v:
+            _check_json(x, where, depth - 1)
+    elif isinstance(v, float):
+        if not math.isfinite(v):
+            raise BearError(ErrorCode.BAD_REQUEST, f"{where}: numbers must be finite")
+    elif not (v is None or isinstance(v, str | int | bool)):
+        raise BearError(ErrorCode.BAD_REQUEST, f"{where}: {type(v).__name__} values are not JSON")
+
+
+class _Peek(msgspec.Struct):
+    """The fields admission reads before the submit is parsed (cheap: the rest is skipped)."""
+
+    deadline: float | None = None
+
+
+_peek = msgspec.msgpack.Decoder(_Peek)
+
+
+def peek_deadline(data: bytes) -> float | None:
+    try:
+        d = _peek.decode(data).deadline
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None  # the full parse answers bad_request
+    return d if d is not None and math.isfinite(d) else None
+
+
 class ClientStream:
     """Messages to one client inbox; guarantees exactly one terminal message (done or error)."""
 
-    def __init__(self, nc: Any, inbox: str, query_id: str) -> None:
+    def __init__(self, nc: Any, inbox: str, query_id: str, recent: deque[tuple[float, str, bytes]] | None = None) -> None:
         self.nc = nc
         self.inbox = inbox
         self.query_id = query_id
         self.finished = False
+        self.recent = recent  # the router's recently sent terminal messages (resent after a reconnect)
 
     async def send(self, msg: dict[str, Any]) -> None:
         if self.finished:
@@ -139,8 +229,20 @@ class ClientStream:
             log.warning("reply to client failed", query_id=self.query_id, error=str(exc))
 
     async def finish(self, msg: dict[str, Any]) -> None:
-        await self.send(msg)
+        if self.finished:
+            return
+        msg.setdefault("query_id", self.query_id)
+        data = pack(msg)
+        try:
+            await self.nc.publish(self.inbox, data)
+        except Exception as exc:
+            log.warning("reply to client failed", query_id=self.query_id, error=str(exc))
         self.finished = True
+        if self.recent is not None:
+            now = time.monotonic()
+            self.recent.append((now, self.inbox, data))
+            while self.recent and (now - self.recent[0][0] > RESEND_S or len(self.recent) > RESEND_MAX):
+                self.recent.popleft()
 
     async def error(self, code: ErrorCode, message: str, **extra: Any) -> None:
         m = error_reply(code, message)
@@ -155,16 +257,33 @@ class RouterService:
         self.subjects = subjects or Subjects()
         self.name = self.cfg.name or f"{os.uname().nodename}:{os.getpid()}:{id(self) & 0xFFFF:x}"
         self.policy: Policy = make_policy(self.cfg.policy, **self.cfg.policy_params)
-        self.registry = Registry(nc, self.subjects, down_after_s=self.cfg.down_after_s, aliases=self.cfg.aliases)
-        self.estimator = EstimatorClient(nc, self.subjects, try_timeout_s=self.cfg.estimate_try_s)
+        self.registry = Registry(nc, self.subjects, down_after_s=self.cfg.down_after_s, aliases=self.cfg.aliases,
+                                 allowed_base_urls=self.cfg.allowed_base_urls)
+        self.admission = Admission(max_inflight=self.cfg.max_inflight, max_deciding=self.cfg.max_deciding,
+                                   shed_lag_s=self.cfg.shed_lag_s)
+        shards = max(1, self.cfg.estimator_shards)
+        self.estimators = [EstimatorClient(nc, self.subjects, try_timeout_s=self.cfg.estimate_try_s,
+                                           subject=self.subjects.estimate_shard(k, shards)) for k in range(shards)]
         self.dedup = Deduplicator(nc, self.subjects.queries_bucket, ttl_s=self.cfg.dedup_ttl_s,
                                   timeout_s=self.cfg.dedup_timeout_s)
+        self.tokenizers = TokenizerCache(nc, self.subjects.tokenizers_bucket)
+        if self.cfg.tokenize:
+            self.registry.on_tokenizer = lambda tid: self.tokenizers.want([tid])
         self.outcomes = OutcomeLog(self.cfg.outcome_log)
         self.m = self.outcomes.m
         self.local = LocalLoad(defaultdict(int), defaultdict(int))  # in flight here: the eq. 8 fallback
         self._tasks: set[asyncio.Task[None]] = set()
+        self._by_query: dict[str, asyncio.Task[None]] = {}  # query_id → the task serving it here
+        self._inboxes: dict[str, str] = {}  # query_id → its answer's inbox, while served here
+        self._cancelled: OrderedDict[str, tuple[float, str]] = OrderedDict()  # id → (monotonic time, inbox)
         self._sub: Any = None
+        self._cancel_sub: Any = None
         self._session: Any = None
+        self._lag_task: asyncio.Task[None] | None = None
+        self._resend_task: asyncio.Task[None] | None = None
+        # A NATS node that dies takes the messages in its buffers with it: the terminal messages
+        # of the last RESEND_S go out again after a reconnect (a client ends on the first one).
+        self._recent: deque[tuple[float, str, bytes]] = deque()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -172,8 +291,12 @@ class RouterService:
 
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
         await self.registry.start()
+        self._lag_task = asyncio.create_task(self.admission.watch_loop())
+        self._resend_task = asyncio.create_task(self._resend_after_reconnect())
         self._sub = await self.nc.subscribe(self.subjects.submit, queue="bear-router", cb=self._on_submit,
                                             pending_msgs_limit=65536)
+        # every router hears every cancel (no queue group): only the one serving the query acts
+        self._cancel_sub = await self.nc.subscribe(self.subjects.cancel, cb=self._on_cancel, pending_msgs_limit=65536)
         await self.nc.flush()
         log.info("router started", router=self.name, policy=self.policy.name, subject=self.subjects.submit)
 
@@ -182,10 +305,15 @@ class RouterService:
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
+        if self._cancel_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._cancel_sub.unsubscribe()
         if self._tasks:
             _, pending = await asyncio.wait(list(self._tasks), timeout=drain_s)
             await cancel_all(pending)
         await self.registry.stop()
+        await cancel_all([t for t in (self._lag_task, self._resend_task) if t is not None])
+        await self.tokenizers.close()
         if self._session is not None:
             await self._session.close()
         self.outcomes.close()
@@ -195,17 +323,66 @@ class RouterService:
         t0 = time.perf_counter()
         if not msg.reply:
             return  # nowhere to answer: a malformed publish
-        if len(self._tasks) >= self.cfg.max_inflight:
-            await ClientStream(self.nc, msg.reply, "").error(ErrorCode.OVERLOADED, "router at max_inflight")
-            self.m.queries.labels(status="overloaded").inc()
+        refusal = self.admission.refuse(len(self._tasks), peek_deadline(msg.data), time.time())
+        if refusal is not None:
+            self.m.loop_lag.set(self.admission.lag)
+            await ClientStream(self.nc, msg.reply, "").error(refusal.code, refusal.message)
+            self.m.queries.labels(status=str(refusal.code)).inc()
+            self.m.shed.labels(reason=refusal.reason).inc()
             return
-        task = asyncio.create_task(self._serve(msg.data, msg.reply, t0))
+        self.admission.deciding += 1
+        task = asyncio.create_task(self._serve(msg.data, msg.reply, t0, msg.headers))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, data: bytes, inbox: str, t0: float) -> None:
-        out = ClientStream(self.nc, inbox, "")
+    async def _resend_after_reconnect(self) -> None:
+        seen = int(self.nc.stats.get("reconnects", 0))
+        while True:
+            await asyncio.sleep(0.05)
+            now_seen = int(self.nc.stats.get("reconnects", 0))
+            if now_seen == seen:
+                continue
+            seen = now_seen
+            recent = list(self._recent)
+            for _, inbox, data in recent:
+                with contextlib.suppress(Exception):
+                    await self.nc.publish(inbox, data)
+            log.info("reconnected: terminal messages sent again", count=len(recent))
+
+    async def _on_cancel(self, msg: Any) -> None:
+        """``bear.cancel/1``: abort the query if this router serves it, and remember the id for a
+        while (the cancel may overtake its own submission, which is then not started)."""
+        try:
+            d = unpack_map(msg.data)
+        except BearError:
+            return
+        qid, inbox = d.get("query_id"), d.get("inbox")
+        if d.get("v") != CANCEL_SCHEMA or not isinstance(qid, str) or not isinstance(inbox, str) or not inbox:
+            return
+        now = time.monotonic()
+        self._cancelled[qid] = (now, inbox)
+        self._cancelled.move_to_end(qid)
+        while self._cancelled and (len(self._cancelled) > CANCEL_MEMORY
+                                   or now - next(iter(self._cancelled.values()))[0] > CANCEL_MEMORY_S):
+            self._cancelled.popitem(last=False)
+        task = self._by_query.get(qid)
+        if task is not None and self._is_cancelled(qid, self._inboxes.get(qid, "")):
+            task.cancel()
+
+    def _is_cancelled(self, query_id: str, inbox: str) -> bool:
+        """A cancel counts only from whoever holds the answer's inbox (it names the inbox, which
+        only that client and the router serving it know: a query id alone is not enough)."""
+        c = self._cancelled.get(query_id)
+        return c is not None and c[1] == inbox
+
+    def _record_cancelled(self, q: Query, **extra: Any) -> None:
+        self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "cancelled", "policy": self.policy.name,
+                              "router": self.name, "target_s": q.ttft_target_s, **extra})
+
+    async def _serve(self, data: bytes, inbox: str, t0: float, headers: dict[str, str] | None = None) -> None:
+        out = ClientStream(self.nc, inbox, "", self._recent)
         self.m.inflight.inc()
+        q: Query | None = None
         try:
             try:
                 q = parse_submit(data, self.cfg)
@@ -214,8 +391,22 @@ class RouterService:
                 self.m.queries.labels(status="bad_request").inc()
                 return
             out.query_id = q.query_id
-            await self._route(q, out, t0)
+            q.inbox = inbox
+            if self._is_cancelled(q.query_id, inbox):  # the client gave up before it got here
+                out.finished = True
+                self._record_cancelled(q)
+                return
+            if self._by_query.setdefault(q.query_id, asyncio.current_task()) is asyncio.current_task():  # type: ignore[arg-type]
+                self._inboxes[q.query_id] = inbox
+            with tracing.child("router.query", headers, kind="server", query_id=q.query_id) as span:
+                q.trace = span.headers
+                await self._route(q, out, t0)
         except asyncio.CancelledError:
+            if q is not None and self._is_cancelled(q.query_id, inbox):  # the client cancelled: nobody to answer
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                out.finished = True
+                self._record_cancelled(q, instance=q.served_by)
+                return
             await out.error(ErrorCode.UNAVAILABLE, "router shutting down")
             raise
         except Exception as exc:
@@ -224,31 +415,81 @@ class RouterService:
             self.m.queries.labels(status="internal").inc()
         finally:
             self.m.inflight.dec()
+            if q is None or q.deciding:
+                self.admission.deciding = max(0, self.admission.deciding - 1)
+            if q is not None and self._by_query.get(q.query_id) is asyncio.current_task():
+                del self._by_query[q.query_id]
+                self._inboxes.pop(q.query_id, None)
             if not out.finished:  # defensive: every accepted query ends in done or error
                 await out.error(ErrorCode.INTERNAL, "no terminal message")
 
+    async def _tokenize(self, q: Query, insts: list[InstanceInfo]) -> dict[str, list[int]]:
+        """The query's token ids per tokenizer of its candidates (those loaded; {} when none)."""
+        if not self.cfg.tokenize:
+            return {}
+        ids = [i.tokenizer for i in insts if i.tokenizer]
+        if not ids:
+            return {}
+        self.tokenizers.want(ids)
+        try:
+            return await self.tokenizers.encode(ids, q.prompt, q.messages)
+        except Exception as exc:  # a tokenizer that fails on this input: lengths are estimated
+            log.warning("tokenize failed", query_id=q.query_id, error=repr(exc))
+            return {}
+
     async def _ask(self, q: Query, insts: list[InstanceInfo], ptoks: int) -> Asked:
         """The dedup claim, the predictor and the estimator, concurrently (three tasks, no nesting),
-        each clocked where it finished."""
+        each clocked where it finished; the estimator after the tokenisation (its input)."""
         models = sorted({i.predictor_model for i in insts})
         t = time.perf_counter()
-        pred = ask_predictor(self.nc, self.subjects.predict, q.text, models, self.cfg.predict_budget_s,
-                             try_timeout_s=self.cfg.predict_try_s, prompt_tokens=q.prompt_tokens,
-                             query_id=q.query_id)
-        est = ask_estimator(self.estimator, EstimateQuery(id=q.query_id, prompt_tokens=ptoks, max_tokens=q.max_tokens),
-                            [i.id for i in insts], self.cfg.estimate_budget_s)
+        pred = _traced("router.predict", q.trace, lambda h: ask_predictor(
+            self.nc, self.subjects.predict, q.text, models, self.cfg.predict_budget_s,
+            try_timeout_s=self.cfg.predict_try_s, prompt_tokens=q.prompt_tokens, query_id=q.query_id, headers=h))
+        tokens: dict[str, list[int]] = {}
+        tokenize_s = 0.0
+
+        async def tokenize_then_estimate() -> Any:
+            nonlocal tokens, tokenize_s
+            t_tok = time.perf_counter()
+            tokens = await self._tokenize(q, insts)
+            tokenize_s = time.perf_counter() - t_tok
+            cands = [EstimateCandidate(instance=i.id, tokenizer=i.tokenizer, prompt_tokens=len(tokens[i.tokenizer]))
+                     if i.tokenizer in tokens else EstimateCandidate(instance=i.id) for i in insts]
+            return await _traced("router.estimate", q.trace, lambda h: ask_estimator(
+                self.estimators, EstimateQuery(id=q.query_id, prompt_tokens=ptoks, max_tokens=q.max_tokens),
+                cands, self.cfg.estimate_budget_s, headers=h, tokens=tokens))
+
         (claimed, tc), (preds, tp), (reply, te) = await asyncio.gather(
-            _clocked(self.dedup.claim(q.query_id, self.name)), _clocked(pred), _clocked(est))
+            _clocked(self.dedup.claim(q.query_id, self.name)), _clocked(pred), _clocked(tokenize_then_estimate()))
         rows = {row.instance: row for row in reply.estimates} if reply is not None else None
+        exact = {i.id: len(tokens[i.tokenizer]) for i in insts if i.tokenizer in tokens}
         return Asked(claimed, preds, rows, claim_s=tc - t, predict_s=tp - t, estimate_s=te - t,
-                     estimated_at=reply.at if reply is not None else None)
+                     estimated_at=reply.at if reply is not None else None, exact_tokens=exact, tokenize_s=tokenize_s)
 
     async def _route(self, q: Query, out: ClientStream, t0: float) -> None:
         insts = self.registry.healthy()
+        if q.model is not None:
+            insts = [i for i in insts if q.model in (i.model, i.predictor_model)]
+            if not insts and not any(q.model in (i.model, i.predictor_model) for i in self.registry.instances.values()):
+                await out.error(ErrorCode.NOT_FOUND, f"no instance serves model {q.model!r}")
+                self.m.queries.labels(status="not_found").inc()
+                return
         if not insts:
-            await out.error(ErrorCode.UNAVAILABLE, "no healthy instance registered")
+            what = "" if q.model is None else f" of model {q.model!r}"
+            await out.error(ErrorCode.UNAVAILABLE, f"no healthy instance{what} registered")
             self.m.queries.labels(status="unavailable").inc()
             return
+        need = (q.prompt_tokens or 0) + q.max_tokens  # tokens the query needs at least
+        fits = [i for i in insts if i.max_model_len is None or need <= i.max_model_len]
+        if not fits:
+            most = max(i.max_model_len or 0 for i in insts)
+            reason = (f"the query needs ≥ {need} tokens (prompt + max_tokens); the largest max_model_len of the "
+                      f"candidate instances is {most}")
+            await out.error(ErrorCode.TOO_LARGE, reason)
+            self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "too_large", "reason": reason,
+                                  "policy": self.policy.name, "target_s": q.ttft_target_s})
+            return
+        insts = fits
         ptoks = q.token_estimate()
         # The dedup claim (a JetStream round trip) runs concurrently with the two questions.
         asked = await self._ask(q, insts, ptoks)
@@ -266,21 +507,44 @@ class RouterService:
             self.m.fallbacks.labels(kind="estimator").inc()
         asked.decided_at = time.time()
         cands, used = build_candidates(ptoks, insts, preds, rows, asked.decided_at,
-                                       default_output_tokens=self.cfg.default_output_tokens, local=self.local)
-        ctx = QueryContext(q.query_id, q.ttft_target_s, q.lam, ptoks)
+                                       default_output_tokens=self.cfg.default_output_tokens, local=self.local,
+                                       exact_tokens=asked.exact_tokens)
+        ctx = QueryContext(q.query_id, q.ttft_target_s, q.lam, ptoks, session=q.session)
+        if q.deadline is not None and cands and rows is not None:
+            soonest = min(c.ttft for c in cands)
+            if math.isfinite(soonest) and time.time() + soonest > q.deadline:
+                # every instance is predicted to start it after its client has given up
+                await out.error(ErrorCode.OVERLOADED, f"the soonest predicted first token ({soonest * 1e3:.0f} ms) "
+                                                      "comes after the client's deadline; not executed")
+                self.m.shed.labels(reason="pool_deadline").inc()
+                self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "overloaded",
+                                      "policy": self.policy.name, "target_s": q.ttft_target_s})
+                return
         excluded: set[str] = set()
         attempts: list[dict[str, Any]] = []
         for attempt in range(1, self.cfg.max_attempts + 1):
             live = [c for c in cands if c.instance not in excluded]
             if not live:
                 break
+            if q.deadline is not None and time.time() > q.deadline - DISPATCH_MARGIN_S:
+                # the client has given up (or will before the answer starts): do not execute
+                await out.error(ErrorCode.DEADLINE_EXCEEDED, "the client's deadline passed before dispatch; "
+                                                             "not executed")
+                self.m.shed.labels(reason="expired").inc()
+                self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "deadline_exceeded",
+                                      "policy": self.policy.name, "attempt": attempt, "target_s": q.ttft_target_s})
+                return
             d = self.policy.decide(ctx, live)
             inst = self.registry.get(d.candidate.instance)
             p = used[inst.id]
             request_id = f"bear-{uuid.uuid4().hex}"
-            await self.nc.publish(self.subjects.dispatch(inst.id),
-                                  encode(dispatch_for(q.query_id, request_id, p, q.max_tokens, time.time())))
+            await self.nc.publish(self.subjects.dispatch(inst.id), encode(dispatch_for(
+                q.query_id, request_id, p, q.max_tokens, time.time(), d.candidate.prefix_hit_tokens)))
+            q.served_by = inst.id
             decision_s = time.perf_counter() - t0
+            if q.deciding:
+                q.deciding = False
+                self.admission.decided(decision_s)
             if attempt == 1:
                 self.m.decision.observe(decision_s)
                 self.m.overhead.observe(max(0.0, decision_s - waited))
@@ -289,10 +553,20 @@ class RouterService:
                             "predictor_model": inst.predictor_model,
                             "predicted_ttft_s": _finite(self.policy.latency_estimate(d.candidate)),
                             "ttft_method": d.candidate.ttft_method, "feasible": d.feasible,
-                            "policy": self.policy.name, "decision_s": decision_s, "attempt": attempt})
+                            "policy": self.policy.name, "decision_s": decision_s, "attempt": attempt,
+                            "backend": inst.backend})
             try:
-                await self._stream(q, out, inst, d, p, request_id, ptoks, t0, decision_s, asked, fallbacks,
-                                   cands, attempt)
+                await self._stream(q, out, inst, d, p, request_id, max(1, p.prompt_tokens - d.candidate.prefix_hit_tokens),
+                                   t0, decision_s, asked, fallbacks, cands, attempt)
+                return
+            except InstanceRefused as exc:
+                # the request's own fault (too long, bad parameter): any instance would refuse it,
+                # so neither another attempt nor a mark against this instance
+                await out.error(exc.code, f"{inst.id} refused the query: {exc.reason}", instance=inst.id)
+                self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": str(exc.code),
+                                      "instance": inst.id, "policy": self.policy.name, "attempt": attempt,
+                                      "http_status": exc.status, "reason": exc.reason,
+                                      "target_s": q.ttft_target_s})
                 return
             except InstanceUnavailable as exc:
                 inst.failed_until = time.monotonic() + self.cfg.fail_backoff_s
@@ -305,41 +579,51 @@ class RouterService:
                               "policy": self.policy.name, "attempts": attempts, "target_s": q.ttft_target_s})
 
     async def _stream(self, q: Query, out: ClientStream, inst: InstanceInfo, d: Decision, p: ModelPrediction,
-                      request_id: str, ptoks: int, t0: float, decision_s: float, asked: Asked,
+                      request_id: str, uncached: int, t0: float, decision_s: float, asked: Asked,
                       fallbacks: list[str], cands: list[Candidate], attempt: int) -> None:
-        path, body = request_body(inst.model, q.prompt, q.messages, q.max_tokens, {})
+        path, body = request_body(inst.model, q.prompt, q.messages, q.max_tokens, dict(q.sampling))
         first: float | None = None
         usage: dict[str, int] = {}
         finish = None
         seq = 0
         local = self.local
-        local.pending_prefill_tokens[inst.id] += ptoks
+        local.pending_prefill_tokens[inst.id] += uncached
         local.running[inst.id] += 1
         pending_open = True
-        try:
-            async for piece in stream_completion(self._session, inst.base_url, request_id, path, body,
-                                                 connect_timeout_s=self.cfg.connect_timeout_s,
-                                                 idle_timeout_s=self.cfg.idle_timeout_s):
-                if piece.text:
-                    if first is None:
-                        first = time.perf_counter()
-                        local.pending_prefill_tokens[inst.id] -= ptoks
-                        pending_open = False
-                    await out.send({"v": "bear.chunk/1", "seq": seq, "text": piece.text})
-                    seq += 1
-                if piece.usage:
-                    usage = piece.usage
-                if piece.finish_reason:
-                    finish = piece.finish_reason
-        except StreamBroken as exc:
-            await out.error(ErrorCode.UNAVAILABLE, f"instance stream failed mid-answer: {exc}", instance=inst.id)
-            self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "broken",
-                                  "instance": inst.id, "policy": self.policy.name, "target_s": q.ttft_target_s})
-            return
-        finally:
-            if pending_open:
-                local.pending_prefill_tokens[inst.id] -= ptoks
-            local.running[inst.id] -= 1
+        predicted = self.policy.latency_estimate(d.candidate)
+        with tracing.child("router.engine", q.trace, kind="client", instance=inst.id, model=inst.model,
+                           request_id=request_id, attempt=attempt, ttft_method=d.candidate.ttft_method,
+                           predicted_ttft_s=_finite(predicted)) as span:
+            headers = dict(span.headers or {})
+            key = self.cfg.engine_keys.get(inst.id) or self.cfg.engine_keys.get("*")
+            if key:
+                headers["Authorization"] = f"Bearer {key}"
+            try:
+                async for piece in stream_completion(self._session, inst.base_url, request_id, path, body,
+                                                     connect_timeout_s=self.cfg.connect_timeout_s,
+                                                     idle_timeout_s=self.cfg.idle_timeout_s, headers=headers):
+                    if piece.text:
+                        if first is None:
+                            first = time.perf_counter()
+                            local.pending_prefill_tokens[inst.id] -= uncached
+                            pending_open = False
+                            span.event("first_token")
+                        await out.send({"v": "bear.chunk/1", "seq": seq, "text": piece.text})
+                        seq += 1
+                    if piece.usage:
+                        usage = piece.usage
+                    if piece.finish_reason:
+                        finish = piece.finish_reason
+            except StreamBroken as exc:
+                span.error(str(exc))
+                await out.error(ErrorCode.UNAVAILABLE, f"instance stream failed mid-answer: {exc}", instance=inst.id)
+                self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "broken",
+                                      "instance": inst.id, "policy": self.policy.name, "target_s": q.ttft_target_s})
+                return
+            finally:
+                if pending_open:
+                    local.pending_prefill_tokens[inst.id] -= uncached
+                local.running[inst.id] -= 1
         end = time.perf_counter()
         if first is None:  # an empty answer: the first (and only) token is the end of the stream
             first = end
@@ -352,8 +636,8 @@ class RouterService:
         tpot = (end - first) / (n_out - 1) if n_out > 1 else None
         with contextlib.suppress(Exception):
             await self.nc.publish(self.subjects.outcome(inst.id), encode(Outcome(
-                instance=inst.id, ttft_s=ttft, tpot_s=tpot, completed=True, t=time.time())))
-        predicted = self.policy.latency_estimate(d.candidate)
+                instance=inst.id, ttft_s=ttft, tpot_s=tpot, predicted_ttft_s=_finite(d.candidate.ttft),
+                method=d.candidate.ttft_method, completed=True, t=time.time())))
         await out.finish({"v": "bear.done/1", "instance": inst.id, "model": inst.model,
                           "predictor_model": inst.predictor_model, "ttft_s": ttft, "target_s": q.ttft_target_s,
                           "on_time": on_time, "utility": utility, "predicted_utility": d.candidate.utility(q.lam),
@@ -362,12 +646,15 @@ class RouterService:
         self.outcomes.record({
             "query_id": q.query_id, "t": time.time(), "status": "done", "policy": self.policy.name,
             "router": self.name, "instance": inst.id, "model": inst.model, "predictor_model": inst.predictor_model,
-            "target_s": q.ttft_target_s, "lam": q.lam, "prompt_tokens": ptoks, "max_tokens": q.max_tokens,
+            "target_s": q.ttft_target_s, "lam": q.lam, "prompt_tokens": q.token_estimate(),  # what the estimate was asked
+            "instance_prompt_tokens": p.prompt_tokens, "tokens": "exact" if d.candidate.tokens_exact else "estimated",
+            "prefix_hit_tokens": d.candidate.prefix_hit_tokens, "max_tokens": q.max_tokens,
             "predicted_ttft_s": predicted, "ttft_method": d.candidate.ttft_method, "feasible": d.feasible,
             "observed_ttft_s": ttft, "on_time": on_time, "utility": utility,
             "predicted_utility": d.candidate.utility(q.lam), "decision_s": decision_s, "wait_s": asked.wait_s,
             "decided_at": asked.decided_at, "estimated_at": asked.estimated_at,
             "predict_s": asked.predict_s, "estimate_s": asked.estimate_s, "claim_s": asked.claim_s,
+            "tokenize_s": asked.tokenize_s,
             "fallbacks": fallbacks, "attempt": attempt, "usage": usage, "request_id": request_id,
             "candidates": {c.instance: {
                 "model": c.model, "acc": c.acc, "cost": c.cost, "out_len": c.out_len, "out_p90": c.out_p90,
@@ -376,7 +663,8 @@ class RouterService:
                 "pending_decode_tokens": c.pending_decode_tokens, "prefill_tps": c.prefill_tps, "tpot": c.tpot,
                 "throughput_rps": c.throughput_rps, "observed_ttft_p50": c.observed_ttft_p50,
                 "observed_ttft_p90": c.observed_ttft_p90, "observed_ttft_p95": c.observed_ttft_p95,
-                "observed_tpot_p90": c.observed_tpot_p90, "score": d.scores.get(c.instance)}
+                "observed_tpot_p90": c.observed_tpot_p90, "prompt_tokens": c.prompt_tokens,
+                "prefix_hit_tokens": c.prefix_hit_tokens, "kv_usage": c.kv_usage, "score": d.scores.get(c.instance)}
                 for c in cands},
         })
 
@@ -393,6 +681,8 @@ class Asked:
     estimate_s: float
     estimated_at: float | None = None  # the estimator's clock for its rows
     decided_at: float = 0.0  # this router's clock when it built the candidates
+    exact_tokens: dict[str, int] = field(default_factory=dict)  # instance → its tokenizer's prompt length
+    tokenize_s: float = 0.0  # of estimate_s: tokenising the query (before the estimator was asked)
 
     @property
     def wait_s(self) -> float:
@@ -402,6 +692,19 @@ class Asked:
 
 async def _clocked(aw: Any) -> tuple[Any, float]:
     return await aw, time.perf_counter()
+
+
+def _traced(name: str, parent: dict[str, str] | None, call: Any) -> Any:
+    """``call(headers)`` — the awaitable of a request to another service — inside a client span
+    ``name`` when tracing is on; otherwise the call itself, handed the query's trace context."""
+    if not tracing.enabled():
+        return call(parent)
+
+    async def run() -> Any:
+        with tracing.child(name, parent, kind="client") as span:
+            return await call(span.headers)
+
+    return run()
 
 
 def _finite(x: float) -> float | None:
@@ -419,4 +722,5 @@ async def serve(nats_url: str, cfg: RouterConfig, prefix: str = "bear", ready: A
     await stop.wait()
     await router.stop()
     await close_nats(nc)
+    tracing.shutdown()
     log.info("router stopped", router=router.name)

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from nats.errors import TimeoutError as NatsTimeout
 
-async def ensure_kv(js: Any, bucket: str) -> Any:
-    """The JetStream KV bucket ``bucket``, created (history 1) when it does not exist yet."""
+DEDUP_TTL_S = 600.0  # how long a claimed query id is remembered (bear.router.dedup)
+
+
+async def ensure_kv(js: Any, bucket: str, *, ttl_s: float | None = None, replicas: int = 1) -> Any:
+    """The JetStream KV bucket ``bucket``, created (history 1) when it does not exist yet. Under
+    least-privilege credentials only ``admin`` may create one (``provision``): for any other
+    identity a missing bucket is an error that its caller retries."""
     from nats.js.errors import BucketNotFoundError
 
     try:
@@ -15,27 +24,85 @@ async def ensure_kv(js: Any, bucket: str) -> Any:
     except BucketNotFoundError:
         from nats.js.api import KeyValueConfig
 
-        return await js.create_key_value(KeyValueConfig(bucket=bucket, history=1))
+        return await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, replicas=replicas))
 
 
-async def watch_kv(js: Any, bucket: str, handler: Any, *, on_loaded: Any = None, retry_s: float = 1.0,
-                   log: Any = None) -> None:
-    """Follow every key of a KV bucket (created if missing) forever: ``handler(key, value)`` per
-    update, value None on delete/purge; ``on_loaded()`` once the initial values are through (after
-    each (re)watch). Errors re-watch after ``retry_s``; cancellation stops it."""
+async def provision(js: Any, subjects: Any, *, replicas: int = 1, dedup_ttl_s: float = DEDUP_TTL_S) -> list[str]:
+    """Create the deployment's buckets (``bear up`` and ``bear nats provision`` do it as ``admin``
+    before any service starts): the registry, the calibration and the dedup KV bucket (entries
+    expire after ``dedup_ttl_s``) and the tokenizer object store, each replicated ``replicas``
+    times in a cluster."""
+    buckets = [(subjects.instances_bucket, None), (subjects.calibration_bucket, None),
+               (subjects.queries_bucket, dedup_ttl_s)]
+    for bucket, ttl in buckets:
+        await ensure_kv(js, bucket, ttl_s=ttl, replicas=replicas)
+    from nats.js.api import ObjectStoreConfig
+    from nats.js.errors import BucketNotFoundError, NotFoundError
+
+    try:
+        await js.object_store(subjects.tokenizers_bucket)
+    except (BucketNotFoundError, NotFoundError):
+        await js.create_object_store(subjects.tokenizers_bucket, ObjectStoreConfig(replicas=replicas))
+    return [*(b for b, _ in buckets), subjects.tokenizers_bucket]
+
+
+@dataclass
+class WatchStats:
+    """What a KV watch went through (for metrics and tests)."""
+
+    entries: int = 0
+    rejected: int = 0  # entries whose handler raised: counted and skipped
+    rewatches: int = 0
+
+
+async def watch_kv(js: Any, bucket: str, handler: Callable[[str, bytes | None], None], *,
+                   on_loaded: Callable[[], None] | None = None, retry_s: float = 1.0, log: Any = None,
+                   nc: Any = None, poll_s: float = 0.5, stats: WatchStats | None = None) -> None:
+    """Follow every key of a KV bucket (created if missing) until cancelled: ``handler(key,
+    value)`` per update (value None on delete/purge), ``on_loaded()`` once the initial values are
+    through, after every (re)watch.
+
+    It survives anything one entry or the broker does: an entry whose handler raises is counted
+    and skipped (one bad key never wedges the watch); a failed watch is stopped before the next
+    one starts (no consumer left behind); and with ``nc`` given, a reconnect of that connection
+    starts a fresh watch within ``poll_s`` — the old consumer may not exist on the restarted
+    server, and the initial values bring the view up to date at once."""
+    stats = stats if stats is not None else WatchStats()
     while True:
+        watcher = None
         try:
             kv = await ensure_kv(js, bucket)
             watcher = await kv.watchall()
-            async for entry in watcher:
+            reconnects = _reconnects(nc)
+            while _reconnects(nc) == reconnects:
+                try:
+                    entry = await watcher.updates(timeout=poll_s)
+                except (TimeoutError, NatsTimeout):
+                    continue
                 if entry is None:  # end of the initial values
                     if on_loaded is not None:
                         on_loaded()
                     continue
-                handler(entry.key, None if entry.operation in ("DEL", "PURGE") else entry.value)
+                stats.entries += 1
+                try:
+                    handler(entry.key, None if entry.operation in ("DEL", "PURGE") else entry.value)
+                except Exception as exc:
+                    stats.rejected += 1
+                    if log is not None:
+                        log.warning("kv entry rejected", bucket=bucket, key=entry.key, error=repr(exc)[:200])
+            stats.rewatches += 1  # the connection came back: watch afresh
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            stats.rewatches += 1
             if log is not None:
                 log.warning("kv watch failed; retrying", bucket=bucket, error=str(exc))
             await asyncio.sleep(retry_s)
+        finally:
+            if watcher is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(watcher.stop(), 1.0)
+
+
+def _reconnects(nc: Any) -> int:
+    return int(nc.stats.get("reconnects", 0)) if nc is not None else 0

@@ -47,15 +47,22 @@ async def cancel_all(
 async def close_nats(nc: Any, timeout_s: float = 5.0) -> None:
     """Drain ``nc`` (subscribers finish what they hold, buffered publishes go out), but never
     longer than ``timeout_s``: nats-py's ``drain()`` swallows a cancellation and then flushes
-    for up to 10 s, so it runs as its own task and the connection is closed if it overruns."""
+    for up to 10 s, so it runs as its own task and the connection is closed if it overruns. Without
+    a server (it went first, or goes during the drain — the whole stack stopping at once) there is
+    nothing to drain: the connection is closed at once."""
     if nc.is_closed:
         return
-    drain = asyncio.ensure_future(nc.drain())
-    done, _ = await asyncio.wait({drain}, timeout=timeout_s)
-    if drain in done and drain.exception() is None:
-        return
-    if drain not in done:
-        drain.cancel()
-        log.warning("nats drain overran; closing", timeout_s=timeout_s)
+    if nc.is_connected:
+        drain = asyncio.ensure_future(nc.drain())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not drain.done() and loop.time() < deadline and not (nc.is_reconnecting or nc.is_closed):
+            await asyncio.wait({drain}, timeout=min(0.1, max(0.0, deadline - loop.time())))
+        if drain.done() and not drain.cancelled() and drain.exception() is None:
+            return
+        if not drain.done():
+            drain.cancel()
+            if loop.time() >= deadline:
+                log.warning("nats drain overran; closing", timeout_s=timeout_s)
     with contextlib.suppress(Exception):
         await asyncio.wait_for(nc.close(), 2.0)

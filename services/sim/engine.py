@@ -19,6 +19,7 @@ from typing import Any
 
 from bear import libbea
 from bear.instance.publisher import InstancePublisher
+from bear.protocol.messages import KvOp
 from bear.sim.lengths import OutputLengths
 from bear.sim.profile import Profile
 from bear.sim.roofline import RooflineModel
@@ -101,13 +102,14 @@ class SimEngine:
 
     # ------------------------------------------------------------------ requests
     def submit(self, request_id: str, prompt_tokens: int, max_tokens: int, true_output_tokens: int,
-               priority: int = 0) -> SimRequest:
-        """Queue a request (ValueError on bad sizes or a duplicate live id)."""
+               priority: int = 0, block_hashes: list[int] | None = None) -> SimRequest:
+        """Queue a request (ValueError on bad sizes or a duplicate live id); ``block_hashes``: vLLM's
+        hashes of its prompt's full blocks (the engine's prefix cache hits and keeps them)."""
         if request_id in self._live:
             raise ValueError(f"duplicate request id {request_id!r}")
         now = time.time()
         true_out = max(1, min(true_output_tokens, max_tokens))
-        self.engine.add(request_id, prompt_tokens, max_tokens, true_out, now, priority)
+        self.engine.add(request_id, prompt_tokens, max_tokens, true_out, now, priority, block_hashes=block_hashes or [])
         req = SimRequest(request_id, prompt_tokens, max_tokens, true_out, now)
         self._live[request_id] = req
         self.stats.requests += 1
@@ -166,6 +168,8 @@ class SimEngine:
                 await asyncio.sleep(delay)
             outputs = self.engine.finish_step()
             self._vclock = end
+            if self.publisher is not None and self.engine.prefix_caching:  # vLLM publishes a step's events at its end
+                self.publisher.kv_events([KvOp(kind, hashes) for kind, hashes in self.engine.take_kv_events()], end)
             lag = max(0.0, time.time() - end)
             self.stats.steps += 1
             self.stats.busy_s += duration

@@ -24,16 +24,33 @@ log = structlog.get_logger("bear.sim")
 async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, host: str = "127.0.0.1",
                 prefix: str = "bear", seed: int | None = None, base_url: str | None = None,
                 heartbeat_s: float = 0.5, min_interval_s: float = 0.0, output_lengths: str = "max",
-                ready: Any = None) -> None:
+                api_keys: Any = None, tokenizer_dir: str | None = None, ready: Any = None) -> None:
+    """``api_keys``: a ``bear.gateway.auth.ApiKeys`` the HTTP API requires (None: open).
+    ``tokenizer_dir``: a model directory with a tokenizer.json: prompts are tokenised with it,
+    the engine keeps a block-level prefix cache (prompt blocks, vLLM's default sha256 hashing),
+    publishes it on ``bear.kv.<id>`` and registers the tokenizer bundle (docs/sim-engine.md)."""
+    from dataclasses import replace
+
     from aiohttp import web
 
     profile = load_profile(profile_name)
     subjects = Subjects(prefix)
     nc = await connect(nats_url, f"bear-sim-{instance}")
-    publisher = InstancePublisher(nc, instance, subjects, idle_snapshot_s=heartbeat_s, min_interval_s=min_interval_s)
+    bundle = tok = hasher = None
+    if tokenizer_dir:
+        from bear.prefix.hashing import BlockHasher, HashSpec
+        from bear.tokenizer.bundle import from_model_dir
+        from bear.tokenizer.cache import load
+
+        bundle = from_model_dir(tokenizer_dir)
+        tok = load(bundle)
+        profile = replace(profile, scheduler={**profile.scheduler, "enable_prefix_caching": True})
+        hasher = BlockHasher(HashSpec(block_size=int(profile.engine_config()["block_size"])))
+    publisher = InstancePublisher(nc, instance, subjects, idle_snapshot_s=heartbeat_s, min_interval_s=min_interval_s,
+                                  kv_events=bundle is not None)
     sim = SimEngine(profile, instance, publisher, seed=seed, lengths=OutputLengths.parse(output_lengths, seed))
     publisher.initial = lambda: sim.engine.snapshot(instance, profile.model, 0.0)
-    runner = web.AppRunner(SimApi(sim).app(), access_log=None)
+    runner = SimApi(sim, tok, hasher, api_keys).runner()
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -42,11 +59,20 @@ async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, h
         instance, profile.model, url, gpu=f"{profile.gpu.count}x{profile.gpu.name}", backend="sim",
         price_input_per_mtok=profile.prices.get("input_per_mtok", 0.0),
         price_output_per_mtok=profile.prices.get("output_per_mtok", 0.0)), subjects)
+    registration.update(config=profile.engine_config())
+    if bundle is not None and hasher is not None:
+        from bear.protocol.messages import PrefixCacheInfo
+        from bear.tokenizer.store import put_bundle
+
+        bid = await put_bundle(nc.jetstream(timeout=5.0), subjects.tokenizers_bucket, bundle)
+        registration.update(tokenizer=bid, prefix_cache=PrefixCacheInfo(block_size=hasher.spec.block_size,
+                                                                         events=True))
     tasks = [asyncio.create_task(publisher.run()), asyncio.create_task(sim.run()),
              asyncio.create_task(registration.run())]
     stop = stop_event()
     log.info("sim engine serving", instance=instance, profile=profile.name, model=profile.model, url=url,
-             kv_blocks=profile.num_gpu_blocks)
+             kv_blocks=profile.num_gpu_blocks,
+             note="simulated: answers are placeholder text (lorem ipsum) with the real model's timing")
     if ready is not None:
         ready.set()
     await stop.wait()

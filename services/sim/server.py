@@ -5,8 +5,12 @@
 Lengths (docs/sim-engine.md): the prompt length is the length of a token-id prompt, else ≈ UTF-8
 bytes / 4 (plus a small per-message chat template); the output length is the engine's own
 (``bear.sim.lengths``: never EOS, or a seeded draw), capped by ``max_tokens``. The text is
-placeholder words. The request id is the ``X-Request-Id`` header when present, so the
+placeholder words. A prompt plus ``max_tokens`` beyond ``max_model_len`` is refused with
+HTTP 400, as vLLM does. The request id is the ``X-Request-Id`` header when present, so the
 router can name the request in ``bear.dispatch`` the way the instance's snapshots name it.
+
+The text is placeholder — the words of "lorem ipsum", one per token — not an answer: the sim
+engine models an instance's timing, not its model.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
+from bear.runtime import tracing
 from bear.sim.engine import SimEngine, SimRequest
 
 FILLER = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit")
@@ -78,11 +83,50 @@ def filler(start: int, count: int) -> str:
 
 
 class SimApi:
-    def __init__(self, sim: SimEngine) -> None:
+    """``tokenizer`` (a loaded ``bear.tokenizer`` bundle): prompts are tokenised as vLLM would
+    tokenise them for the model, and their full blocks hashed (``hasher``) into the engine's prefix
+    cache; without one the length rule above applies and nothing is cached. ``api_keys``: require
+    ``Authorization: Bearer <key>`` on ``/v1/*``, as vLLM's ``--api-key`` does (``/health`` stays
+    open for probes); None: no key."""
+
+    def __init__(self, sim: SimEngine, tokenizer: Any = None, hasher: Any = None, api_keys: Any = None) -> None:
         self.sim = sim
+        self.api_keys = api_keys
+        self.tokenizer = tokenizer
+        self.hasher = hasher
+
+    def prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int] | None:
+        """The prompt's token ids (None: no tokenizer, or content it cannot render exactly)."""
+        prompt = body.get("prompt")
+        if not chat and isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return [int(t) for t in prompt]
+        if self.tokenizer is None:
+            return None
+        if chat:
+            messages = body.get("messages")
+            return self.tokenizer.encode(None, messages) if isinstance(messages, list) and messages else None
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return self.tokenizer.encode(prompt, None) if isinstance(prompt, str) else None
+
+    def runner(self) -> web.AppRunner:
+        """The server's runner. ``handler_cancellation``: a client that goes away cancels its
+        handler, whose ``finally`` aborts the request in the engine — what vLLM does on a
+        disconnect — also while it is still queued or a non-streaming answer is being generated
+        (with aiohttp's default the handler would only notice at its next write)."""
+        return web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.api_keys is not None and request.path.startswith("/v1/"):
+            why = self.api_keys.check(request.headers.get("Authorization"))
+            if why is not None:
+                return web.json_response({"error": {"message": why, "type": "invalid_request_error",
+                                                    "code": "invalid_api_key"}}, status=401)
+        return await handler(request)
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._auth])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -129,20 +173,28 @@ class SimApi:
             model = body.get("model")
             if model is not None and model != self.sim.model_name:
                 raise ApiError(404, f"the model `{model}` does not exist (serving {self.sim.model_name})")
-            ptoks = prompt_tokens_of(body, chat)
+            ids = self.prompt_ids(body, chat)
+            ptoks = len(ids) if ids else prompt_tokens_of(body, chat)
             if ptoks >= self.sim.max_model_len:
                 raise ApiError(400, f"prompt of {ptoks} tokens does not fit max_model_len {self.sim.max_model_len}")
             room = self.sim.max_model_len - ptoks
             raw_max = body.get("max_completion_tokens") if chat else None
             if raw_max is None:
                 raw_max = body.get("max_tokens")
-            max_tokens = room if raw_max is None else min(_positive_int(raw_max, "max_tokens"), room)
+            max_tokens = room if raw_max is None else _positive_int(raw_max, "max_tokens")
+            if max_tokens > room:  # refused, as vLLM refuses it (it does not clamp)
+                raise ApiError(400, f"This model's maximum context length is {self.sim.max_model_len} tokens. "
+                                    f"However, you requested {ptoks + max_tokens} tokens ({ptoks} in the prompt, "
+                                    f"{max_tokens} in the completion). Please reduce the length of the prompt "
+                                    "or completion.")
             priority = body.get("priority", 0)
             if not isinstance(priority, int) or isinstance(priority, bool):
                 raise ApiError(400, "priority must be an integer")
             rid = request.headers.get("X-Request-Id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             try:
-                req = self.sim.submit(rid, ptoks, max_tokens, self.sim.lengths.tokens(rid, max_tokens), priority)
+                hashes = self.hasher.hashes(ids) if ids and self.hasher is not None else None
+                req = self.sim.submit(rid, ptoks, max_tokens, self.sim.lengths.tokens(rid, max_tokens), priority,
+                                      block_hashes=hashes)
             except ValueError as exc:
                 raise ApiError(409 if "duplicate" in str(exc) else 400, str(exc)) from exc
         except json.JSONDecodeError:
@@ -150,27 +202,36 @@ class SimApi:
         except ApiError as exc:
             return error_response(exc.status, exc.message)
 
-        try:
-            if body.get("stream"):
-                opts = body.get("stream_options") or {}
-                usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
-                return await self._stream(request, req, chat, usage)
-            return await self._complete(req, chat)
-        finally:
-            if not req.finished:  # client went away: free the engine's slot like vLLM's abort
-                self.sim.abort(req.id)
+        # the router's trace context (traceparent header): the engine's part of the query's trace
+        with tracing.child("sim.generate", request.headers, kind="server", instance=self.sim.instance,
+                           request_id=req.id, prompt_tokens=ptoks) as span:
+            try:
+                if body.get("stream"):
+                    opts = body.get("stream_options") or {}
+                    usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
+                    return await self._stream(request, req, chat, usage)
+                return await self._complete(req, chat)
+            finally:
+                if not req.finished:  # client went away: free the engine's slot like vLLM's abort
+                    self.sim.abort(req.id)
+                if req.first_token_at is not None:
+                    span.event("first_token", at=req.first_token_at)
+                span.set(output_tokens=req.output_tokens, aborted=req.aborted, ttft_s=req.ttft_s)
 
     async def _wait_done(self, req: SimRequest) -> None:
         while not req.finished:
             await req.changed.wait()
             req.changed.clear()
 
-    def _usage(self, req: SimRequest) -> dict[str, int]:
-        return {
+    def _usage(self, req: SimRequest) -> dict[str, Any]:
+        u: dict[str, Any] = {
             "prompt_tokens": req.prompt_tokens,
             "completion_tokens": req.output_tokens,
             "total_tokens": req.prompt_tokens + req.output_tokens,
         }
+        if self.sim.engine.prefix_caching:  # as vLLM reports it with --enable-prompt-tokens-details
+            u["prompt_tokens_details"] = {"cached_tokens": max(0, self.sim.engine.prefix_hit_tokens(req.id))}
+        return u
 
     async def _complete(self, req: SimRequest, chat: bool) -> web.Response:
         await self._wait_done(req)

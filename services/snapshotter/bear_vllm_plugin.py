@@ -248,6 +248,7 @@ class _SnapshotMixin:
         }
         if lpt_adaptive is not None:
             config["long_prefill_token_threshold_adaptive"] = bool(lpt_adaptive)
+        model_config = getattr(self.vllm_config, "model_config", None)  # type: ignore[attr-defined]
         return {
             "record_version": RECORD_VERSION,
             "vllm_version": vllm_version(),
@@ -259,7 +260,35 @@ class _SnapshotMixin:
             "verify": self._bear_delta and os.environ.get("BEAR_SNAPSHOT_VERIFY") == "1",
             "full_every": max(1, int(os.environ.get("BEAR_SNAPSHOT_FULL_EVERY", DEFAULT_FULL_EVERY))),
             "config": config,
+            "prefix_cache": self._bear_prefix_meta(),
+            "tokenizer": str(getattr(model_config, "tokenizer", "") or ""),
         }
+
+    def _bear_prefix_meta(self) -> dict[str, Any]:
+        """How this engine names its cached blocks and where it publishes its KV events: what a
+        mirror outside needs (``bear.prefix``). The seed is the one vLLM resolved (PYTHONHASHSEED
+        or its fixed default; random per process for the xxhash algorithms without it)."""
+        cc = self.cache_config  # type: ignore[attr-defined]
+        out: dict[str, Any] = {
+            "enabled": bool(cc.enable_prefix_caching),
+            "block_size": int(self.block_size),  # type: ignore[attr-defined]
+            "hash_algo": str(getattr(cc, "prefix_caching_hash_algo", "sha256")),
+            "events": False,
+        }
+        try:
+            from vllm import envs
+            from vllm.v1.core import kv_cache_utils
+
+            out["hash_seed"] = str(kv_cache_utils.get_none_hash_seed())
+            out["int_hashes"] = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+        except Exception as exc:  # an internal that moved: the mirror says so rather than guess
+            out["problem"] = repr(exc)
+        pub = getattr(self, "kv_event_publisher", None)
+        cfg = pub.get_publisher_config() if pub is not None else None
+        if cfg is not None and getattr(cfg, "enable_kv_cache_events", False) and getattr(cfg, "publisher", "") == "zmq":
+            out.update(events=True, endpoint=cfg.endpoint, replay_endpoint=cfg.replay_endpoint,
+                       topic=cfg.topic or "")
+        return out
 
     # ---- engine-thread hooks --------------------------------------------------------------------
     def add_request(self, request: Any) -> None:

@@ -9,6 +9,13 @@ scheduler in the same gap and arrived before R (they are ahead of R in the FCFS 
 ``expected_batches`` are the steps s, s+1, … up to the one that completes R's prompt, restricted
 to the requests of the case; ``engine_ttft_s`` runs from the start of step s's scheduling to the
 end of the update of that last step (engine clock).
+
+Prefix-cache hits: by default a case's request carries the hit the engine itself found at its
+admission. Given the prompts' token ids (``prompts``: client request id → ids) and a log with the
+engine's KV events, every hit in the case is the mirror's instead — the request's and those of
+the snapshot's waiting requests — computed from the cache as it was after step s−1
+(``recorded_cache``), exactly what an estimator mirroring the instance would know; the engine's
+own admission hit stays beside it (``engine_prefix_hit_tokens``).
 """
 
 from __future__ import annotations
@@ -18,6 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from bear.protocol.jsonl import read_jsonl, write_jsonl
+from bear.snapshotter.recorded_cache import (
+    RecordedCache,
+    find_prompt,
+    kv_batches,
+    spec_of,
+    split_by_generation,
+)
 from bear.snapshotter.records import batches_of, context_before, request_map, to_snapshot
 
 
@@ -26,7 +40,7 @@ def read_steps(path: str | Path) -> Iterator[tuple[dict[str, Any] | None, dict[s
     for obj in read_jsonl(path):
         if "meta" in obj:
             yield obj["meta"], obj["step"]
-        else:
+        elif "kv" not in obj:  # KV event batches are read by recorded_cache
             yield None, obj
 
 
@@ -72,7 +86,8 @@ def final_output_lengths(steps: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def build_cases(
-    meta: dict[str, Any], steps: list[dict[str, Any]], *, trace: str, instance: str | None = None
+    meta: dict[str, Any], steps: list[dict[str, Any]], *, trace: str, instance: str | None = None,
+    prompts: dict[str, list[int]] | None = None, kv: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     config = meta["config"]
     inst = instance or trace
@@ -139,7 +154,50 @@ def build_cases(
             "engine_ttft_s": t_end - t_start,
             "preemption_in_horizon": preempt,
         })  # fmt: skip
+    spec = spec_of(meta)
+    if prompts is not None and kv is not None and spec is not None:
+        _mirror_hits(cases, RecordedCache(spec, kv, steps), prompts)
     return cases
+
+
+def _mirror_hits(cases: list[dict[str, Any]], cache: RecordedCache, prompts: dict[str, list[int]]) -> None:
+    """Replace every hit in the cases by the mirror's (module doc); cases whose request's prompt
+    is unknown are marked ``prefix_source: engine``."""
+    need: list[tuple[dict[str, Any], str, int, list[int]]] = []
+    for c in cases:
+        s = c["snapshot"]["seq"]
+        req = c["request"]
+        toks = find_prompt(prompts, req["id"])
+        c["prefix_source"] = "mirror" if toks is not None else "engine"
+        if toks is None:
+            continue
+        need.append((req, "request", s, toks))
+        for w in c["snapshot"]["waiting"]:
+            wt = find_prompt(prompts, w["id"])
+            if wt is not None and w.get("computed_tokens", 0) == 0:
+                need.append((w, "waiting", s, wt))
+    hits = cache.hits((s, toks) for _, _, s, toks in need)
+    for (obj, kind, _, _), h in zip(need, hits, strict=True):
+        if kind == "request":
+            obj["engine_prefix_hit_tokens"] = obj["prefix_hit_tokens"]
+        obj["prefix_hit_tokens"] = h
+
+
+def hit_agreement(meta: dict[str, Any], steps: list[dict[str, Any]], kv: list[dict[str, Any]],
+                  prompts: dict[str, list[int]]) -> dict[str, Any]:
+    """The mirror's hit against the engine's ``num_cached_tokens`` (its computed tokens at first
+    admission) for every admitted request whose prompt is known: the cache after the step before
+    the admission step."""
+    spec = spec_of(meta)
+    if spec is None:
+        return {"admitted": 0, "equal": 0, "rate": None, "why": "prefix caching off or not recorded"}
+    adm = [(st["seq"] - 1, rid, int(c), toks) for st in steps for rid, c in st["new_reqs"].items()
+           if (toks := find_prompt(prompts, rid)) is not None]
+    hits = RecordedCache(spec, kv, steps).hits((s, toks) for s, _, _, toks in adm)
+    diffs = [{"id": rid, "engine": c, "mirror": h, "step": s + 1} for (s, rid, c, _), h in zip(adm, hits, strict=True)
+             if h != c]
+    return {"admitted": len(adm), "equal": len(adm) - len(diffs), "rate": 1 - len(diffs) / len(adm) if adm else None,
+            "with_hit": sum(1 for _, _, c, _ in adm if c > 0), "mismatches": diffs[:50]}
 
 
 def _first_sched(by_seq: dict[int, dict[str, Any]], rid: str, s: int) -> int:
@@ -149,19 +207,30 @@ def _first_sched(by_seq: dict[int, dict[str, Any]], rid: str, s: int) -> int:
     return seq if seq in by_seq else s
 
 
+def read_prompts(path: str | Path) -> dict[str, list[int]]:
+    """Prompt token ids by client request id: JSONL lines ``{"id": ..., "prompt_token_ids": [...]}``."""
+    return {str(o["id"]): [int(t) for t in o["prompt_token_ids"]] for o in read_jsonl(path)}
+
+
 def record_run(
-    step_logs: Iterable[str | Path], *, trace: str, out_dir: str | Path
+    step_logs: Iterable[str | Path], *, trace: str, out_dir: str | Path, prompts: dict[str, list[int]] | None = None,
+    agreement: list[dict[str, Any]] | None = None,
 ) -> tuple[Path, Path, int, int]:
     """Write ``cases.jsonl.gz`` and ``batches_<trace>.jsonl.gz`` into ``out_dir``; returns the paths
-    and the counts of cases and batch records."""
+    and the counts of cases and batch records. With ``prompts``, hits are the mirror's (module
+    doc) and ``agreement`` (when given) gets one ``hit_agreement`` per engine generation."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cases: list[dict[str, Any]] = []
     batches: list[dict[str, Any]] = []
     for log in step_logs:
-        for meta, steps in generations(log):
-            cases.extend(build_cases(meta, steps, trace=trace))
+        gens = generations(log)
+        kvs = split_by_generation(kv_batches(log), gens) if prompts is not None else [None] * len(gens)
+        for (meta, steps), kv in zip(gens, kvs, strict=True):
+            cases.extend(build_cases(meta, steps, trace=trace, prompts=prompts, kv=kv))
             batches.extend(batches_of(steps, trace))
+            if prompts is not None and agreement is not None and kv is not None:
+                agreement.append(hit_agreement(meta, steps, kv, prompts))
     cpath, bpath = out / "cases.jsonl.gz", out / f"batches_{trace}.jsonl.gz"
     write_jsonl(cpath, cases)
     write_jsonl(bpath, batches)

@@ -8,7 +8,18 @@ from typing import Annotated
 
 import typer
 
-from bear.options import DEFAULT_NATS, LogFormatOpt, LogLevel, LogLevelOpt, MetricsPort, NatsUrl, Prefix
+from bear.options import (
+    DEFAULT_METRICS_HOST,
+    FIND_NATS,
+    LogFormatOpt,
+    LogLevel,
+    LogLevelOpt,
+    MetricsHost,
+    MetricsPort,
+    NatsCreds,
+    NatsUrl,
+    Prefix,
+)
 from bear.runtime import aio
 from bear.runtime.logging import LogFormat
 
@@ -18,7 +29,8 @@ def snapshotter(
     shm: Annotated[
         str, typer.Option(help="Shared-memory region the plugin writes (BEAR_SNAPSHOT_SHM of vLLM).")
     ],
-    nats: NatsUrl = DEFAULT_NATS,
+    nats: NatsUrl = FIND_NATS,
+    nats_creds: NatsCreds = "",
     model: Annotated[str, typer.Option(help="Model name served by the instance (registry entry).")] = "",
     base_url: Annotated[
         str, typer.Option(help="OpenAI-compatible base URL of the instance (registry entry).")
@@ -48,7 +60,21 @@ def snapshotter(
         Path | None,
         typer.Option(help="Also append every step to this JSONL(.gz) log (input of `bear record`)."),
     ] = None,
+    tokenizer_dir: Annotated[
+        Path | None,
+        typer.Option(help="Model directory with the engine's tokenizer.json (default: the path vLLM loaded); its "
+                          "bundle goes to the bear_tokenizers object store and its id into the registry entry."),
+    ] = None,
+    register_tokenizer: Annotated[
+        bool, typer.Option("--register-tokenizer/--no-register-tokenizer",
+                           help="Register the engine's tokenizer (routers then count prompt tokens exactly).")
+    ] = True,
+    kv_events: Annotated[
+        bool, typer.Option("--kv-events/--no-kv-events",
+                           help="Mirror the engine's KV cache events (vLLM --kv-events-config) on bear.kv.<id>.")
+    ] = True,
     metrics_port: MetricsPort = 0,
+    metrics_host: MetricsHost = DEFAULT_METRICS_HOST,
     log_format: LogFormatOpt = LogFormat.console,
     log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
@@ -68,12 +94,13 @@ def snapshotter(
         price_input_per_mtok=price_input, price_output_per_mtok=price_output, prefix=prefix,
         min_interval_s=min_interval_ms / 1e3, batch_flush_s=batch_flush_ms / 1e3, heartbeat_s=heartbeat_ms / 1e3,
         stale_after_s=stale_after_ms / 1e3, on_down=on_down, record_to=str(record_to) if record_to else None,
+        tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None, register_tokenizer=register_tokenizer,
+        kv_events=kv_events,
     )  # fmt: skip
     metrics = SnapshotterMetrics()
-    if metrics_port:
-        from bear.runtime.metrics import start_metrics_server
+    from bear.runtime.metrics import start_metrics_server
 
-        start_metrics_server(metrics_port, registry=metrics.registry)
+    start_metrics_server(metrics_port, metrics_host, registry=metrics.registry)
 
     async def main() -> None:
         svc = Snapshotter(cfg, metrics)
@@ -93,12 +120,22 @@ def record(
         str, typer.Option(help="Trace name (the cases' `trace` field and batches_<trace> file).")
     ],
     out: Annotated[Path, typer.Option(help="Output folder for cases.jsonl.gz and batches_<trace>.jsonl.gz.")],
+    prompts: Annotated[
+        Path | None,
+        typer.Option(help="JSONL of the run's prompts ({id: X-Request-Id, prompt_token_ids: [...]}): the cases' "
+                          "prefix-cache hits become the mirror's (from the logged KV events) instead of the engine's."),
+    ] = None,
 ) -> None:
     """Turn a recorded vLLM run into replay cases and batch records (format of vllm-cpu-traces)."""
-    from bear.snapshotter.cases import record_run
+    from bear.snapshotter.cases import read_prompts, record_run
 
-    cpath, bpath, nc, nb = record_run(step_logs, trace=trace, out_dir=out)
+    agreement: list[dict] = []
+    cpath, bpath, nc, nb = record_run(step_logs, trace=trace, out_dir=out,
+                                      prompts=read_prompts(prompts) if prompts else None, agreement=agreement)
     typer.echo(f"{nc} cases -> {cpath}\n{nb} batch records -> {bpath}")
+    for a in agreement:
+        rate = "-" if a["rate"] is None else f"{a['rate']:.4f}"
+        typer.echo(f"mirror hit = engine num_cached_tokens: {a['equal']}/{a['admitted']} admitted requests ({rate})")
 
 
 def register(app: typer.Typer) -> None:

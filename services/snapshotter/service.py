@@ -1,5 +1,8 @@
 """The snapshotter process: reads the plugin's ring, publishes ``bear.snapshot.<id>`` and
-``bear.batches.<id>``, and keeps the instance's entry in the ``bear_instances`` KV bucket.
+``bear.batches.<id>``, and keeps the instance's entry in the ``bear_instances`` KV bucket. When
+the engine publishes KV cache events (vLLM ``--kv-events-config``, ZMQ) it also mirrors them on
+``bear.kv.<id>`` (``kv_events``), registers how the engine hashes its blocks, and puts the
+engine's tokenizer bundle in the ``bear_tokenizers`` object store (its id in the registry entry).
 
 It never talks back to vLLM: whatever happens here (NATS down, slow consumers, a crash) the engine
 only keeps overwriting its ring. While NATS is unreachable snapshots are dropped (a stale snapshot
@@ -22,8 +25,11 @@ from nats.aio.client import Client as NATS
 from bear.instance.publisher import InstancePublisher
 from bear.instance.record import Registration, instance_record
 from bear.protocol.jsonl import open_text
+from bear.protocol.messages import KvOp, PrefixCacheInfo
 from bear.protocol.subjects import SNAPSHOT_SCHEMA, Subjects
+from bear.runtime.service import auth_options
 from bear.runtime.shutdown import cancel_all
+from bear.snapshotter.kv_events import KvEventsReader
 from bear.snapshotter.metrics import SnapshotterMetrics
 from bear.snapshotter.records import BatchBuilder, RecordError, StepDecoder, to_snapshot
 from bear.snapshotter.shm import ShmReader, pid_namespace
@@ -53,6 +59,9 @@ class SnapshotterConfig:
     stale_after_s: float = 1.0
     on_down: str = "mark"  # "mark" | "delete"
     record_to: str | None = None
+    tokenizer_dir: str | None = None  # where the engine's tokenizer is (default: the path vLLM loaded)
+    register_tokenizer: bool = True  # put the tokenizer bundle in the object store, its id in the registry
+    kv_events: bool = True  # mirror the engine's KV events when it publishes them
 
 
 class Snapshotter:
@@ -76,7 +85,10 @@ class Snapshotter:
             None, cfg.instance, self.subjects, min_interval_s=cfg.min_interval_s,
             idle_snapshot_s=cfg.idle_snapshot_s, snapshot_buffer=cfg.snapshot_buffer,
             batch_flush_s=cfg.batch_flush_s, batch_buffer=cfg.batch_buffer, metrics=self.metrics.publisher,
-            engine_alive=self._engine_alive, initial=self._empty_snapshot)
+            engine_alive=self._engine_alive, initial=self._empty_snapshot, kv_events=cfg.kv_events)
+        self._kv_reader: KvEventsReader | None = None
+        self._kv_task: asyncio.Task[None] | None = None
+        self._tokenizer_task: asyncio.Task[None] | None = None
         self.registration = Registration(
             None, instance_record(cfg.instance, cfg.model, cfg.base_url, gpu=cfg.gpu,
                                   price_input_per_mtok=cfg.price_input_per_mtok,
@@ -104,7 +116,7 @@ class Snapshotter:
         try:
             await self._stop.wait()
         finally:
-            await cancel_all(tasks)
+            await cancel_all([*tasks, *(t for t in (self._kv_task, self._tokenizer_task) if t is not None)])
             await self.publisher.close()
             await self.registration.close()
             if self._record is not None:
@@ -135,6 +147,7 @@ class Snapshotter:
                     disconnected_cb=self._on_disconnected,
                     reconnected_cb=self._on_reconnected,
                     error_cb=self._on_error,
+                    **auth_options(),  # the instance's own identity ($BEAR_NATS_CREDS)
                 )
                 self.log.info("nats_connected", url=self.cfg.nats_url)
                 self.publisher.nc = self.registration.nc = self.nc
@@ -191,11 +204,79 @@ class Snapshotter:
         self._meta_logged = False
         self._bad_logged = False
         self.registration.update(seq=-1, generation=reader.generation, vllm_version=self._meta.get("vllm_version"),
-                                 config=self._meta.get("config"))
+                                 config=self._meta.get("config"), prefix_cache=self._prefix_info())
+        self._follow_kv_events()
+        self._register_tokenizer()
         self.metrics.engine_restarts.inc()
         self.log.info("engine_attached", pid=reader.pid, generation=reader.generation,
                       vllm_version=self._meta.get("vllm_version"))  # fmt: skip
         return True
+
+    # ---- prefix cache and tokenizer ---------------------------------------------------------------------
+    def _prefix_info(self) -> PrefixCacheInfo | None:
+        pc = self._meta.get("prefix_cache")
+        if not isinstance(pc, dict):
+            return None
+        seed = pc.get("hash_seed")
+        if seed is None:
+            return None  # the plugin could not read the seed: a mirror would hash wrong
+        return PrefixCacheInfo(enabled=bool(pc.get("enabled")), block_size=int(pc.get("block_size") or 16),
+                               hash_algo=str(pc.get("hash_algo", "sha256")), hash_seed=str(seed),
+                               events=bool(pc.get("events")) and self.cfg.kv_events)
+
+    def _follow_kv_events(self) -> None:
+        """Subscribe to the (new) engine's KV events, or restart the stream on the same socket."""
+        pc = self._meta.get("prefix_cache") or {}
+        kv = self.publisher.kv
+        if kv is None or not pc.get("events"):
+            return
+        kv.restart()  # a new engine generation starts with an empty cache
+        if self._kv_reader is not None and self._kv_reader.endpoint.endswith(str(pc["endpoint"]).split("://")[-1]):
+            self._kv_reader.restart()
+            return
+        if self._kv_task is not None:
+            self._kv_task.cancel()
+        self._kv_reader = KvEventsReader(str(pc["endpoint"]), pc.get("replay_endpoint"), str(pc.get("topic", "")),
+                                         self._on_kv_batch, kv.lost)
+        self._kv_task = asyncio.create_task(self._kv_reader.run(), name="kv-events")
+
+    def _on_kv_batch(self, seq: int, ts: float, ops: list[KvOp]) -> None:
+        self.publisher.kv_events(ops, ts)
+        if self._record is not None:
+            self._record.write(json.dumps({"kv": {"seq": seq, "ts": ts, "ops": [[o.kind, o.hashes] for o in ops]}})
+                               + "\n")
+
+    def _register_tokenizer(self) -> None:
+        if not self.cfg.register_tokenizer or (self._tokenizer_task is not None and not self._tokenizer_task.done()):
+            return
+        where = self.cfg.tokenizer_dir or str(self._meta.get("tokenizer") or "")
+        if where:
+            self._tokenizer_task = asyncio.create_task(self._put_tokenizer(where), name="tokenizer")
+
+    async def _put_tokenizer(self, where: str) -> None:
+        """Put the engine's tokenizer bundle in the object store (once NATS is there), then name it
+        in the registry entry; a model directory without a tokenizer.json leaves it unnamed."""
+        from bear.tokenizer.bundle import BundleError, find_model_dir, from_model_dir
+        from bear.tokenizer.store import put_bundle
+
+        d = find_model_dir(where)
+        try:
+            if d is None:
+                raise BundleError(f"no tokenizer.json at {where} (nor in the Hugging Face cache)")
+            bundle = await asyncio.to_thread(from_model_dir, d)
+        except BundleError as exc:
+            self.log.warning("tokenizer_not_registered", reason=str(exc))
+            return
+        while True:
+            if self._connected():
+                try:
+                    bid = await put_bundle(self.nc.jetstream(timeout=2.0), self.subjects.tokenizers_bucket, bundle)
+                    self.registration.update(tokenizer=bid)
+                    self.log.info("tokenizer_registered", tokenizer=bid, source=str(d))
+                    return
+                except Exception as exc:
+                    self.log.warning("tokenizer_put_failed", error=repr(exc))
+            await asyncio.sleep(1.0)
 
     def _writer_dead(self, r: ShmReader) -> str | None:
         if r.closed:

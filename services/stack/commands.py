@@ -1,20 +1,88 @@
-"""``bear up``: the whole stack on this machine, until Ctrl-C or after one load."""
+"""``bear up``: the whole stack on this machine, until Ctrl-C or after one load.
+
+It owns its children: they stop with it on Ctrl-C, SIGTERM or SIGHUP (routers first, so queries in
+flight finish), and die with it if it is killed outright (bear.runtime.children). While it runs,
+where it is — NATS URL, instance URLs, logs — is published for this directory
+(bear.stack.discovery), so ``bear submit`` and ``bear load`` run here need no ``--nats``."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import sys
 import time
+from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import typer
 
-from bear.load.commands import run_load_cli
+from bear.options import DEFAULT_METRICS_HOST, MetricsHost, PolicyName, PolicyOpt, positive
 from bear.protocol.codec import json_safe
+from bear.protocol.errors import BearError, ErrorCode
+from bear.runtime.identity import CREDS_ENV
+
+DEFAULT_METRICS_PORT = 9464
+
+
+class Backend(StrEnum):
+    sim = "sim"
+    vllm = "vllm"
+
+
+def bear_command() -> str:
+    """How to run this ``bear`` from the current shell: ``bear`` when that is on PATH, else the
+    path of this interpreter's ``bear`` (the README's ``.venv/bin/bear``)."""
+    on_path = shutil.which("bear")
+    local = Path(sys.executable).parent / "bear"
+    if on_path and local.exists() and Path(on_path).resolve() == local.resolve():
+        return "bear"
+    if local.exists():
+        try:
+            return str(local.relative_to(Path.cwd()))
+        except ValueError:
+            return str(local)
+    return f"{sys.executable} -m bear"
+
+
+def metrics_ports(requested: int | None, routers: int, host: str) -> int:
+    """The first router's metrics port: ``requested`` (0: off), else 9464 when it (and the next
+    ``routers - 1``) are free, else a free range — so a second stack on this machine runs beside."""
+    from bear.runtime.metrics import port_free
+    from bear.runtime.nats_server import free_port
+
+    if requested is not None:
+        return requested
+    base = DEFAULT_METRICS_PORT
+    for _ in range(50):
+        if base + routers <= 65536 and all(port_free(base + i, host) for i in range(routers)):
+            return base
+        base = free_port()
+    raise OSError("no free port range for the router metrics: pass --metrics-port N or 0")
+
+
+async def _reachable(url: str, creds: Path | str) -> None:
+    from bear.runtime.service import connect
+
+    nc = await connect(url, "bear-up-check", connect_within_s=3.0, creds=creds)
+    await nc.close()
 
 
 def up_cmd(
-    nats_url: str | None = typer.Option(None, "--nats", help="Use this NATS cluster instead of a local server"),
-    backend: str = typer.Option("sim", "--backend", help="sim (simulated H100 instances) or vllm"),
+    nats_url: str | None = typer.Option(None, "--nats", help="Use this NATS cluster instead of starting a local "
+                                                             "nats-server"),
+    nats_auth: Path | None = typer.Option(
+        None, "--nats-auth", file_okay=False,
+        help="With --nats: the folder of identities `bear nats config` wrote for that server (one per service "
+             "and instance); default: connect without credentials"),
+    insecure: bool = typer.Option(
+        False, "--insecure", help="No NATS authentication and no engine API keys: anyone on this machine can "
+                                  "steer routing and read prompts (experiments only; default: one identity per "
+                                  "service and per instance, generated per run)"),
+    backend: Backend = typer.Option(Backend.sim, "--backend",
+                                    help="Instances: sim (three simulated H100 instances) or vllm (real vLLM)"),
     vllm_model: Path | None = typer.Option(
         None, "--vllm-model", help="--backend vllm: local model folder (real weights, GPU); default: a tiny "
                                    "random Qwen3 on CPU"),
@@ -25,92 +93,181 @@ def up_cmd(
     vllm_python: str | None = typer.Option(
         None, "--vllm-python", help="--backend vllm: vLLM's interpreter (default: $BEAR_VLLM_PYTHON, else "
                                     "~/.cache/bear/vllm-venv/bin/python)"),
-    policy: str = typer.Option("bear", "--policy", help="Routing policy of the router"),
-    estimator_workers: int = typer.Option(1, "--estimator-workers", help="Estimator worker processes"),
-    routers: int = typer.Option(1, "--routers", help="Router processes (a queue group)"),
-    metrics_port: int = typer.Option(9464, "--metrics-port", help="Router /metrics port (router i: +i); 0: off"),
-    workdir: Path = typer.Option(Path(".bear-up"), "--workdir", help="Logs and outcome logs go here"),
-    n_train: int = typer.Option(3000, "--train-queries", help="Synthetic queries to train the predictor on"),
-    load_rate: float = typer.Option(0.0, "--load-rate",
+    policy: PolicyOpt = PolicyName.bear,
+    estimator_workers: int = typer.Option(1, "--estimator-workers", min=1, help="Estimator worker processes (≥ 1)"),
+    routers: int = typer.Option(1, "--routers", min=1, max=64, help="Router processes (a queue group)"),
+    metrics_port: int | None = typer.Option(
+        None, "--metrics-port", min=0, max=65535, show_default=False,
+        help=f"Router /metrics port (router i: +i); default {DEFAULT_METRICS_PORT}, or a free port when that is "
+             "taken; 0: off"),
+    metrics_host: MetricsHost = DEFAULT_METRICS_HOST,
+    gateway_port: int = typer.Option(8000, "--gateway-port", min=0, max=65535,
+                                     help="Port of the OpenAI-compatible gateway (base URL http://127.0.0.1:PORT/v1); "
+                                          "0: no gateway"),
+    gateway_no_auth: bool = typer.Option(False, "--gateway-no-auth",
+                                         help="Run the gateway without an API key (it listens on loopback only); "
+                                              "default: a key generated into WORKDIR/gateway-api-key"),
+    workdir: Path = typer.Option(Path(".bear-up"), "--workdir",
+                                 help="Each run's logs and outcome logs go to WORKDIR/runs/<run> (WORKDIR/latest)"),
+    keep_runs: int = typer.Option(5, "--keep-runs", min=1, help="Run directories kept in WORKDIR/runs"),
+    n_train: int = typer.Option(3000, "--train-queries", min=100,
+                                help="Synthetic queries to train the predictor on (cached after the first run)"),
+    load_rate: float = typer.Option(0.0, "--load-rate", min=0.0,
                                     help="Once up, drive a synthetic Poisson load at this rate (q/s), print its "
                                          "summary and stop the stack (0: no load, run until Ctrl-C)"),
-    load_duration: float = typer.Option(30.0, "--load-duration", help="Seconds of arrivals of that load"),
-    load_out: Path | None = typer.Option(None, "--load-out", help="Write the load summary as JSON here"),
+    load_duration: float = typer.Option(30.0, "--load-duration", callback=positive,
+                                        help="Seconds of arrivals of that load (> 0)"),
+    load_out: Path | None = typer.Option(None, "--load-out",
+                                         help="Write the load summary as JSON here (default: in the run directory)"),
 ) -> None:
     """Start the whole stack (NATS, instances, predictor, estimator, calibrator, router) until Ctrl-C,
     or, with --load-rate, run one load through it and stop. Instances: 3 sim engines, or with
     --backend vllm real vLLM processes (BEAR scheduler plugin + `bear snapshotter` each)."""
-    from rich.console import Console
+    from bear.stack.discovery import read_state
 
-    from bear.stack.stack import Stack, StackConfig
-
-    console = Console()
-    if backend not in ("sim", "vllm"):
-        raise typer.BadParameter("--backend must be sim or vllm")
-    if backend == "sim" and (vllm_model is not None or vllm_arg or vllm_python):
+    if nats_auth is not None and not nats_url:
+        raise typer.BadParameter("--nats-auth goes with --nats (the local server gets identities of its own)")
+    if nats_auth is not None and insecure:
+        raise typer.BadParameter("--nats-auth and --insecure: choose one")
+    if backend == Backend.sim and (vllm_model is not None or vllm_arg or vllm_python):
         raise typer.BadParameter("--vllm-* options need --backend vllm")
     if vllm_instances < 1:
         raise typer.BadParameter("--vllm-instances must be ≥ 1")
     if vllm_model is not None and not vllm_model.is_dir():
         raise typer.BadParameter(f"--vllm-model {vllm_model} is not a folder")
-    if backend == "vllm":
+    if backend == Backend.vllm:
         from bear.vllm_instance.launch import check_vllm_python, default_vllm_python
 
         try:  # before anything starts: a missing vLLM venv is a usage error, not a crash
             vllm_python = check_vllm_python(vllm_python) if vllm_python else default_vllm_python()
         except RuntimeError as exc:
             raise typer.BadParameter(str(exc)) from exc
+    running = read_state(parents=False)
+    if running is not None:
+        raise BearError(ErrorCode.DUPLICATE, f"a BEAR stack is already running from this directory (bear up pid "
+                                             f"{running['pid']}, NATS {running.get('nats_url')}): use it, stop it "
+                                             f"(Ctrl-C in its terminal or kill {running['pid']}), or start another "
+                                             "from a different directory")
+    if nats_url:
+        from bear.runtime import aio
+
+        admin = nats_auth / "admin.json" if nats_auth is not None else ""
+        aio.run(_reachable(nats_url, admin))  # a wrong URL fails here, in one line, before anything starts
+
+    from bear.stack.stack import StackConfig
+
+    key_file = None
+    if gateway_port and not gateway_no_auth:
+        from bear.gateway.auth import write_new_key
+
+        key_file = workdir / "gateway-api-key"
+        write_new_key(key_file)
     cfg = StackConfig(workdir=workdir, nats_url=nats_url, estimator_workers=estimator_workers, routers=routers,
-                      policy=policy, metrics_port=metrics_port, n_train=n_train, backend=backend,
+                      policy=str(policy), metrics_port=metrics_ports(metrics_port, routers, metrics_host),
+                      metrics_host=metrics_host, runs_kept=keep_runs, n_train=n_train, backend=str(backend),
                       vllm_python=vllm_python, vllm_model=vllm_model.resolve() if vllm_model else None,
-                      vllm_instances=vllm_instances, vllm_args=list(vllm_arg) or None)
+                      vllm_instances=vllm_instances, vllm_args=list(vllm_arg) or None, gateway_port=gateway_port,
+                      gateway_key_file=key_file, insecure=insecure,
+                      auth_dir=nats_auth.resolve() if nats_auth is not None else None)
+    raise typer.Exit(run_up(cfg, load_rate, load_duration, load_out))
+
+
+def run_up(cfg: Any, load_rate: float, load_duration: float, load_out: Path | None) -> int:
+    """Start the stack, publish where it is, serve (or run the load), stop; the exit code."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from bear.load.commands import check_completed, run_load_cli
+    from bear.stack.discovery import remove_state, write_state
+    from bear.stack.stack import Stack
+
+    console = Console(highlight=False)
     stack = Stack(cfg)
-    engines = "sim engines" if backend == "sim" else "vLLM (first start compiles: minutes) + snapshotters"
-    with console.status(f"starting NATS, {engines}, predictor (trains on first run), estimator, router…"):
-        try:
-            stack.start()
-        except BaseException:
-            stack.stop()
-            raise
-    console.print(f"[bold green]BEAR is up[/bold green] — NATS {stack.url}")
-    for inst, port in stack.instances.items():
-        served = f" (model {stack.served_model})" if stack.served_model else ""
-        console.print(f"  instance {inst:<12} http://127.0.0.1:{port}/v1{served}")
-    for name in stack.children:
-        console.print(f"  {name:<22} log {stack.children[name].log_path}")
-    if metrics_port:
-        console.print(f"  router metrics          http://127.0.0.1:{metrics_port}/metrics")
-    console.print(f"  outcome log             {stack.outcome_log(0)}")
-    console.print(f"\nTry:  bear submit \"Explain KV caching briefly\" --ttft-ms 500 --nats {stack.url}")
-    console.print(f"      bear load --rate 8 --duration 30 --nats {stack.url}")
-    if load_rate > 0:
-        try:
-            rep = run_load_cli(stack.url, "bear", load_rate, "poisson", load_duration, "", 5e-4, 4096, 0, 3.0)
-            if load_out is not None:
-                load_out.write_text(json.dumps(json_safe(rep), indent=2))
-        finally:
-            stack.stop()
-        console.print("stopped.")
-        return
-    console.print("Ctrl-C stops everything.")
+    received: list[int] = []
+
+    def to_interrupt(signum: int, _: Any) -> None:
+        # SIGTERM and SIGHUP take the Ctrl-C path: the stack stops in order, exactly once
+        received.append(signum)
+        signal.raise_signal(signal.SIGINT)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, to_interrupt)
+    serving = False
+    rep: dict[str, Any] | None = None
+    code = 0
     try:
-        while True:
-            time.sleep(1.0)
-            dead = stack.check_alive()
-            if dead:
-                console.print(f"[red]exited: {dead}; stopping (see logs)[/red]")
-                break
+        engines = "sim engines" if cfg.backend == "sim" else "vLLM (first start compiles: minutes) + snapshotters"
+        with console.status(f"starting NATS, {engines}, predictor (trains on first run), estimator, router…"):
+            stack.start()
+        write_state({**stack.describe(), "workdir": str(cfg.workdir.resolve()), "started": time.time()})
+        _banner(console, stack, escape)
+        if load_rate > 0:
+            client = stack.creds("client")
+            if client is not None:
+                os.environ[CREDS_ENV] = str(client)  # the load connects as the stack's client
+            rep = run_load_cli(stack.url, cfg.prefix, load_rate, "poisson", load_duration, "", 5e-4, 4096, 0, 3.0)
+            out = load_out or stack.run_dir / "load-summary.json"
+            out.write_text(json.dumps(json_safe(rep), indent=2))
+            console.print(f"results: summary {escape(str(out))}  ·  outcome log {escape(str(stack.outcome_log(0)))}"
+                          f"  ·  logs {escape(str(stack.log_dir))}", soft_wrap=True)
+        else:
+            console.print("Ctrl-C stops everything.")
+            serving = True
+            while True:
+                time.sleep(0.5)
+                for event in stack.supervise():  # a dead child is restarted, not the end of the stack
+                    console.print(f"[yellow]{escape(event)}[/yellow]", soft_wrap=True)
     except KeyboardInterrupt:
+        sig = received[-1] if received else signal.SIGINT
+        if not serving:  # interrupted before the stack was up, or in the middle of its load
+            code = 128 + sig
         console.print("stopping…")
     finally:
-        stack.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # the stop below is bounded: let it finish
+        try:
+            stack.stop()
+        finally:
+            remove_state()
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
     console.print("stopped.")
+    if rep is not None:
+        check_completed(rep)
+    return code
 
+
+def _banner(console: Any, stack: Any, escape: Any) -> None:
+    bear = bear_command()
+    console.print(f"[bold green]BEAR is up[/bold green] — NATS {stack.url} (commands run in this directory find "
+                  "it without --nats)", soft_wrap=True)
+    client = stack.creds("client")
+    if client is not None:
+        console.print(f"  NATS identities  {escape(str(stack.auth.directory))}/ (one per service and instance; "
+                      f"clients use {escape(client.name)}; engines require API keys)", soft_wrap=True)
+    elif stack.cfg.insecure:
+        console.print("  [bold red]--insecure[/bold red]: NATS without authentication, engines without API keys",
+                      soft_wrap=True)
+    for inst, port in stack.instances.items():
+        served = f" (model {stack.served_model})" if stack.served_model else ""
+        console.print(f"  instance {inst:<12} http://127.0.0.1:{port}/v1{escape(served)}")
+    if stack.cfg.backend == "sim":
+        console.print("  (simulated instances: they stream placeholder text — lorem ipsum — with the timing of "
+                      "the real models)", soft_wrap=True)
+    for url in stack.describe()["metrics"]:
+        console.print(f"  router metrics   {url}")
+    console.print(f"  logs             {escape(str(stack.log_dir))}/ (one file per process)", soft_wrap=True)
+    console.print(f"  outcome log      {escape(str(stack.outcome_log(0)))}", soft_wrap=True)
+    console.print(f"\nTry:  {escape(bear)} submit \"Explain KV caching briefly\" --ttft-ms 500", soft_wrap=True)
+    console.print(f"      {escape(bear)} load --rate 8 --duration 30", soft_wrap=True)
+    if bear != "bear" and os.environ.get("VIRTUAL_ENV") is None and Path(bear).parent.name == "bin":
+        console.print(f"      (`source {escape(str(Path(bear).parent / 'activate'))}` puts `bear` on PATH)",
+                      soft_wrap=True)
 
 
 def bench_router(
-    rate: float = typer.Option(200.0, "--rate", help="Queries per second (Poisson)"),
-    duration: float = typer.Option(10.0, "--duration", help="Seconds of load"),
+    rate: float = typer.Option(200.0, "--rate", callback=positive, help="Queries per second (Poisson, > 0)"),
+    duration: float = typer.Option(10.0, "--duration", callback=positive, help="Seconds of load (> 0)"),
     routers: int = typer.Option(1, "--routers", min=1, help="Router processes (one queue group)"),
     out: Path | None = typer.Option(None, "--out", help="Write the result JSON here"),
 ) -> None:
@@ -125,9 +282,64 @@ def bench_router(
         out.write_text(json.dumps(json_safe(res), indent=2))
 
 
+def _fault_list(value: str) -> str:
+    from bear.stack.faults_bench import FAULTS
+
+    bad = [f for f in value.split(",") if f.strip() not in FAULTS]
+    if bad:
+        raise typer.BadParameter(f"unknown fault {', '.join(map(repr, bad))}; valid: {', '.join(FAULTS)}")
+    return value
+
+
+def bench_faults(
+    faults: str = typer.Option("worker-kill,worker-hang,predictor-kill,engine-kill,nats-restart,node-kill,overload",
+                               "--faults", callback=_fault_list,
+                               help="Comma-separated faults: worker-kill, worker-hang, predictor-kill, engine-kill, "
+                                    "nats-restart, node-kill (3-node NATS cluster), overload"),
+    rate: float = typer.Option(8.0, "--rate", callback=positive, help="Poisson load during each fault (q/s, > 0)"),
+    duration: float = typer.Option(12.0, "--duration", callback=positive, help="Seconds of load per fault (> 0)"),
+    at: float = typer.Option(3.0, "--at", min=0.0, help="The fault is injected this many seconds into the load"),
+    overload_rate: float = typer.Option(300.0, "--overload-rate", callback=positive,
+                                        help="Offered rate of the overload fault (q/s)"),
+    out: Path | None = typer.Option(None, "--out", help="Write the figures as JSON here"),
+) -> None:
+    """Inject faults under load into a local stack (authentication on, children supervised) and
+    print per fault: queries sent / done / coded errors / lost, and the recovery time."""
+    from rich.console import Console
+
+    from bear.stack.faults_bench import faults_table, run_faults
+
+    err = Console(stderr=True, highlight=False)
+    res = run_faults(tuple(f.strip() for f in faults.split(",")), rate=rate, duration=duration, at=at,
+                     overload_rate=overload_rate, log=lambda line: err.print(line, soft_wrap=True, markup=False))
+    print(faults_table(res))
+    if out is not None:
+        out.write_text(json.dumps(json_safe(res), indent=2))
+
+
+def bench_prefix(
+    rate: float = typer.Option(4.0, "--rate", callback=positive, help="Queries per second (Poisson, > 0)"),
+    duration: float = typer.Option(60.0, "--duration", callback=positive, help="Seconds of load (> 0)"),
+    prompt_tokens: int = typer.Option(8192, "--prompt-tokens", min=64, help="Tokens per prompt"),
+    out: Path | None = typer.Option(None, "--out", help="Write the result JSON here"),
+) -> None:
+    """Cost of exact tokens + prefix-hit lookup on the decision: a tokenising and a --no-tokenize
+    router side by side on one stack, at long prompts over shared documents."""
+    from rich.console import Console
+
+    from bear.stack.prefix_bench import run_prefix_bench
+
+    res = run_prefix_bench(rate, duration, prompt_tokens=prompt_tokens)
+    Console().print_json(json.dumps(json_safe(res)))
+    if out is not None:
+        out.write_text(json.dumps(json_safe(res), indent=2))
+
+
 def register(app: typer.Typer) -> None:
     app.command("up")(up_cmd)
 
 
 def register_bench(bench: typer.Typer) -> None:
     bench.command("router")(bench_router)
+    bench.command("faults")(bench_faults)
+    bench.command("prefix")(bench_prefix)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from bear.runtime import aio
+from bear.runtime.identity import CREDS_ENV
 
 
 def _pct(xs: list[float]) -> dict[str, float]:
@@ -50,9 +51,10 @@ ECHO = """
 import asyncio, sys
 import nats
 from bear.runtime import aio
+from bear.runtime.service import auth_options
 
 async def main(url):
-    nc = await nats.connect(url)
+    nc = await nats.connect(url, **auth_options())
 
     async def echo(msg):
         await msg.respond(msg.data)
@@ -64,7 +66,7 @@ aio.run(main(sys.argv[1]))
 """
 
 
-async def echo_rtt(url: str, rate: float, n: int, seed: int = 0) -> dict[str, float]:
+async def echo_rtt(url: str, rate: float, n: int, seed: int = 0, **nats_options: Any) -> dict[str, float]:
     """Round trips to a bare echo process (``ECHO``), requests sent at Poisson times of ``rate``:
     the NATS-and-scheduler floor under any request-reply on this host, without BEAR's work."""
     import asyncio
@@ -72,7 +74,7 @@ async def echo_rtt(url: str, rate: float, n: int, seed: int = 0) -> dict[str, fl
     import nats
 
     rng = np.random.default_rng(seed)
-    nc = await nats.connect(url)
+    nc = await nats.connect(url, **nats_options)
     try:
         for _ in range(100):  # until the echo process is subscribed
             try:
@@ -105,7 +107,7 @@ def run_bench(rate: float, duration: float, seed: int = 0, routers: int = 1) -> 
     stack = Stack(StackConfig(workdir=work, calibrator=False, log_level="warning", routers=routers))
     with stack:
         async def go() -> Any:
-            nc = await nats.connect(stack.url)
+            nc = await nats.connect(stack.url, **stack.nats_options("client"))
             try:
                 return await run_load(nc, queries, times, max_tokens=1)
             finally:
@@ -114,9 +116,11 @@ def run_bench(rate: float, duration: float, seed: int = 0, routers: int = 1) -> 
         import subprocess
         import sys
 
-        echo = subprocess.Popen([sys.executable, "-c", ECHO, stack.url])
+        admin = stack.creds("admin")
+        env = {**os.environ, CREDS_ENV: str(admin)} if admin is not None else None
+        echo = subprocess.Popen([sys.executable, "-c", ECHO, stack.url], env=env)
         try:
-            floor = aio.run(echo_rtt(stack.url, rate, min(n, 1000), seed))
+            floor = aio.run(echo_rtt(stack.url, rate, min(n, 1000), seed, **stack.nats_options("admin")))
         finally:
             echo.kill()
             echo.wait()

@@ -1,15 +1,33 @@
 """The whole BEAR stack as child processes (``bear up``, ``bear bench router`` and the end-to-end
 tests): a local nats-server (unless a URL is given), the instances — sim engines with the paper's
 profiles, or real vLLM processes with the BEAR scheduler plugin and one ``bear snapshotter`` each
-(``backend="vllm"``) — a trained predictor, estimator workers, the calibrator and routers. Each child logs to
-``<workdir>/logs/<name>.log``; ``stop()`` sends SIGTERM in reverse start order (routers first, so
-queries in flight are drained while their dependencies still run) and SIGKILLs what does not exit
-within the grace period."""
+(``backend="vllm"``) — a trained predictor, estimator workers, the calibrator, routers and, with ``gateway_port``,
+the OpenAI-compatible gateway in front of them.
+
+Every start gets a run directory of its own, ``<workdir>/runs/<time>-<pid>-<id>/`` (``<workdir>/latest``
+points to the newest; the last ``runs_kept`` are kept): the children's logs ``logs/<name>.log``, the
+routers' outcome logs and the local nats-server's JetStream store (removed on stop). Children run in
+sessions of their own and die with this process even when it is SIGKILLed (bear.runtime.children);
+``stop()`` sends SIGTERM in reverse start order (routers first, so queries in flight are drained
+while their dependencies still run) and SIGKILLs what does not exit within the grace period. A child
+that exits during start-up fails ``start()`` with ``StackError`` naming it and quoting its error;
+once up, ``supervise()`` restarts a child that died, with exponential backoff (docs/security.md).
+
+Security is on unless ``insecure``: the local nats-server runs with a configuration generated for
+this run (bear.runtime.nats_auth: one nkey identity per service and per instance, in
+``<run>/auth/``, files 0600), ``admin`` (this process) creates the KV buckets, every child
+connects as its own identity (``$BEAR_NATS_CREDS``), and every engine requires an API key that
+only the routers hold (``<run>/auth/engine-keys.json``)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
+import re
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,12 +37,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bear.protocol.subjects import Subjects
 from bear.runtime import aio
-from bear.runtime.nats_server import LocalNatsServer, free_port
+from bear.runtime.children import spawn
+from bear.runtime.identity import CREDS_ENV
+from bear.runtime.metrics import LOOPBACK, port_free, port_in_use_error
+from bear.runtime.nats_auth import AuthFiles, generate, instance_identity_name
+from bear.runtime.nats_server import LocalNatsCluster, LocalNatsServer, free_port
 
 VLLM_TINY_ARGS = ("--max-model-len", "2048", "--max-num-batched-tokens", "256", "--max-num-seqs", "8")
 PAPER_POOL = ("qwen3-0.6b-h100", "qwen3-8b-h100", "qwen3-32b-2xh100-tp2")
-INSTANCE_NAMES = {"qwen3-0.6b-h100": "qwen0.6b-0", "qwen3-8b-h100": "qwen8b-0", "qwen3-32b-2xh100-tp2": "qwen32b-0"}
+INSTANCE_NAMES = {"qwen3-0.6b-h100": "qwen0-6b-0", "qwen3-8b-h100": "qwen8b-0", "qwen3-32b-2xh100-tp2": "qwen32b-0"}
+_RUN_NAME = re.compile(r"^\d{8}-\d{6}-(\d+)-[0-9a-f]{4}$")
+
+
+class StackError(ChildProcessError):
+    """A child of the stack failed: the message names it and quotes its error."""
 
 
 @dataclass
@@ -35,12 +63,17 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     env: dict[str, str] = field(default_factory=dict)  # on top of the stack's environment
     group: bool = False  # signal the whole process group (vLLM: API server, engine core, workers)
+    identity: str = ""  # the NATS identity it connects as ("": none, it does not use NATS)
+    started_at: float = 0.0  # monotonic
+    restarts: int = 0  # restarts since it last ran long enough to count as healthy
+    restart_at: float | None = None  # a restart is due then (monotonic)
 
     def start(self, env: dict[str, str]) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as logf:
-            self.proc = subprocess.Popen(self.argv, stdout=logf, stderr=subprocess.STDOUT, env={**env, **self.env},
-                                         start_new_session=True)
+            self.proc = spawn(self.argv, stdout=logf, stderr=subprocess.STDOUT, env={**env, **self.env})
+        self.started_at = time.monotonic()
+        self.restart_at = None
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -49,9 +82,40 @@ class Child:
         if self.alive():
             assert self.proc is not None
             if self.group:
-                os.killpg(self.proc.pid, sig)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, sig)
             else:
                 self.proc.send_signal(sig)
+
+    def last_error(self) -> str:
+        """The child's own account of why it stopped, from the end of its log: the one-line
+        ``error: …`` every ``bear`` command ends with, else the last error record or traceback line."""
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+                lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        for ln in reversed(lines):
+            if ln.startswith("error: "):
+                return ln[len("error: "):]
+        for ln in reversed(lines):
+            if ln.startswith("{"):
+                with contextlib.suppress(ValueError):
+                    rec = json.loads(ln)
+                    if isinstance(rec, dict) and rec.get("level") in ("error", "critical"):
+                        return " ".join(str(rec[k]) for k in ("event", "error") if rec.get(k))
+            elif re.match(r"^[\w.]+(Error|Exception|Interrupt)\b", ln):
+                return ln
+        return lines[-1] if lines else ""
+
+    def failure(self) -> str:
+        """``<name> exited … : <its error> (log <path>)``."""
+        rc = self.proc.poll() if self.proc is not None else None
+        how = f"exited with code {rc}" if rc is not None and rc >= 0 else (
+            f"was killed by signal {-rc}" if rc is not None else "did not start")
+        why = self.last_error()
+        return f"{self.name} {how}{': ' + why if why else ''} (log {self.log_path})"
 
 
 @dataclass
@@ -63,11 +127,14 @@ class StackConfig:
     routers: int = 1
     policy: str = "bear"
     router_args: list[str] = field(default_factory=list)
+    sim_args: list[str] = field(default_factory=list)  # extra `bear sim-engine` arguments (e.g. --tokenizer DIR)
     predictor_dir: Path | None = None
     n_train: int = 3000
     train_seed: int = 10_000
     calibrator: bool = True
     metrics_port: int = 0  # router i serves /metrics on metrics_port + i; 0: off
+    metrics_host: str = LOOPBACK
+    runs_kept: int = 5  # run directories kept under <workdir>/runs (this one included)
     log_level: str = "info"
     prefix: str = "bear"
     seed: int = 0
@@ -80,29 +147,79 @@ class StackConfig:
     vllm_price_in: float = 0.1  # USD / million tokens of instance 0; instance k: × (k + 1)
     vllm_price_out: float = 0.2
     vllm_start_timeout_s: float = 900.0  # first start compiles (~2 min on 2 CPU cores)
+    gateway_port: int = 0  # the OpenAI-compatible gateway on this port; 0: none
+    gateway_key_file: Path | None = None  # its API keys; None: --no-auth (it listens on loopback)
+    insecure: bool = False  # no NATS authentication, no engine API keys (experiments only)
+    auth_dir: Path | None = None  # with nats_url: identities from `bear nats config` (else anonymous)
+    nats_cluster: int = 1  # nodes of the local NATS; > 1: a cluster on loopback, KV buckets replicated
+    restart_backoff_s: tuple[float, float] = (1.0, 30.0)  # first and longest wait before a restart
+    healthy_after_s: float = 60.0  # a child that ran this long starts its backoff afresh
 
 
 class Stack:
     def __init__(self, cfg: StackConfig) -> None:
         self.cfg = cfg
         self.nats: LocalNatsServer | None = None
+        self.cluster: LocalNatsCluster | None = None  # nats_cluster > 1
         self.children: dict[str, Child] = {}
         self.instances: dict[str, int] = {}  # instance id → HTTP port
         self.shms: list[str] = []  # vLLM plugin rings in /dev/shm, removed by stop()
         self.served_model = ""
         self.tiny = False  # vLLM backend serving the tiny random model
         self.url = cfg.nats_url or ""
+        self.auth: AuthFiles | None = None  # the NATS identities (None: insecure or anonymous)
+        self.engine_keys: dict[str, str] = {}  # instance → the API key its engine requires
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.run_dir = cfg.workdir / "runs" / f"{stamp}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.run_dir / "logs"
 
     def _bear(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "bear", *args]
 
-    def _child(self, name: str, argv: list[str]) -> Child:
-        c = Child(name, argv, self.cfg.workdir / "logs" / f"{name}.log")
+    def _child(self, name: str, argv: list[str], identity: str = "") -> Child:
+        c = Child(name, argv, self.log_dir / f"{name}.log", identity=identity)
         self.children[name] = c
         return c
 
+    @property
+    def auth_path(self) -> Path:
+        return self.run_dir / "auth"
+
+    def creds(self, identity: str = "admin") -> Path | None:
+        """The file of one NATS identity (None when the stack runs without authentication)."""
+        return self.auth.creds.get(identity) if self.auth is not None else None
+
+    def nats_options(self, identity: str = "admin") -> dict[str, Any]:
+        """``nats.connect`` options that authenticate as ``identity`` (tests, benchmarks)."""
+        from bear.runtime.service import auth_options
+
+        path = self.creds(identity)
+        return auth_options(path) if path is not None else {}
+
     def outcome_log(self, i: int = 0) -> Path:
-        return self.cfg.workdir / f"outcomes-router-{i}.jsonl"
+        return self.run_dir / f"outcomes-router-{i}.jsonl"
+
+    def metrics_ports(self) -> list[int]:
+        return [self.cfg.metrics_port + i for i in range(self.cfg.routers)] if self.cfg.metrics_port else []
+
+    def describe(self) -> dict[str, Any]:
+        """Where everything is (what ``bear up`` publishes for the other commands)."""
+        pids = {n: c.proc.pid for n, c in self.children.items() if c.proc is not None}
+        if self.nats is not None and self.nats.proc is not None:
+            pids["nats-server"] = self.nats.proc.pid
+        host = self.cfg.metrics_host if self.cfg.metrics_host != "0.0.0.0" else LOOPBACK
+        client = self.creds("client")
+        return {"nats_url": self.url, "prefix": self.cfg.prefix, "backend": self.cfg.backend,
+                "auth": "nkeys" if self.auth is not None else "none",
+                "client_creds": str(client.resolve()) if client is not None else None,
+                "instances": {i: f"http://127.0.0.1:{p}/v1" for i, p in self.instances.items()},
+                "metrics": [f"http://{host}:{p}/metrics" for p in self.metrics_ports()],
+                "run_dir": str(self.run_dir.resolve()), "logs": str(self.log_dir.resolve()),
+                "outcome_logs": [str(self.outcome_log(i).resolve()) for i in range(self.cfg.routers)],
+                "pids": pids}
 
     def plan(self) -> None:
         cfg = self.cfg
@@ -115,22 +232,44 @@ class Stack:
                 inst = f"{inst}-{k}"
             port = free_port()
             self.instances[inst] = port
+            key = self._engine_key(inst)
             self._child(f"sim-{inst}", self._bear("sim-engine", "--profile", prof, "--port", str(port),
                                                   "--instance", inst, "--nats", self.url, "--seed",
-                                                  str(cfg.seed * 100 + k)))
+                                                  str(cfg.seed * 100 + k), *key, *cfg.sim_args),
+                    instance_identity_name(inst))
         assert cfg.predictor_dir is not None
-        self._child("predictor", self._bear("predictor", *common, "--model-dir", str(cfg.predictor_dir)))
+        self._child("predictor", self._bear("predictor", *common, "--model-dir", str(cfg.predictor_dir)), "predictor")
         for i in range(cfg.estimator_workers):
-            self._child(f"estimator-{i}", self._bear("estimator", *common, "--workers", "1"))
+            self._child(f"estimator-{i}", self._bear("estimator", *common, "--workers", "1"), "estimator")
         if cfg.calibrator:
             self._child("calibrator", self._bear("calibrator", "--nats", self.url, "--log-format", "json",
-                                                 "--log-level", cfg.log_level))
+                                                 "--log-level", cfg.log_level), "calibrator")
+        keys = ["--engine-keys", str(self._write_engine_keys())] if self.engine_keys else []
         for i in range(cfg.routers):
             argv = self._bear("router", *common, "--policy", cfg.policy, "--outcome-log", str(self.outcome_log(i)),
-                              *cfg.router_args)
+                              *keys, *cfg.router_args)
             if cfg.metrics_port:
-                argv += ["--metrics-port", str(cfg.metrics_port + i)]
-            self._child(f"router-{i}", argv)
+                argv += ["--metrics-port", str(cfg.metrics_port + i), "--metrics-host", cfg.metrics_host]
+            self._child(f"router-{i}", argv, "router")
+        if cfg.gateway_port:  # last: it is stopped first, while the routers still answer
+            auth = ["--api-key-file", str(cfg.gateway_key_file)] if cfg.gateway_key_file else ["--no-auth"]
+            self._child("gateway", self._bear("gateway", *common, "--port", str(cfg.gateway_port), *auth), "gateway")
+
+    def _engine_key(self, instance: str) -> list[str]:
+        """A fresh API key for one engine (none with ``insecure``): the engine's option naming its
+        key file; the routers get every key (``_write_engine_keys``)."""
+        if self.cfg.insecure:
+            return []
+        key = self.engine_keys[instance] = "bear-engine-" + secrets.token_urlsafe(24)
+        return ["--api-key-file", str(_private_file(self.auth_path / f"engine-{instance}.key", key + "\n"))]
+
+    def _write_engine_keys(self) -> Path:
+        return _private_file(self.auth_path / "engine-keys.json", json.dumps(self.engine_keys, indent=2))
+
+    @property
+    def gateway_url(self) -> str:
+        """The gateway's OpenAI base URL ("" without a gateway)."""
+        return f"http://127.0.0.1:{self.cfg.gateway_port}/v1" if self.cfg.gateway_port else ""
 
     def _plan_vllm(self, common: list[str]) -> None:
         """Per instance: vLLM (plugin ring ``shm``) and the snapshotter that registers it."""
@@ -147,12 +286,16 @@ class Stack:
             inst, port, shm = f"vllm-{k}", free_port(), f"bear-vllm-{k}-{uuid.uuid4().hex[:8]}"
             self.instances[inst] = port
             self.shms.append(shm)
-            c = self._child(inst, vllm_command(cfg.vllm_python, cfg.vllm_model, port, self.served_model, args))
+            c = self._child(inst, vllm_command(cfg.vllm_python, cfg.vllm_model, port, self.served_model, args,
+                                               kv_events=shm))
             c.env, c.group = vllm_env_overrides(shm, cfg.vllm_kv_gib), True
+            if not cfg.insecure:  # vLLM reads its --api-key from VLLM_API_KEY (kept off the command line)
+                self._engine_key(inst)
+                c.env["VLLM_API_KEY"] = self.engine_keys[inst]
             self._child(f"snapshotter-{inst}", self._bear(
                 "snapshotter", "--instance", inst, "--shm", shm, *common, "--model", self.served_model,
                 "--base-url", f"http://127.0.0.1:{port}/v1", "--price-input", str(cfg.vllm_price_in * (k + 1)),
-                "--price-output", str(cfg.vllm_price_out * (k + 1))))  # fmt: skip
+                "--price-output", str(cfg.vllm_price_out * (k + 1))), instance_identity_name(inst))  # fmt: skip
 
     def _prepare_vllm(self) -> None:
         from bear.vllm_instance.launch import default_vllm_python, make_tiny_model
@@ -169,9 +312,7 @@ class Stack:
         end = time.monotonic() + self.cfg.vllm_start_timeout_s
         todo = dict(self.instances)
         while todo:
-            dead = self.check_alive()
-            if dead:
-                raise RuntimeError(f"child exited during start-up: {dead} (see {self.cfg.workdir / 'logs'})")
+            self.raise_if_dead()
             if time.monotonic() > end:
                 raise TimeoutError(f"vLLM not healthy after {self.cfg.vllm_start_timeout_s:.0f} s: {sorted(todo)}")
             todo = {i: p for i, p in todo.items() if not healthy(p)}
@@ -181,23 +322,109 @@ class Stack:
         cfg = self.cfg
         if cfg.backend not in ("sim", "vllm"):
             raise ValueError(f"unknown backend {cfg.backend!r} (sim or vllm)")
-        cfg.workdir.mkdir(parents=True, exist_ok=True)
+        for port in self.metrics_ports():  # before anything starts: one line, not a dead router
+            if not port_free(port, cfg.metrics_host):
+                raise port_in_use_error(port, "--metrics-port", cfg.metrics_host)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._link_latest()
+        self._prune_runs()
         if cfg.backend == "vllm":
             self._prepare_vllm()
-        if not self.url:
-            self.nats = LocalNatsServer().start()
-            self.url = self.nats.url
+        if not self.url and cfg.nats_cluster > 1:
+            self.cluster = LocalNatsCluster(cfg.nats_cluster, log_dir=self.log_dir)
+            self.url = self.cluster.url
+        elif not self.url:
+            self.nats = LocalNatsServer(store_dir=str(self.run_dir / "jetstream"),
+                                        log_path=self.log_dir / "nats-server.log")
+            self.url = self.nats.url  # the port is chosen: the children's command lines can name it
         if cfg.predictor_dir is None:
             from bear.predictor.synth import trained_predictor_dir
 
             cfg.predictor_dir = trained_predictor_dir(cfg.n_train, cfg.train_seed)
-        self.plan()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.plan()  # names the instances, which the identities need
+        self._set_up_auth()
+        if self.nats is not None:
+            self.nats.start()
+        if self.cluster is not None:
+            self._spread()
+            self.cluster.start()
+        if self.auth is not None or self.cluster is not None:
+            aio.run(_provision(self.url, self.creds("admin"), cfg.prefix, min(3, cfg.nats_cluster)))
         for c in self.children.values():
-            c.start(env)
+            c.start(self._env())
         if cfg.backend == "vllm":
             self._wait_vllm_healthy()
-        aio.run(wait_ready(self.url, list(self.instances), cfg.prefix, timeout_s, self))
+        aio.run(wait_ready(self.url, list(self.instances), cfg.prefix, timeout_s, self, self.gateway_url,
+                           creds=self.creds("admin")))
+
+    def _set_up_auth(self) -> None:
+        """The identities: generated for the local server (unless ``insecure``), or read from
+        ``auth_dir`` for a given NATS; each child's ``$BEAR_NATS_CREDS`` names its own."""
+        cfg = self.cfg
+        if cfg.insecure:
+            return
+        if self.nats is not None or self.cluster is not None:
+            self.auth = generate(self.auth_path, list(self.instances), Subjects(cfg.prefix))
+            for node in [self.nats] if self.nats is not None else self.cluster.nodes:  # type: ignore[union-attr]
+                node.config = self.auth.config
+        elif cfg.auth_dir is not None:
+            self.auth = AuthFiles(cfg.auth_dir, cfg.auth_dir / "auth.conf",
+                                  {p.stem: p for p in sorted(cfg.auth_dir.glob("*.json"))})
+        if self.auth is None:
+            return
+        for c in self.children.values():
+            if c.identity:
+                path = self.auth.creds.get(c.identity)
+                if path is None:
+                    raise StackError(f"no NATS identity {c.identity!r} for {c.name} in {self.auth.directory}")
+                c.env[CREDS_ENV] = str(path)
+
+    def _spread(self) -> None:
+        """Each child connects to one node of the cluster, round robin (it learns the others from
+        the server and fails over to them)."""
+        assert self.cluster is not None
+        urls = [node.url for node in self.cluster.nodes]
+        for k, c in enumerate(self.children.values()):
+            if "--nats" in c.argv:
+                c.argv[c.argv.index("--nats") + 1] = urls[k % len(urls)]
+
+    def node_of(self, name: str) -> int | None:
+        """The cluster node ``name`` was started against (None: not on a cluster)."""
+        if self.cluster is None or "--nats" not in self.children[name].argv:
+            return None
+        url = self.children[name].argv[self.children[name].argv.index("--nats") + 1]
+        return [n.url for n in self.cluster.nodes].index(url)
+
+    def _env(self) -> dict[str, str]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop(CREDS_ENV, None)  # a child without an identity of its own connects with none
+        return env
+
+    def _link_latest(self) -> None:
+        latest = self.cfg.workdir / "latest"
+        tmp = self.cfg.workdir / f".latest-{os.getpid()}"
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(self.run_dir.relative_to(self.cfg.workdir))
+            tmp.replace(latest)
+
+    def _prune_runs(self) -> None:
+        """Keep the newest ``runs_kept`` run directories, never one whose stack still runs; the
+        JetStream store a killed stack could not remove goes too."""
+        runs = sorted(p for p in (self.cfg.workdir / "runs").iterdir() if _RUN_NAME.match(p.name))
+        n_old = max(0, len(runs) - max(1, self.cfg.runs_kept))
+        for k, old in enumerate(runs):
+            m = _RUN_NAME.match(old.name)
+            pid = int(m.group(1)) if m else 0
+            if old == self.run_dir or _pid_alive(pid):  # this process's other stacks included
+                continue
+            shutil.rmtree(old if k < n_old else old / "jetstream", ignore_errors=True)
+
+    def raise_if_dead(self) -> None:
+        """``StackError`` naming every child that exited and quoting its error."""
+        dead = [c for c in self.children.values() if not c.alive()]
+        if dead:
+            raise StackError(f"start-up failed: {'; '.join(c.failure() for c in dead)}")
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         c = self.children[name]
@@ -206,22 +433,48 @@ class Stack:
             c.proc.wait(timeout=10)
 
     def restart_child(self, name: str) -> None:
-        self.children[name].start({**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.children[name].start(self._env())
 
-    def check_alive(self) -> list[str]:
-        """Names of children that exited."""
-        return [n for n, c in self.children.items() if not c.alive()]
+    def supervise(self) -> list[str]:
+        """Restart what died, each child with its own exponential backoff (``restart_backoff_s``;
+        a child that ran ``healthy_after_s`` starts afresh) — one dead part never takes the stack
+        down. Returns one line per event (a death noticed, a restart made) for the console."""
+        events = []
+        now = time.monotonic()
+        first, longest = self.cfg.restart_backoff_s
+        if self.nats is not None and self.nats.proc is not None and self.nats.proc.poll() is not None:
+            events.append(f"nats-server exited with code {self.nats.proc.returncode}; restarting it")
+            self.nats.proc = None
+            self.nats.start()
+        for c in self.children.values():
+            if c.alive() or c.proc is None:
+                continue
+            if c.restart_at is None:
+                if now - c.started_at >= self.cfg.healthy_after_s:
+                    c.restarts = 0
+                wait = min(longest, first * 2 ** c.restarts)
+                c.restart_at = now + wait
+                events.append(f"{c.failure()}; restarting in {wait:.0f} s")
+            elif now >= c.restart_at:
+                c.restarts += 1
+                c.start(self._env())
+                events.append(f"{c.name} restarted (restart {c.restarts})")
+        return events
 
     def stop(self, grace_s: float = 10.0) -> None:
         for c in reversed(list(self.children.values())):
             c.signal(signal.SIGTERM)
-            if c.name.startswith("router"):  # routers drain before their dependencies go
+            if c.name.startswith("router") or c.name == "gateway":  # these drain before their dependencies go
                 _wait(c, grace_s)
         for c in reversed(list(self.children.values())):
             _wait(c, grace_s)
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
+            shutil.rmtree(self.run_dir / "jetstream", ignore_errors=True)  # temporary: this run's only
+        if self.cluster is not None:
+            self.cluster.close()
+            self.cluster = None
         if self.shms:
             from bear.vllm_instance.launch import remove_shm
 
@@ -240,6 +493,44 @@ class Stack:
         self.stop()
 
 
+def _private_file(path: Path, text: str) -> Path:
+    """``text`` in a file only this user reads (0600, created that way)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
+async def _provision(url: str, admin: Path | None, prefix: str, replicas: int = 1, within_s: float = 30.0) -> None:
+    """Create the KV buckets as ``admin`` (the other identities may not); a cluster's JetStream
+    needs a few seconds to elect its leader first."""
+    from bear.runtime.kv import provision
+    from bear.runtime.service import connect
+
+    nc = await connect(url, "bear-up-provision", creds=admin if admin is not None else "")
+    end = time.monotonic() + within_s
+    try:
+        while True:
+            try:
+                await provision(nc.jetstream(timeout=2.0), Subjects(prefix), replicas=replicas)
+                return
+            except Exception:
+                if time.monotonic() > end:
+                    raise
+                await asyncio.sleep(0.5)
+    finally:
+        await nc.close()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 def _wait(c: Child, grace_s: float) -> None:
     if c.proc is None:
         return
@@ -250,26 +541,28 @@ def _wait(c: Child, grace_s: float) -> None:
         c.proc.wait()
 
 
-async def wait_ready(url: str, instances: list[str], prefix: str, timeout_s: float, stack: Stack | None = None) -> None:
-    """Until every instance is registered, the predictor and an estimator answer PING and a
-    router routes a probe query to the end."""
-    import nats
-
+async def wait_ready(url: str, instances: list[str], prefix: str, timeout_s: float, stack: Stack | None = None,
+                     gateway_url: str = "", creds: Path | None = None) -> None:
+    """Until every instance is registered, the predictor and an estimator answer PING, a router
+    routes a probe query to the end and the gateway (if any) answers /health. ``creds``: the
+    identity to ask as (``admin`` of a stack with authentication)."""
     from bear.client.submit import submit
     from bear.protocol.codec import unpack_map
     from bear.protocol.subjects import Subjects
     from bear.runtime.kv import ensure_kv
+    from bear.runtime.service import connect
 
     end = time.monotonic() + timeout_s
-    nc = await nats.connect(url, max_reconnect_attempts=-1)
+    nc = await connect(url, "bear-up-ready", creds=creds if creds is not None else "")
+    waiting = ["every instance registered"]
 
     def check() -> None:
-        if time.monotonic() > end:
-            raise TimeoutError("stack did not come up in time")
         if stack is not None:
-            dead = stack.check_alive()
-            if dead:
-                raise RuntimeError(f"child exited during start-up: {dead} (see {stack.cfg.workdir / 'logs'})")
+            stack.raise_if_dead()
+        if time.monotonic() > end:
+            where = f" (logs in {stack.log_dir})" if stack is not None else ""
+            raise TimeoutError(f"the stack did not come up within {timeout_s:.0f} s; still waiting for "
+                               f"{waiting[0]}{where}")
 
     try:
         kv = await ensure_kv(nc.jetstream(), Subjects(prefix).instances_bucket)
@@ -285,6 +578,7 @@ async def wait_ready(url: str, instances: list[str], prefix: str, timeout_s: flo
                     break
             await asyncio.sleep(0.2)
         for svc in ("bear-predictor", "bear-estimator"):
+            waiting[0] = f"{svc} to answer $SRV.PING"
             while True:
                 check()
                 try:
@@ -292,6 +586,7 @@ async def wait_ready(url: str, instances: list[str], prefix: str, timeout_s: flo
                     break
                 except Exception:
                     await asyncio.sleep(0.2)
+        waiting[0] = "a router to route a probe query"
         while True:
             check()
             last: dict[str, Any] = {}
@@ -299,7 +594,22 @@ async def wait_ready(url: str, instances: list[str], prefix: str, timeout_s: flo
                                   accept_timeout_s=1.0, resubmits=0, subjects=Subjects(prefix)):
                 last = m
             if last.get("v") == "bear.done/1":
-                return
+                break
             await asyncio.sleep(0.3)
+        while gateway_url:
+            check()
+            if await _healthy(gateway_url.removesuffix("/v1") + "/health"):
+                return
+            await asyncio.sleep(0.2)
     finally:
         await nc.close()
+
+
+async def _healthy(url: str) -> bool:
+    import aiohttp
+
+    try:
+        async with aiohttp.ClientSession() as s, s.get(url, timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+            return r.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False

@@ -6,6 +6,8 @@ environment: the plugin folder (``services/snapshotter``) is put on vLLM's ``PYT
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -59,11 +61,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def vllm_command(python: str, model: Path | str, port: int, served_name: str, args: Sequence[str]) -> list[str]:
+def kv_events_args(stem: str) -> list[str]:
+    """vLLM's KV cache events on local ZMQ sockets named after ``stem`` (the plugin's ring name),
+    with a replay buffer, so that the snapshotter can mirror the prefix cache (docs/snapshotter.md)."""
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc:///tmp/{stem}-kv",
+           "replay_endpoint": f"ipc:///tmp/{stem}-kv-replay", "topic": "kv", "buffer_steps": 10_000}
+    return ["--kv-events-config", json.dumps(cfg)]
+
+
+def vllm_command(python: str, model: Path | str, port: int, served_name: str, args: Sequence[str], *,
+                 kv_events: str | None = None) -> list[str]:
+    """The command line; ``kv_events``: publish KV cache events on sockets named after it (unless
+    ``args`` configures them already)."""
+    extra = kv_events_args(kv_events) if kv_events and "--kv-events-config" not in args else []
     return [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
-        "--scheduler-cls", "bear_vllm_plugin.make_scheduler", "--disable-log-stats", *args,
+        "--scheduler-cls", "bear_vllm_plugin.make_scheduler", "--disable-log-stats", *extra, *args,
     ]  # fmt: skip
 
 
@@ -109,13 +123,15 @@ class VllmServer:
     kv_gib: str = "1"
     served_name: str = "tiny"
     env: dict[str, str] = field(default_factory=dict)  # extra environment (e.g. BEAR_SNAPSHOT_VERIFY=1)
+    kv_events: bool = True  # publish KV cache events (the snapshotter mirrors the prefix cache)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self, timeout: float = 600) -> VllmServer:
-        cmd = vllm_command(self.python, self.model, self.port, self.served_name, self.args)
+        cmd = vllm_command(self.python, self.model, self.port, self.served_name, self.args,
+                           kv_events=self.shm if self.kv_events else None)
         with open(self.log_path or os.devnull, "ab") as log:
             self.proc = subprocess.Popen(cmd, env={**vllm_env(self.shm, self.kv_gib), **self.env}, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
@@ -143,3 +159,6 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 self.kill()
         remove_shm(self.shm)
+        for suffix in ("-kv", "-kv-replay"):  # the KV-event sockets (ipc files)
+            with contextlib.suppress(OSError):
+                os.unlink(f"/tmp/{self.shm}{suffix}")

@@ -12,6 +12,15 @@ import sys
 from pathlib import Path
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# A ChatML-style template (BEAR's own), so that chat requests render with role markers and a
+# default system turn as real chat models' templates do: exact token counts are tested against it.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if loop.first and m['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def write_tokenizer(out: Path) -> int:
@@ -30,7 +39,7 @@ def write_tokenizer(out: Path) -> int:
         "eos_token": "<|endoftext|>",
         "pad_token": "<|endoftext|>",
         "model_max_length": 4096,
-        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        "chat_template": CHAT_TEMPLATE,
     }))  # fmt: skip
     return tok.get_vocab_size()
 

@@ -59,3 +59,27 @@ def test_prefill_throughput() -> None:
              "duration_s": 0.5},
             {"items": [{"n": 1, "context": 5, "decode": True}], "duration_s": 0.1}]
     assert prefill_throughput(recs) == pytest.approx(200.0)
+
+
+@pytest.mark.parametrize(("trace", "batches"), [("public-e", "batches_e"), ("public-f", "batches_f")])
+def test_default_objective_fits_ttft_better_than_batch_mape(traces_dir, cases, trace, batches) -> None:
+    """β is used to sum batch times into a TTFT: least squares on the durations (unbiased means)
+    beats the relative fit on the engines' TTFTs of the public real-vLLM traces, though the
+    relative fit has the lower batch-time MAPE on public-f."""
+    from bear.calibrator.fit import DEFAULT_OBJECTIVE, design_matrix, fit_arrays, read_records
+    from bear.estimator.cases import ttft_errors
+
+    x, y = design_matrix(read_records([traces_dir / f"{batches}.jsonl.gz"]))
+    mine = [c for c in cases if c["trace"] == trace]
+    chosen, _, n = ttft_errors(mine, fit_arrays(x, y, DEFAULT_OBJECTIVE).beta)
+    absolute, _, _ = ttft_errors(mine, fit_arrays(x, y, "absolute").beta)
+    relative, rel_bias, _ = ttft_errors(mine, fit_arrays(x, y, "relative").beta)
+    assert n == len(mine) and chosen <= absolute and chosen < relative
+    assert rel_bias < -0.05  # the relative fit's TTFTs come out low
+
+
+def test_unknown_objective_is_refused() -> None:
+    from bear.calibrator.fit import fit_arrays
+
+    with pytest.raises(ValueError, match="unknown objective"):
+        fit_arrays(np.ones((5, 4)), np.ones(5), "median")

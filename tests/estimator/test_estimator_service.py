@@ -20,7 +20,7 @@ from bear.estimator.estimate import EstimatorConfig
 from bear.estimator.worker import EstimatorWorker
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.errors import BearError, ErrorCode
-from bear.protocol.messages import NOMINAL_BETA, EstimateReply
+from bear.protocol.messages import NOMINAL_BETA, EstimateReply, Outcome, encode
 from bear.protocol.subjects import Subjects
 from bear.runtime.kv import ensure_kv
 from bear.sim.profile import load_profile
@@ -231,7 +231,24 @@ async def test_online_calibrator_publishes_beta(env) -> None:
         await until(lambda: worker.store.peek("cal-a") is not None and worker.store.get("cal-a").calibrated)
         got = worker.store.get("cal-a").calibration
         assert got.beta == pytest.approx(cal.fits["cal-a"].beta) and got.theta and math.isfinite(got.mape)
-        assert got.mape < 0.15
+        assert got.mape < 0.15 and got.ttft_n == 0 and got.ttft_mape is None
+        # Routers' outcome events carry BEA's prediction beside the observed TTFT: the next fit
+        # publishes the instance's recent TTFT error (only BEA estimates count).
+        pairs = [(0.10, 0.12), (0.20, 0.18), (0.30, 0.33), (0.05, 0.05)]
+        for pred, obs in pairs:
+            await nc.publish(S.outcome("cal-a"), encode(Outcome(instance="cal-a", ttft_s=obs, predicted_ttft_s=pred,
+                                                                method="bea", t=time.time())))
+        await nc.publish(S.outcome("cal-a"), encode(Outcome(instance="cal-a", ttft_s=1.0, predicted_ttft_s=0.1,
+                                                            method="analytic", t=time.time())))
+        await nc.publish(S.batches("cal-a"), pack(recs[:50]))
+        await nc.flush()
+        await until(lambda: len(cal.ttft.get("cal-a", ())) == len(pairs) and cal.new.get("cal-a", 0) == 50)
+        assert await cal.refit_once() == ["cal-a"]
+        await until(lambda: worker.store.get("cal-a").calibration.ttft_n == len(pairs))
+        rel = [(p - o) / o for p, o in pairs]
+        got = worker.store.get("cal-a").calibration
+        assert got.ttft_mape == pytest.approx(float(np.mean(np.abs(rel))))
+        assert got.ttft_bias == pytest.approx(float(np.median(rel)))
     finally:
         await cal.stop()
 

@@ -1,32 +1,25 @@
-"""Predictor: features, training on SYNTHETIC data (bear data synth), held-out quality, cost,
-tokenizer counts, dataset format, CLI."""
+"""Predictor: the served replies of the golden model directory, training on SYNTHETIC data (bear
+data synth), held-out quality, cost, tokenizer counts, dataset format, CLI. (The prompt analysis
+and the trees against their golden files: test_prompt_analysis.py, test_forest.py.)"""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import lightgbm as lgb
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from predictor_golden import prompt_text, read_model, read_prompts, write_model_dir
 
 from bear.predictor.dataset import Record, read_records, write_records
 from bear.predictor.evaluate import evaluate, r2
-from bear.predictor.features import FEATURE_NAMES, analyse
+from bear.predictor.features import analyse
 from bear.predictor.models import DEFAULT_MODELS
-from bear.predictor.runtime import Predictor
+from bear.predictor.runtime import Predictor, finalize
 from bear.predictor.synth import TABLE2, TASKS, generate
-from bear.predictor.text import (
-    HASH_HEAD,
-    HASH_TAIL,
-    _hash_window,
-    _pieces_short,
-    count_pieces,
-    hashed_vector,
-    pieces,
-)
-from bear.predictor.train import Matrix, TrainConfig, train
+from bear.predictor.train import HEADS, Matrix, TrainConfig, train
 from bear.protocol.errors import BearError, ErrorCode
 
 N_QUERIES = 1200  # x 3 models = 3600 records
@@ -49,58 +42,29 @@ def predictor(trained: tuple[Path, Matrix, Matrix]) -> Predictor:
     return Predictor(trained[0])
 
 
-# --- text and features ---------------------------------------------------------------------------
+# --- the served predictions of the golden model directory ----------------------------------------
 
 
-def test_pieces_counts_and_case_insensitive_hashes() -> None:
-    p = pieces("Hello, World! This is a test.  hello world")
-    assert p.n_pieces == 11 and len(p.hashes) == 11
-    assert p.n_sentences == 3
-    assert p.hashes[0] == p.hashes[9] and p.hashes[2] == p.hashes[10]  # Hello == hello
-    assert len(set(p.hashes[[0, 2, 4, 5, 6, 7]].tolist())) == 6
-    assert pieces("").n_pieces == 0 and hashed_vector(pieces("")).sum() == 0
+def test_served_predictions_equal_the_golden_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Features, PCA, trees, finalize and cost together: the replies recorded for the golden model
+    directory (tests/predictor/data, written by make_golden.py) to golden prompts, exactly."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "no-hf"))  # no tokenizer: the fallback counts, as recorded
+    golden = read_model()
+    p = Predictor(write_model_dir(golden, tmp_path / "model"))
+    texts = [prompt_text(r) for r in read_prompts()[1]]
+    assert len(golden["served"]) > 200
+    for i, models, reply in golden["served"]:
+        assert p.predict_wire(texts[i], models) == reply, ascii(texts[i][:60])
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=400))
-def test_short_python_path_equals_numpy_path(text: str) -> None:
-    data = text.encode("utf-8", errors="replace")
-    short = _pieces_short(data)
-    raw = np.frombuffer(data, dtype=np.uint8)
-    assert (short.n_pieces, short.n_sentences) == count_pieces(raw)
-    assert short.hashes.tolist() == _hash_window(raw).tolist()
-
-
-def test_hashes_are_stable_values() -> None:
-    # Trained models depend on these exact values: a change to the hash must be deliberate.
-    expected = [3705514366459756000, 4411267083497889845]
-    assert pieces("bear router").hashes.tolist() == expected  # Python path
-    assert pieces("BEAR Router " * 200).hashes[:2].tolist() == expected  # numpy path
-
-
-def test_hashed_vector_is_normalised_and_long_prompts_are_windowed() -> None:
-    v = hashed_vector(pieces("one two three four five six"))
-    assert np.isclose(np.abs(v).sum(), 1.0) or np.abs(v).sum() < 1.0
-    long = "alpha beta gamma. " * 5000
-    p = pieces(long)
-    assert p.n_pieces == 20000 and p.n_sentences == 5000
-    assert len(p.hashes) < (HASH_HEAD + HASH_TAIL) // 4  # only head and tail are hashed
-    # The estimate of the normalised vector from the window equals the full one for a periodic text.
-    assert np.allclose(hashed_vector(p), hashed_vector(pieces("alpha beta gamma. " * 100)), atol=0.01)
-
-
-def test_indicators() -> None:
-    names = FEATURE_NAMES[16 : 16 + len(analyse("x").scalars)]
-
-    def on(text: str) -> set[str]:
-        return {n for n, v in zip(names, analyse(text).scalars, strict=True) if v and n.startswith(("task", "brief", "det"))}
-
-    assert on("List five fruits.") == {"task_list"}
-    assert on("Summarize the report briefly.") == {"task_summarize", "brief"}
-    assert on("Who wrote Hamlet") == {"task_question"}
-    assert on("Explain in detail how a compiler works") == {"task_explain", "detailed"}
-    limit = dict(zip(names, analyse("Write a story in 500 words.").scalars, strict=True))["limit_words"]
-    assert np.isclose(limit, np.log1p(500))
+def test_finalize_clips_orders_and_propagates_nan() -> None:
+    nan, inf = float("nan"), float("inf")
+    acc, mean, p50, p90 = finalize([[-0.5, 0.3, 1.5, -0.0, nan], [0.2, 5.0, -inf, nan, 1.0],
+                                    [0.5, 7.0, 3.0, 2.0, nan], [9.0, 6.0, 1.0, nan, 2.0]])
+    assert acc[:4] == [0.0, 0.3, 1.0, -0.0] and math.copysign(1.0, acc[3]) == -1.0 and math.isnan(acc[4])
+    assert mean[:3] == [1.0, 5.0, 1.0] and math.isnan(mean[3])
+    assert p50[:4] == [1.0, 7.0, 3.0, 2.0] and math.isnan(p50[4])
+    assert p90[:3] == [9.0, 7.0, 3.0] and math.isnan(p90[3]) and math.isnan(p90[4])  # p90 ≥ p50
 
 
 # --- the synthetic data and the trained heads --------------------------------------------------
@@ -122,7 +86,7 @@ def test_synthetic_data_matches_table2_and_regimes(records: list[Record]) -> Non
 
 
 def test_length_model_learned(trained: tuple[Path, Matrix, Matrix], predictor: Predictor) -> None:
-    report = evaluate(predictor.heads, trained[2])
+    report = evaluate(predictor, trained[2])
     assert report["overall"]["len_r2"] >= 0.6
     assert 0.35 <= report["overall"]["cover_p50"] <= 0.65
     assert report["overall"]["cover_p90"] >= 0.7
@@ -131,23 +95,25 @@ def test_length_model_learned(trained: tuple[Path, Matrix, Matrix], predictor: P
 def test_quality_model_learned_ranking_and_beats_per_model_mean(trained: tuple[Path, Matrix, Matrix],
                                                                   predictor: Predictor) -> None:
     _, m_train, m_test = trained
-    report = evaluate(predictor.heads, m_test)
+    report = evaluate(predictor, m_test)
     for task, r in report["ranking"].items():
         assert r["match"], (task, r)
         assert r["true"] == ["Qwen3-32B", "Qwen3-8B", "Qwen3-0.6B"]
     # Baseline without the prompt: the training mean quality of each model.
     means = {m: m_train.quality[np.array(m_train.models) == m].mean() for m in set(m_train.models)}
     baseline = np.array([means[m] for m in m_test.models])
-    pred = np.clip(predictor.heads["acc"].predict(m_test.X), 0, 1)
+    pred = np.clip(predictor.raw_scores(m_test.X)[0], 0, 1)
     assert np.mean(np.abs(pred - m_test.quality)) < 0.6 * np.mean(np.abs(baseline - m_test.quality))
     assert r2(m_test.quality, pred) > 0.7
 
 
-def test_fast_booster_agrees_with_lightgbm(predictor: Predictor, trained: tuple[Path, Matrix, Matrix]) -> None:
-    X = trained[2].X[:7]
-    for head in predictor.heads.values():
-        assert head.fast
-        assert np.allclose(head.predict(X), head.booster.predict(X))
+def test_the_native_forest_serves_what_train_writes(predictor: Predictor,
+                                                    trained: tuple[Path, Matrix, Matrix]) -> None:
+    assert predictor.forest is not None
+    X = trained[2].X
+    for k, head in enumerate(HEADS):
+        booster = lgb.Booster(model_file=str(trained[0] / f"{head}.txt"))
+        assert np.array_equal(predictor.raw_scores(X)[k], booster.predict(X, num_threads=1)), head
 
 
 def test_predict_cost_and_quantile_order(predictor: Predictor) -> None:
@@ -157,7 +123,7 @@ def test_predict_cost_and_quantile_order(predictor: Predictor) -> None:
     specs = {s.name: s for s in DEFAULT_MODELS}
     for p in preds:
         s = specs[p.model]
-        assert p.prompt_tokens == pieces(prompt).n_pieces  # no tokenizer here: the fallback
+        assert p.prompt_tokens == analyse(prompt).n_pieces  # no tokenizer here: the fallback
         assert np.isclose(p.cost, (p.prompt_tokens * s.price_in + p.len_mean * s.price_out) / 1e6)
         assert 1 <= p.len_p50 <= p.len_p90 and 0 <= p.acc <= 1
         assert 500 < p.len_mean < 2000  # "in 800 words" → ~1000 tokens
@@ -185,7 +151,7 @@ def test_local_tokenizer_is_used(trained: tuple[Path, Matrix, Matrix], tmp_path:
     text = "hello world, how are you?"
     by = {x.model: x.prompt_tokens for x in p.predict(text, ["Qwen3-8B", "Qwen3-0.6B"])}
     assert by["Qwen3-8B"] == len(tok.encode(text, add_special_tokens=False).ids) == len(text)
-    assert by["Qwen3-0.6B"] == pieces(text).n_pieces == 7
+    assert by["Qwen3-0.6B"] == analyse(text).n_pieces == 7
 
 
 def test_model_dir_errors(tmp_path: Path) -> None:

@@ -1,8 +1,12 @@
-"""bear.predict over a real NATS server: replies, coded errors, deadlines, overload, queue group."""
+"""bear.predict over a real NATS server: replies, coded errors, deadlines, overload, queue group,
+the process main and its SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -11,7 +15,7 @@ import nats
 import pytest
 
 from bear.predictor.runtime import Predictor
-from bear.predictor.service import REPLY_SCHEMA, REQUEST_SCHEMA, PredictorService, ServiceLimits
+from bear.predictor.service import REPLY_SCHEMA, REQUEST_SCHEMA, PredictorService, ServiceLimits, serve
 from bear.predictor.synth import generate
 from bear.predictor.train import TrainConfig, train
 from bear.protocol.codec import pack, unpack
@@ -190,6 +194,30 @@ async def test_queue_group_spreads_requests(nats_server: LocalNatsServer, predic
             await s.stop()
         for nc in ncs:
             await nc.close()
+
+
+async def test_serve_answers_and_stops_on_sigterm(nats_server: LocalNatsServer, predictor: Predictor) -> None:
+    """The process main (the shared harness: bear.runtime.service.connect / stop_event): it serves
+    until SIGTERM, then stops the service and closes its connection."""
+    task = asyncio.create_task(serve(nats_server.url, predictor, ServiceLimits()))
+    nc = await nats.connect(nats_server.url)
+    rep: dict = {}
+    try:
+        for _ in range(100):
+            try:
+                rep = await ask(nc, req("List five facts about enzymes."))
+                break
+            except nats.errors.NoRespondersError:
+                await asyncio.sleep(0.05)
+        assert not is_error(rep) and list(rep["models"]) == MODELS
+        os.kill(os.getpid(), signal.SIGTERM)  # the loop's handler, installed before the service started
+        await asyncio.wait_for(task, timeout=5.0)
+        with pytest.raises(nats.errors.NoRespondersError):
+            await ask(nc, req("hello"))
+    finally:
+        gc.unfreeze()  # serve froze the test process's heap out of the cyclic GC
+        task.cancel()
+        await nc.close()
 
 
 @pytest.mark.slow

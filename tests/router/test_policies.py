@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bear.router.policies import BASELINES, REGISTRY, Candidate, QueryContext, make_policy
+from bear.router.policies import BASELINES, PREFIX_BASELINES, REGISTRY, Candidate, QueryContext, make_policy
 
 
 def pool() -> list[Candidate]:
@@ -35,7 +35,7 @@ def pick(name: str, q: QueryContext = Q, cands: list[Candidate] | None = None, *
 
 
 def test_registry_has_design_policies() -> None:
-    assert {"bear", "bear-lagrange", "prefill-throughput", *BASELINES} == set(REGISTRY)
+    assert {"bear", "bear-lagrange", "prefill-throughput", *BASELINES, *PREFIX_BASELINES} == set(REGISTRY)
     with pytest.raises(ValueError):
         make_policy("nope")
 

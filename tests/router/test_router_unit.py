@@ -80,28 +80,6 @@ def test_instance_rate_window_and_ttft_percentiles() -> None:
     assert info.semantic_router_percentiles() == pytest.approx(want)
 
 
-def test_bear_up_rejects_bad_backend_options_before_starting_anything(tmp_path) -> None:
-    from typer.testing import CliRunner
-
-    from bear.cli import app
-
-    def up(*args: str) -> tuple[int, str]:
-        res = CliRunner().invoke(app, ["up", "--workdir", str(tmp_path / "w"), *args])
-        return res.exit_code, " ".join(res.output.replace("│", " ").split())  # rich wraps the message
-
-    code, out = up("--backend", "tpu")
-    assert code == 2 and "sim or vllm" in out
-    code, out = up("--vllm-model", str(tmp_path))
-    assert code == 2 and "need --backend vllm" in out
-    code, out = up("--backend", "vllm", "--vllm-python", str(tmp_path / "no-python"))
-    assert code == 2 and "not an executable" in out
-    code, out = up("--backend", "vllm", "--vllm-model", str(tmp_path / "absent"), "--vllm-python", "/bin/true")
-    assert code == 2 and "is not a folder" in out
-    code, out = up("--backend", "vllm", "--vllm-python", "/bin/false")
-    assert code == 2 and "cannot import vllm" in out
-    assert not (tmp_path / "w").exists()  # nothing was started
-
-
 def test_parse_chunk_completion_and_chat() -> None:
     p = parse_chunk({"choices": [{"text": "ab", "finish_reason": None}]})
     assert p is not None and p.text == "ab"
@@ -127,10 +105,12 @@ async def test_dedup_create_only_across_routers(nats_server) -> None:
 
 
 class FakeInstance:
-    """A minimal OpenAI streaming server that records request ids."""
+    """A minimal OpenAI streaming server that records request ids; with ``refuse`` (status,
+    message) it answers every request with that vLLM-style error instead."""
 
-    def __init__(self, tokens: int = 3) -> None:
+    def __init__(self, tokens: int = 3, refuse: tuple[int, str] | None = None) -> None:
         self.tokens = tokens
+        self.refuse = refuse
         self.request_ids: list[str] = []
         self.port = free_port()
         self.runner: web.AppRunner | None = None
@@ -138,6 +118,10 @@ class FakeInstance:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.request_ids.append(request.headers.get("X-Request-Id", ""))
+        if self.refuse is not None:
+            status, message = self.refuse
+            return web.json_response({"object": "error", "message": message, "type": "BadRequestError",
+                                      "param": None, "code": status}, status=status)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for k in range(self.tokens):
@@ -215,6 +199,51 @@ async def test_fallbacks_and_reroute_when_instance_unreachable(router_env) -> No
     # The dead instance is avoided for a while: the next query goes straight to "good".
     msgs = await collect(nc, ttft_target_s=1.0, max_tokens=3, query_id="u2")
     assert [m["instance"] for m in msgs if m["v"] == "bear.routed/1"] == ["good"]
+
+
+@pytest.mark.parametrize(("status", "message", "code"), [
+    (400, "This model's maximum context length is 40960 tokens. However, you requested 50000 tokens", "too_large"),
+    (413, "request entity too large", "too_large"),
+    (400, "temperature must be non-negative", "bad_request"),
+    (422, "field required: model", "bad_request"),
+])
+async def test_engine_refusal_reaches_the_client_and_is_not_retried(nats_server, tmp_path, status, message,
+                                                                    code) -> None:
+    """HTTP 400/413/422 is the request's fault: one error with the engine's reason, no second
+    instance tried, the refusing instance not avoided afterwards; a 5xx still reroutes."""
+    nc = await nats.connect(nats_server.url)
+    picky, good = FakeInstance(refuse=(status, message)), FakeInstance()
+    await picky.start()
+    await good.start()
+    await register(nc, "picky", "m/cheap", picky.port, 0.01)  # the fallback utility prefers the cheap one
+    await register(nc, "good", "m/pricey", good.port, 10.0)
+    log_path = tmp_path / "out.jsonl"
+    router = RouterService(nc, RouterConfig(predict_budget_s=0.05, predict_try_s=0.025, estimate_budget_s=0.05,
+                                            estimate_try_s=0.025, outcome_log=log_path))
+    await router.start()
+    try:
+        for _ in range(100):
+            if {i.id for i in router.registry.healthy()} == {"picky", "good"}:
+                break
+            await asyncio.sleep(0.02)
+        for k in range(2):
+            msgs = await collect(nc, ttft_target_s=1.0, max_tokens=3, query_id=f"refused-{k}")
+            assert [m["instance"] for m in msgs if m["v"] == "bear.routed/1"] == ["picky"]  # not avoided next time
+            assert msgs[-1]["v"] == "bear.error/1" and msgs[-1]["error"]["code"] == code
+            assert message in msgs[-1]["error"]["message"] and "picky" in msgs[-1]["error"]["message"]
+        assert good.request_ids == [] and len(picky.request_ids) == 2
+        router.outcomes.flush()
+        rec = json.loads(log_path.read_text().splitlines()[-1])
+        assert rec["status"] == code and rec["http_status"] == status and rec["reason"] == message
+        picky.refuse = (503, "engine overloaded")  # the instance's fault: the router tries another
+        msgs = await collect(nc, ttft_target_s=1.0, max_tokens=3, query_id="overloaded")
+        assert [m["instance"] for m in msgs if m["v"] == "bear.routed/1"] == ["picky", "good"]
+        assert msgs[-1]["v"] == "bear.done/1"
+    finally:
+        await router.stop()
+        await picky.stop()
+        await good.stop()
+        await nc.close()
 
 
 async def test_resubmitted_query_id_runs_once(router_env) -> None:

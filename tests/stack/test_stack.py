@@ -54,7 +54,7 @@ async def load(st: Stack, rate: float, seconds: float, seed: int, during=None):
     n = round(rate * seconds)
     qs = make_queries(n, seed, None, MODELS)
     times = arrivals("poisson", rate, n, seed=seed)
-    nc = await nats.connect(st.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+    nc = await nats.connect(st.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1, **st.nats_options("client"))
     try:
         task = asyncio.create_task(run_load(nc, qs, times, max_tokens=512, idle_timeout_s=15.0))
         if during is not None:
@@ -120,7 +120,7 @@ async def test_kill_estimator_and_predictor_mid_load_loses_nothing(stack: Stack)
         await asyncio.sleep(0.1)
         from bear.stack.stack import wait_ready
 
-        await wait_ready(stack.url, list(stack.instances), "bear", 60.0)
+        await wait_ready(stack.url, list(stack.instances), "bear", 60.0, creds=stack.creds("admin"))
 
 
 async def test_nats_restart_mid_load(stack: Stack) -> None:
@@ -130,7 +130,8 @@ async def test_nats_restart_mid_load(stack: Stack) -> None:
         await asyncio.sleep(1.5)
         await asyncio.to_thread(stack.nats.restart)
         t_restart = time.monotonic()
-        nc = await nats.connect(stack.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+        nc = await nats.connect(stack.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1,
+                                **stack.nats_options("client"))
         try:
             while time.monotonic() - t_restart < 10.0:
                 msgs = [m async for m in submit(nc, "after restart", ttft_target_s=1.0, max_tokens=2,

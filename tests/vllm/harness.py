@@ -15,7 +15,7 @@ import httpx
 
 from bear.vllm_instance.launch import VllmServer, make_tiny_model, vllm_python
 
-__all__ = ["Load", "VllmServer", "make_tiny_model", "run_load", "vllm_python"]
+__all__ = ["ChatSessions", "Load", "VllmServer", "make_tiny_model", "run_chat_sessions", "run_load", "vllm_python"]
 
 
 @dataclass
@@ -69,3 +69,72 @@ async def run_load(base_url: str, load: Load) -> list[dict[str, Any]]:
             await asyncio.sleep(rng.expovariate(load.rate))
         await asyncio.gather(*tasks)
     return results
+
+
+@dataclass
+class ChatSessions:
+    """Multi-turn chat sessions through ``/chat/completions``: each turn resends the whole
+    conversation (a shared system prompt, one of ``n_system``, then alternating user and
+    assistant messages), so every turn after the first starts with the previous one's prompt.
+    Lengths follow vLLM's multi-turn benchmark generator defaults (vllm-project/vllm
+    ``benchmarks/multi_turn/generate_multi_turn.json``): 6–9 user turns of 120–160 tokens,
+    answers of 80–120 tokens, a 500-token common prefix (here the system prompt). Sessions start
+    as a Poisson stream; a turn follows the answer of the previous one after ``think_s``."""
+
+    n_sessions: int
+    session_rate: float
+    turns: tuple[int, int] = (6, 9)
+    user_tokens: tuple[int, int] = (120, 160)
+    answer_tokens: tuple[int, int] = (80, 120)
+    system_tokens: int = 500
+    n_system: int = 2
+    think_s: tuple[float, float] = (0.1, 0.8)
+    seed: int = 0
+
+
+def _text(rng: random.Random, n: int) -> str:
+    """About ``n`` byte-level tokens of lower-case words."""
+    words = []
+    size = 0
+    while size < n:
+        w = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+        words.append(w)
+        size += len(w) + 1
+    return " ".join(words)[:n]
+
+
+async def run_chat_sessions(base_url: str, load: ChatSessions, encode: Any) -> list[dict[str, Any]]:
+    """Run the sessions; per request ``{id, session, turn, status, usage, prompt_token_ids}`` where
+    the ids are ``encode(messages)`` (BEAR's tokenisation of what was sent)."""
+    rng = random.Random(load.seed)
+    systems = [_text(rng, load.system_tokens) for _ in range(load.n_system)]
+    out: list[dict[str, Any]] = []
+
+    async def session(client: httpx.AsyncClient, s: int, srng: random.Random) -> None:
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": srng.choice(systems)}]
+        for t in range(srng.randint(*load.turns)):
+            msgs.append({"role": "user", "content": _text(srng, srng.randint(*load.user_tokens))})
+            rid = f"s{s}-t{t}"
+            body = {"model": "tiny", "messages": msgs, "max_tokens": srng.randint(*load.answer_tokens),
+                    "ignore_eos": True, "temperature": 0.0}
+            ids = encode(msgs)
+            r = await client.post(f"{base_url}/chat/completions", json=body, headers={"X-Request-Id": rid},
+                                  timeout=600)
+            rec: dict[str, Any] = {"id": rid, "session": s, "turn": t, "status": r.status_code,
+                                   "prompt_token_ids": ids}
+            if r.status_code != 200:
+                out.append(rec)
+                return
+            data = r.json()
+            rec["usage"] = data.get("usage")
+            out.append(rec)
+            msgs.append({"role": "assistant", "content": data["choices"][0]["message"]["content"] or ""})
+            await asyncio.sleep(srng.uniform(*load.think_s))
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100)) as client:
+        tasks = []
+        for s in range(load.n_sessions):
+            tasks.append(asyncio.create_task(session(client, s, random.Random(rng.random()))))
+            await asyncio.sleep(rng.expovariate(load.session_rate))
+        await asyncio.gather(*tasks)
+    return out

@@ -85,7 +85,7 @@ def test_bear_up_backend_vllm(vllm_py: str, tmp_path: Path) -> None:
                 routed = [m for m in msgs if m["v"] == "bear.routed/1"]
                 assert routed[-1]["ttft_method"] == "bea", routed[-1]  # the real engines' snapshots were used
                 assert routed[-1]["model"] == "tiny"
-            recs = [json.loads(ln) for ln in (work / "outcomes-router-0.jsonl").read_text().splitlines()]
+            recs = [json.loads(ln) for ln in (work / "latest" / "outcomes-router-0.jsonl").read_text().splitlines()]
             assert {r["query_id"] for r in recs if r["status"] == "done"} >= {f"up-{i}" for i in range(8)}
         finally:
             if proc.poll() is None:

@@ -13,6 +13,7 @@ from bear.router.policies.load_balancers import (
     RoundRobinPolicy,
     ShortestQueuePolicy,
 )
+from bear.router.policies.prefix_locality import DynamoKvPolicy, LlmdPolicy, SessionAffinityPolicy
 
 REGISTRY: dict[str, Callable[..., Policy]] = {
     cls.name: cls
@@ -27,12 +28,19 @@ REGISTRY: dict[str, Callable[..., Policy]] = {
         RouteBalancePolicy,
         SemanticRouterLatencyPolicy,
         PrefillThroughputPolicy,
+        LlmdPolicy,
+        DynamoKvPolicy,
+        SessionAffinityPolicy,
     )
 }
 
 # The paper's comparison set (Fig. 8): BEAR and its seven baselines, plus the eq. 8 ablation.
 BASELINES = ["routebalance", "score", "latency-agnostic", "round-robin", "shortest-queue", "lmdeploy",
              "semantic-router"]
+
+
+# The prefix-locality routers of the prefix experiment (bear.evaluation.prefix).
+PREFIX_BASELINES = ["llm-d", "dynamo-kv", "session-affinity"]
 
 
 def make_policy(name: str, **params: float) -> Policy:
@@ -44,4 +52,4 @@ def make_policy(name: str, **params: float) -> Policy:
     return factory(**params)
 
 
-__all__ = ["BASELINES", "REGISTRY", "Candidate", "Decision", "Policy", "QueryContext", "make_policy"]
+__all__ = ["BASELINES", "PREFIX_BASELINES", "REGISTRY", "Candidate", "Decision", "Policy", "QueryContext", "make_policy"]

@@ -44,6 +44,18 @@ class Candidate:
     observed_ttft_p90: float = 0.0
     observed_ttft_p95: float = 0.0  # 0: no observation yet
     observed_tpot_p90: float = 0.0
+    # the prompt there (per instance: its tokenizer, its prefix cache)
+    prompt_tokens: int = 0  # the query's prompt length at this instance
+    tokens_exact: bool = False  # from the instance's tokenizer (else estimated from the text)
+    prefix_hit_tokens: int = 0  # of them, cached there (the estimator's mirror; 0 when unknown)
+    block_size: int = 0  # KV block size (0: unknown)
+    kv_blocks_used: int = 0  # KV blocks held by requests
+    kv_blocks_total: int = 0  # usable KV blocks (0: unknown)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV cache in use (vLLM's KV usage; 0 when unknown)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total > 0 else 0.0
 
     @property
     def queue_len(self) -> int:
@@ -60,6 +72,7 @@ class QueryContext:
     ttft_target: float  # seconds
     lam: float = 5e-4
     prompt_tokens: int = 0
+    session: str | None = None  # the conversation the query belongs to (session-affinity routing)
 
 
 @dataclass

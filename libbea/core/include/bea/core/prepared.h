@@ -1,0 +1,39 @@
+// The replay-ready form of a snapshot: its request table flattened into scheduler records once
+// (with the length policy applied), then shared by every estimate against the snapshot.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bea/core/replay_options.h"
+#include "bea/core/request.h"
+#include "bea/core/snapshot.h"
+#include "bea/core/sync_fast_path.h"
+
+namespace bea {
+
+// Replay-ready form of a snapshot: the request table flattened once, reused by every estimate.
+struct Prepared {
+  using Req = SchedRequest;
+  Config cfg;
+  int64_t free_blocks = 0;
+  double time = 0.0;
+  std::vector<Req> reqs;            // running first, then waiting, in snapshot order
+  std::vector<std::string> names;   // ids, same order
+  size_t n_running = 0;
+  bool has_inflight = false;
+  double inflight_start = 0.0;      // relative to `time`
+  struct Item { int32_t req; int64_t n, context; bool samples; };
+  std::vector<Item> inflight;       // items whose request is resident; others only cost time
+  std::vector<std::pair<int64_t, int64_t>> inflight_orphans;  // (n, context) of unknown ids
+  DecodeGroupStart decode_start;    // sync mode: the fast path's decode group at the start
+};
+
+Prepared prepare(const Snapshot& s, const ReplayOptions& opt);
+
+// The output length the replay lets resident `r` run to (docs/libbea.md, "Output lengths").
+int64_t target_output(const Request& r, const ReplayOptions& opt);
+
+}  // namespace bea

@@ -1,0 +1,42 @@
+// Forward replay of vLLM V1 scheduling (vllm-scheduler-replay.md §15) from one snapshot, until
+// a new query's first token: the BEA estimate (paper eq. 10-12).
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "bea/core/prepared.h"
+#include "bea/core/replay_options.h"
+#include "bea/core/snapshot.h"
+
+namespace bea {
+
+enum class Status : uint8_t { Ok = 0, Unschedulable = 1, StepLimit = 2 };
+
+struct TraceItem {
+  int32_t req;  // index into Prepared::names; names.size() is the query
+  int64_t n;
+};
+
+struct Estimate {
+  double ttft_s = std::numeric_limits<double>::infinity();  // from the snapshot's capture time
+  int64_t n_batches = 0;
+  Status status = Status::Ok;
+  std::vector<std::vector<TraceItem>> trace;
+  struct StepState { int64_t running, free_blocks, tokens; };
+  std::vector<StepState> steps;  // with trace: state right after each simulated schedule()
+};
+
+// The BEA estimate for `q` joining the instance described by `p`. `ahead`: requests already sent
+// to the instance after the snapshot was captured (the router's own dispatches): they queue in
+// front of the query, with their predicted output lengths.
+Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt, const std::vector<Query>& ahead = {});
+
+// The same estimate for a query arriving `age_s` after the snapshot was captured (staleness
+// compensation, sync mode): the residents first run alone through every step that starts before
+// the arrival, then the query joins. Returns TTFT measured from the query's arrival.
+Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions& opt, double age_s,
+                         const std::vector<Query>& ahead = {});
+
+}  // namespace bea

@@ -1,0 +1,27 @@
+// The knobs of one estimate: eq. 12 coefficients, the residents' length policy, the fast paths,
+// and expected later arrivals.
+#pragma once
+
+#include <cstdint>
+
+#include "bea/core/batch_time.h"
+
+namespace bea {
+
+struct ReplayOptions {
+  Coeffs beta;
+  bool trace = false;      // record every simulated step's composition
+  bool collapse = true;    // fold decode-only stretches in closed form (exact; off under trace)
+  // Residents without a prediction run for this many output tokens (-1: until max_tokens).
+  int64_t default_output_tokens = -1;
+  // A resident already past its prediction is given this fraction of its prediction again
+  // (at least one token) as remaining length, capped by max_tokens (design.md §3).
+  double overrun_fraction = 0.5;
+  int64_t max_steps = 2'000'000;  // a guard: no valid state needs this many steps
+  // Expected prompt tokens per second that other clients will send to this instance after the
+  // query (0: ignore). They queue behind the query, so they never change its schedule, but they
+  // fill the budget the query's steps leave over and so lengthen those steps (sync mode).
+  double arrival_tokens_per_s = 0.0;
+};
+
+}  // namespace bea

@@ -1,0 +1,224 @@
+#include "bea/core/replay.h"
+
+#include "bea/core/ageing.h"
+#include "bea/core/decode_stretch.h"
+#include "bea/core/request_fields.h"
+#include "bea/core/scheduler.h"
+#include "bea/core/sync_fast_path.h"
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <stdexcept>
+
+namespace bea {
+namespace {
+
+// With --trace: the step's composition and the state right after its schedule().
+void record_step(Estimate& est, const Scheduler& sched, const std::vector<Scheduler::Item>& batch) {
+  std::vector<TraceItem> step;
+  step.reserve(batch.size());
+  int64_t tokens = 0;
+  for (const auto& it : batch) {
+    step.push_back({it.req, it.n});
+    tokens += it.n;
+  }
+  est.trace.push_back(std::move(step));
+  est.steps.push_back({static_cast<int64_t>(sched.running().size()), sched.free_blocks(), tokens});
+}
+
+// Later arrivals from other clients, in expectation: prompt tokens accumulate from the query's
+// arrival at `rate`; a step whose waiting queue drained admits them into its leftover budget, which
+// lengthens the step by their eq. 12 prefill cost (a fresh chunk: context 0).
+class ArrivalFill {
+ public:
+  ArrivalFill(double rate, double arrival) : rate_(rate), last_(arrival) {}
+  double extra_time(const Scheduler& sched, double step_start, int64_t step_tokens, const Coeffs& beta) {
+    if (rate_ <= 0.0) return 0.0;
+    backlog_ += rate_ * std::max(0.0, step_start - last_);
+    last_ = std::max(last_, step_start);
+    if (!sched.waiting().empty()) return 0.0;  // FCFS: they wait behind whoever still waits
+    const double leftover = static_cast<double>(sched.config().max_num_scheduled_tokens - step_tokens);
+    const double n = std::floor(std::min(leftover, backlog_));
+    if (n <= 0.0) return 0.0;
+    backlog_ -= n;
+    return beta.b1 * n + beta.b3 * n * (n + 1.0) * 0.5;
+  }
+
+ private:
+  double rate_;
+  double last_;
+  double backlog_ = 0.0;
+};
+
+// Whether the estimate runs on the fast path (sync_fast_path.h): decoders advanced as a group,
+// exact fallback when order matters.
+bool fast_path(const Config& cfg, const ReplayOptions& opt) {
+  return !cfg.async_scheduling && opt.collapse && !opt.trace && cfg.block_size <= 4096;
+}
+
+// The sync engine loop (§2) from `sched` as it stands, the query already queued; `now` is the
+// time since the snapshot's capture at which the first schedule() happens; the query arrived at
+// `arrival` (<= now). `fast`: the fast path driving `sched`, or nullptr for the stepwise replay.
+Estimate run_sync(Scheduler& sched, SyncFastPath* fast, int32_t query, const ReplayOptions& opt, double now,
+                  double arrival) {
+  Estimate est;
+  ArrivalFill fill(opt.arrival_tokens_per_s, arrival);
+  if (fast != nullptr) {
+    while (est.n_batches < opt.max_steps) {
+      int64_t steps = 0;
+      const double start = now;
+      const SyncFastPath::Result r = fast->step(now, opt.beta, query, opt.max_steps - est.n_batches, steps);
+      est.n_batches += steps;
+      if (steps == 1 && opt.arrival_tokens_per_s > 0.0) now += fill.extra_time(sched, start, fast->last_tokens(), opt.beta);
+      if (r == SyncFastPath::Result::WatchSampled) {
+        est.ttft_s = now;
+        return est;
+      }
+      if (r == SyncFastPath::Result::Unschedulable) {
+        est.status = Status::Unschedulable;
+        return est;
+      }
+    }
+  } else {
+    std::vector<Scheduler::Item> batch;
+    batch.reserve(sched.reqs().size());
+    while (est.n_batches < opt.max_steps) {
+      if (opt.collapse && !opt.trace) {
+        const int64_t k = fold_decode_stretch(sched, now, opt.beta, opt.max_steps - est.n_batches);
+        if (k > 0) {
+          est.n_batches += k;
+          continue;
+        }
+      }
+      sched.schedule(batch);
+      if (batch.empty()) {  // nothing runs and nothing will change: the query never starts
+        est.status = Status::Unschedulable;
+        return est;
+      }
+      ++est.n_batches;
+      if (opt.trace) record_step(est, sched, batch);
+      const double start = now;
+      now += sched.last_features().time(opt.beta);
+      now += fill.extra_time(sched, start, static_cast<int64_t>(sched.last_features().tokens), opt.beta);
+      if (sched.apply(batch, query)) {
+        est.ttft_s = now;
+        return est;
+      }
+    }
+  }
+  est.status = Status::StepLimit;
+  return est;
+}
+
+Scheduler::Req query_req(const Query& q, double default_arrival, const ReplayOptions& opt) {
+  const int64_t pred = q.predicted_output >= 0 ? q.predicted_output
+                       : opt.default_output_tokens >= 0 ? opt.default_output_tokens
+                                                        : q.max_tokens;
+  return sched_arrival(q.prompt_tokens, q.max_tokens, std::clamp<int64_t>(pred, 1, q.max_tokens), q.prefix_hit_tokens,
+                       q.priority, q.arrival > 0.0 ? q.arrival : default_arrival);
+}
+
+// Queue the router's recent dispatches, then the query itself.
+int32_t enqueue(Scheduler& sched, const Query& q, const std::vector<Query>& ahead, double t, const ReplayOptions& opt,
+                int64_t max_model_len) {
+  for (const Query& a : ahead) {
+    if (a.prompt_tokens > max_model_len) throw std::invalid_argument("ahead.prompt_tokens exceeds max_model_len");
+    sched.add(query_req(a, t, opt));
+  }
+  return sched.add(query_req(q, t, opt));
+}
+
+}  // namespace
+
+Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt, const std::vector<Query>& ahead) {
+  if (q.prompt_tokens > p.cfg.max_model_len) throw std::invalid_argument("request.prompt_tokens exceeds max_model_len");
+  Scheduler sched(p.cfg);
+  sched.load(p.reqs, p.n_running, p.free_blocks);
+  const int32_t query = enqueue(sched, q, ahead, p.time, opt, p.cfg.max_model_len);
+  if (!p.cfg.async_scheduling) {
+    std::optional<SyncFastPath> fast;
+    if (fast_path(p.cfg, opt)) fast.emplace(sched, p.decode_start);
+    Estimate e = run_sync(sched, fast ? &*fast : nullptr, query, opt, 0.0, 0.0);
+    if (e.status != Status::Ok) e.ttft_s = std::numeric_limits<double>::infinity();
+    return e;
+  }
+  // Async engine loop (§10): schedule k+1 against the state before update(k); k+1 starts when
+  // k finishes. The snapshot's in-flight batch is k at the start.
+  Estimate est;
+  auto time_of = [&](const std::vector<Scheduler::Item>& batch, const std::vector<std::pair<int64_t, int64_t>>* orphans) {
+    BatchFeatures f;
+    sched.add_features(batch, f);
+    if (orphans != nullptr)
+      for (const auto& o : *orphans) f.add(o.first, o.second, o.first == 1);
+    return f.time(opt.beta);
+  };
+  double now = 0.0;  // seconds since the snapshot's capture
+  std::vector<Scheduler::Item> batch;
+  batch.reserve(p.reqs.size() + 1);
+  {
+    std::vector<Scheduler::Item> inflight;
+    std::vector<std::pair<int64_t, int64_t>> orphans = p.inflight_orphans;
+    bool has_inflight = p.has_inflight;
+    double inflight_end = 0.0;
+    if (has_inflight) {
+      for (const auto& it : p.inflight)
+        inflight.push_back({it.req, it.n, it.context, p.reqs[static_cast<size_t>(it.req)].preemptions, it.samples});
+      inflight_end = std::max(0.0, p.inflight_start + time_of(inflight, &orphans));
+    }
+    while (est.n_batches < opt.max_steps) {
+      sched.schedule(batch);
+      const bool had_inflight = has_inflight;
+      if (had_inflight) {
+        now = std::max(now, inflight_end);
+        if (sched.apply(inflight, query)) {
+          est.ttft_s = now;
+          return est;
+        }
+        has_inflight = false;
+        orphans.clear();
+      }
+      if (batch.empty()) {
+        if (had_inflight) continue;  // the update may have freed room: schedule again
+        est.status = Status::Unschedulable;
+        return est;
+      }
+      ++est.n_batches;
+      if (opt.trace) record_step(est, sched, batch);
+      inflight.swap(batch);
+      has_inflight = true;
+      inflight_end = now + sched.last_features().time(opt.beta);
+    }
+  }
+  est.status = Status::StepLimit;
+  est.ttft_s = std::numeric_limits<double>::infinity();
+  return est;
+}
+
+
+Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions& opt, double age_s,
+                         const std::vector<Query>& ahead) {
+  if (q.prompt_tokens > p.cfg.max_model_len) throw std::invalid_argument("request.prompt_tokens exceeds max_model_len");
+  if (p.cfg.async_scheduling || age_s <= 0.0) {
+    Estimate e = estimate(p, q, opt, ahead);
+    e.ttft_s -= std::max(0.0, age_s);
+    return e;
+  }
+  Estimate e;
+  if (fast_path(p.cfg, opt)) {  // the residents age on the fast path that then runs the estimate
+    Scheduler sched(p.cfg);
+    sched.load(p.reqs, p.n_running, p.free_blocks);
+    SyncFastPath fast(sched, p.decode_start);
+    const AgeWindow w = advance_fast(fast, opt.beta, age_s);
+    const int32_t query = enqueue(sched, q, ahead, p.time + age_s, opt, p.cfg.max_model_len);
+    e = run_sync(sched, &fast, query, opt, w.join_s, age_s);
+  } else {
+    Advanced a = advance(p, opt.beta, age_s);
+    const int32_t query = enqueue(a.sched, q, ahead, p.time + age_s, opt, p.cfg.max_model_len);
+    e = run_sync(a.sched, nullptr, query, opt, a.join_s, age_s);
+  }
+  e.ttft_s = e.status == Status::Ok ? e.ttft_s - age_s : std::numeric_limits<double>::infinity();
+  return e;
+}
+
+}  // namespace bea

@@ -1,0 +1,103 @@
+// The Python `Snapshot` object, shared by the replay binding (which builds and estimates it) and
+// the engine binding (which exports a sim engine's state as one).
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "bea/core/replay.h"
+#include "bea/core/snapshot.h"
+#include "convert.h"
+
+namespace bea_py {
+
+// A parsed snapshot plus its replay-ready form, cached per length policy.
+class PySnapshot {
+ public:
+  explicit PySnapshot(bea::Snapshot s) : snap_(std::move(s)) {}
+  PySnapshot(const PySnapshot&) = delete;  // ids_ views point into this object's snapshot
+  PySnapshot& operator=(const PySnapshot&) = delete;
+
+  const bea::Prepared& prepared(const bea::ReplayOptions& opt) {
+    if (!prep_ || opt.default_output_tokens != prep_default_ || opt.overrun_fraction != prep_overrun_) {
+      prep_ = std::make_unique<bea::Prepared>(bea::prepare(snap_, opt));
+      prep_default_ = opt.default_output_tokens;
+      prep_overrun_ = opt.overrun_fraction;
+    }
+    return *prep_;
+  }
+  void set_lengths(const std::unordered_map<std::string, int64_t>& l) {
+    snap_.set_output_lengths(l);
+    prep_.reset();
+  }
+  // Predicted lengths from a Python dict {id: tokens}. The usual dict (str ids, int tokens in
+  // range) is applied through an index of the residents' ids, without an intermediate map; any
+  // other input takes the validating path (and its errors). The prepared form is rebuilt only
+  // when a resident's prediction changed.
+  void set_lengths_from(pybind11::handle d) {
+    std::vector<std::pair<int32_t, int64_t>> updates;
+    if (!usual_lengths(d, updates)) {
+      set_lengths(bea::lengths_from_value(to_value(d, 0)));
+      return;
+    }
+    bool changed = false;
+    for (const auto& [k, tokens] : updates) {
+      bea::Request& r = request(k);
+      changed |= r.predicted_output != tokens;
+      r.predicted_output = tokens;
+    }
+    if (changed) prep_.reset();
+  }
+  const bea::Snapshot& snap() const { return snap_; }
+
+ private:
+  bea::Request& request(int32_t k) {
+    const auto u = static_cast<size_t>(k);
+    return u < snap_.running.size() ? snap_.running[u] : snap_.waiting[u - snap_.running.size()];
+  }
+  // (resident, tokens) for every known id of a dict of str -> int in [0, kMaxTokens]; false
+  // when the dict is anything else (nothing is applied then).
+  bool usual_lengths(pybind11::handle d, std::vector<std::pair<int32_t, int64_t>>& updates) {
+    if (!PyDict_Check(d.ptr())) return false;
+    if (ids_.empty()) {  // the residents' ids never change: index them once
+      ids_.reserve(snap_.running.size() + snap_.waiting.size());
+      int32_t k = 0;
+      for (const auto* list : {&snap_.running, &snap_.waiting})
+        for (const auto& r : *list) ids_.emplace(std::string_view(r.id), k++);
+    }
+    updates.reserve(static_cast<size_t>(PyDict_Size(d.ptr())));
+    PyObject* key = nullptr;
+    PyObject* value = nullptr;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(d.ptr(), &pos, &key, &value)) {
+      if (!PyUnicode_Check(key) || !PyLong_CheckExact(value)) return false;
+      int overflow = 0;
+      const long long tokens = PyLong_AsLongLongAndOverflow(value, &overflow);
+      if (overflow != 0 || tokens < 0 || tokens > bea::kMaxTokens) return false;
+      Py_ssize_t n = 0;
+      const char* s = PyUnicode_AsUTF8AndSize(key, &n);
+      if (s == nullptr) {
+        PyErr_Clear();
+        return false;
+      }
+      const auto it = ids_.find(std::string_view(s, static_cast<size_t>(n)));
+      if (it != ids_.end()) updates.emplace_back(it->second, static_cast<int64_t>(tokens));
+    }
+    return true;
+  }
+
+  bea::Snapshot snap_;
+  std::unique_ptr<bea::Prepared> prep_;
+  int64_t prep_default_ = -1;
+  double prep_overrun_ = 0.5;
+  std::unordered_map<std::string_view, int32_t> ids_;  // views of snap_'s own ids (they never move)
+};
+
+}  // namespace bea_py

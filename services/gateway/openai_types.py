@@ -1,0 +1,283 @@
+"""The two OpenAI request bodies the gateway accepts — ``/v1/chat/completions`` and
+``/v1/completions`` — decoded and validated in one pass by msgspec, and turned into what is
+submitted to the routers.
+
+Every field of OpenAI's API is known here. The sampling fields (``bear.protocol.sampling``,
+inherited) go to the engine; the rest is either handled by the gateway (model, messages/prompt,
+max tokens, stream options, the ``bear`` extension), accepted and ignored because it asks nothing
+of the engine (``user``, ``metadata``, ``safety_identifier``, ``prompt_cache_key``,
+``service_tier`` auto/default), or — when it asks for something BEAR cannot deliver through the
+router's one text stream (``n > 1``, logprobs, tools, audio, structured outputs …) — rejected with
+a 400 that names the field and says why. Unknown fields are rejected, as OpenAI does. Why each
+field is where it is: docs/gateway.md."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import msgspec
+
+from bear.gateway.openai_wire import ApiError
+from bear.protocol.sampling import Sampling, sampling_of
+
+MAX_TOKENS_LIMIT = 1_000_000
+MAX_MESSAGES = 4096
+TTFT_HEADER = "x-slo-ttft-ms"
+LAMBDA_HEADER = "x-bear-lambda"
+
+PositiveTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS_LIMIT)]
+
+
+class BearOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """The ``bear`` body extension (``extra_body={"bear": {...}}`` in the openai SDK)."""
+
+    ttft_ms: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    lam: Annotated[float, msgspec.Meta(ge=0.0)] | None = msgspec.field(default=None, name="lambda")
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # OpenAI's padding of streamed events: nothing to pad here
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    refusal: str | None = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    audio: Any = None
+
+
+class _Common(Sampling, forbid_unknown_fields=True, kw_only=True):
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    max_tokens: PositiveTokens | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: Any = None
+    logprobs: Any = None
+    user: str | None = None
+    bear: BearOptions | None = None
+
+
+class ChatRequest(_Common, forbid_unknown_fields=True, kw_only=True):
+    messages: Annotated[list[Message], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: PositiveTokens | None = None
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    store: Any = None
+    moderation: Any = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+
+
+class CompletionRequest(_Common, forbid_unknown_fields=True, kw_only=True):
+    prompt: str | list[Any]
+    best_of: Any = None
+    echo: Any = None
+    suffix: Any = None
+
+
+def _is(*allowed: Any) -> Callable[[Any], bool]:
+    return lambda v: any(v is a or (v == a and type(v) is type(a)) for a in allowed)
+
+
+# field → (is the value one BEAR honours?, why not otherwise)
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (_is(None, 1), "must be 1: the router streams one answer per query (send n requests)"),
+    "best_of": (_is(None, 1), "must be 1: the router streams one answer per query"),
+    "logprobs": (_is(None, False, 0), "log-probabilities are not carried by the router's stream"),
+    "top_logprobs": (_is(None, 0), "log-probabilities are not carried by the router's stream"),
+    "echo": (_is(None, False), "echoing the prompt is not supported"),
+    "suffix": (_is(None), "insertion (suffix) is not supported"),
+    "tools": (lambda v: v is None or v == [], "tool calls are not supported: the router streams text only"),
+    "tool_choice": (_is(None, "none"), "tool calls are not supported: the router streams text only"),
+    "parallel_tool_calls": (_is(None), "tool calls are not supported: the router streams text only"),
+    "functions": (_is(None), "function calls are not supported: the router streams text only"),
+    "function_call": (_is(None, "none"), "function calls are not supported: the router streams text only"),
+    "response_format": (lambda v: v is None or v == {"type": "text"},
+                        "structured outputs are not supported (only {\"type\": \"text\"})"),
+    "audio": (_is(None), "audio output is not supported"),
+    "modalities": (lambda v: v is None or v == ["text"], "only the text modality is supported"),
+    "prediction": (_is(None), "predicted outputs are not supported"),
+    "reasoning_effort": (_is(None), "reasoning effort is not a setting of the pool's engines"),
+    "verbosity": (_is(None), "verbosity is not a setting of the pool's engines"),
+    "web_search_options": (_is(None), "web search is not supported"),
+    "store": (_is(None, False), "BEAR stores no completions"),
+    "moderation": (_is(None), "moderation is not supported"),
+    "service_tier": (_is(None, "auto", "default"), "BEAR has one service tier (auto/default)"),
+}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@dataclass
+class Defaults:
+    """What a request gets when it does not say: the routing alias, targets and lengths."""
+
+    alias: str = "bear"
+    ttft_s: float = 1.0
+    lam: float | None = None  # None: the router's default λ
+    max_tokens: int = 256  # chat completions without max_tokens / max_completion_tokens
+    max_tokens_completions: int = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class Submission:
+    """One validated request, ready for ``bear.client.submit.submit``."""
+
+    chat: bool
+    model: str  # as the client named it
+    route_model: str | None  # the candidates' model; None: the routing alias (BEAR chooses)
+    stream: bool
+    include_usage: bool
+    max_tokens: int
+    ttft_target_s: float
+    lam: float | None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+def _param_of(exc: msgspec.ValidationError) -> str | None:
+    """The field a msgspec error is about: ``temperature`` from ``... - at `$.temperature```,
+    ``messages[0].foo`` from ``Object contains unknown field `foo` - at `$.messages[0]```."""
+    msg = str(exc)
+    at = msg.rfind(" - at `$")
+    path = msg[at + 8:].rstrip("`").lstrip(".") if at >= 0 else ""
+    head = msg[:at] if at >= 0 else msg
+    for marker in ("unknown field `", "missing required field `"):
+        k = head.find(marker)
+        if k >= 0:
+            name = head[k + len(marker):].rstrip("`")
+            return f"{path}.{name}" if path else name
+    return path or None
+
+
+def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, str(exc), param=_param_of(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from exc
+
+
+def _check_supported(req: msgspec.Struct) -> None:
+    for name in _RULED[type(req)]:
+        v = getattr(req, name)
+        if v is not None and not UNSUPPORTED[name][0](v):  # None: not asked for, always fine
+            raise ApiError(400, f"{name}: {UNSUPPORTED[name][1]}", param=name)
+
+
+def _float_header(headers: Mapping[str, str], name: str, lo: float, strict: bool) -> float | None:
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        v = math.nan
+    if not math.isfinite(v) or v < lo or (strict and v == lo):
+        raise ApiError(400, f"header {name} must be a number {'>' if strict else '≥'} {lo:g}", param=name)
+    return v
+
+
+def _targets(req: _Common, headers: Mapping[str, str], d: Defaults) -> tuple[float, float | None]:
+    """(TTFT target in s, λ): the ``bear`` body field, else the headers, else the defaults."""
+    opts = req.bear or BearOptions()
+    ttft_ms = opts.ttft_ms if opts.ttft_ms is not None else _float_header(headers, TTFT_HEADER, 0.0, True)
+    lam = opts.lam if opts.lam is not None else _float_header(headers, LAMBDA_HEADER, 0.0, False)
+    if ttft_ms is not None and not math.isfinite(ttft_ms):
+        raise ApiError(400, "bear.ttft_ms must be finite", param="bear.ttft_ms")
+    return (d.ttft_s if ttft_ms is None else ttft_ms / 1e3), (d.lam if lam is None else lam)
+
+
+def _messages(msgs: list[Message]) -> list[dict[str, Any]]:
+    """OpenAI messages as the router submits them: text content as one string (text parts joined
+    with newlines, as vLLM joins them), ``developer`` as ``system``."""
+    out = []
+    for i, m in enumerate(msgs):
+        role = ROLES.get(m.role)
+        if role is None:
+            why = "tool calls are not supported" if m.role in ("tool", "function") else "unknown role"
+            raise ApiError(400, f"messages[{i}].role {m.role!r}: {why} (system, developer, user, assistant)",
+                           param=f"messages[{i}].role")
+        for extra in ("tool_calls", "tool_call_id", "function_call", "audio"):
+            if getattr(m, extra) not in (None, []):
+                raise ApiError(400, f"messages[{i}].{extra}: tool calls and audio are not supported",
+                               param=f"messages[{i}].{extra}")
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for k, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise ApiError(400, f"messages[{i}].content[{k}]: only text parts are supported, not "
+                                        f"{part.type!r}", param=f"messages[{i}].content[{k}]")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        d: dict[str, Any] = {"role": role, "content": content or ""}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def _common(req: _Common, chat: bool, headers: Mapping[str, str], d: Defaults, max_tokens: int | None,
+            default_max: int) -> Submission:
+    _check_supported(req)
+    ttft_s, lam = _targets(req, headers, d)
+    opts = req.stream_options
+    if opts is not None and not req.stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    return Submission(chat=chat, model=req.model, route_model=None if req.model == d.alias else req.model,
+                      stream=bool(req.stream), include_usage=bool(opts and opts.include_usage),
+                      max_tokens=max_tokens or default_max, ttft_target_s=ttft_s, lam=lam,
+                      sampling=sampling_of(req))
+
+
+_RULED = {t: tuple(f for f in t.__struct_fields__ if f in UNSUPPORTED) for t in (ChatRequest, CompletionRequest)}
+
+
+def parse_chat(body: bytes, headers: Mapping[str, str], d: Defaults) -> Submission:
+    req: ChatRequest = decode(body, ChatRequest)
+    sub = _common(req, True, headers, d, req.max_completion_tokens or req.max_tokens, d.max_tokens)
+    sub.messages = _messages(req.messages)
+    return sub
+
+
+def parse_completion(body: bytes, headers: Mapping[str, str], d: Defaults) -> Submission:
+    req: CompletionRequest = decode(body, CompletionRequest)
+    prompt = req.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise ApiError(400, "prompt must be one string: batches and token-id prompts are not supported "
+                                "(send one request per prompt)", param="prompt")
+        prompt = prompt[0]
+    sub = _common(req, False, headers, d, req.max_tokens, d.max_tokens_completions)
+    sub.prompt = prompt
+    return sub

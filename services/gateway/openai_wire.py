@@ -1,0 +1,171 @@
+"""OpenAI's response shapes, written by the gateway: error objects with their HTTP status, the
+non-streaming bodies, and the SSE chunks of a streamed answer (``data: {...}`` events, a final
+chunk with ``finish_reason``, the usage chunk of ``stream_options.include_usage``, ``data:
+[DONE]``). The router's messages carry text only, so every answer has one choice (index 0)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from bear.protocol.errors import ErrorCode
+
+# router error code → (HTTP status, OpenAI error type)
+STATUS: dict[str, tuple[int, str]] = {
+    ErrorCode.BAD_REQUEST: (400, "invalid_request_error"),
+    ErrorCode.TOO_LARGE: (413, "invalid_request_error"),
+    ErrorCode.NOT_FOUND: (404, "invalid_request_error"),
+    ErrorCode.DUPLICATE: (409, "invalid_request_error"),
+    ErrorCode.OVERLOADED: (429, "rate_limit_error"),
+    ErrorCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    ErrorCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    ErrorCode.INTERNAL: (500, "internal_error"),
+}
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+         405: "invalid_request_error", 408: "timeout_error", 409: "invalid_request_error",
+         413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+         500: "internal_error", 503: "service_unavailable_error", 504: "timeout_error"}
+CODES = {400: "bad_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+         408: "request_timeout", 409: "duplicate", 413: "too_large", 415: "unsupported_media_type",
+         429: "overloaded", 500: "internal", 503: "unavailable", 504: "deadline_exceeded"}
+
+
+class ApiError(Exception):
+    """An error answered as an OpenAI error object with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code or CODES.get(status, "error")
+        self.headers = headers or {}
+
+    @classmethod
+    def from_router(cls, error: dict[str, Any], retry_after_s: int) -> ApiError:
+        """The router's (or the NATS client's) ``bear.error/1`` ``error`` map as an HTTP error."""
+        code = str(error.get("code", ErrorCode.INTERNAL))
+        status, _ = STATUS.get(code, (500, "internal_error"))
+        headers = {"Retry-After": str(retry_after_s)} if status in (429, 503) else None
+        return cls(status, str(error.get("message", "")), code=code, headers=headers)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": TYPES.get(self.status, "api_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj)
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class Answer:
+    """One answer's constant parts (id, object kinds, created, model) and its chunk encoders."""
+
+    __slots__ = ("chat", "created", "id", "include_usage", "model")
+
+    def __init__(self, chat: bool, query_id: str, created: int, model: str, include_usage: bool) -> None:
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + query_id
+        self.created = created
+        self.model = model
+        self.include_usage = include_usage
+
+    def _chunk(self, choice: dict[str, Any]) -> bytes:
+        d: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                             "created": self.created, "model": self.model, "choices": [choice]}
+        if self.include_usage:
+            d["usage"] = None
+        return sse(d)
+
+    def role_chunk(self) -> bytes:
+        """The first chat chunk (OpenAI's: the assistant role, empty content); none for completions."""
+        if not self.chat:
+            return b""
+        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})
+
+    def text_chunk(self, text: str) -> bytes:
+        if self.chat:
+            return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None})
+        return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+
+    def final_chunks(self, finish_reason: str, usage: dict[str, int], bear: dict[str, Any]) -> bytes:
+        """The chunk with ``finish_reason`` (and BEAR's decision as ``bear``), the usage chunk when
+        asked for, and ``[DONE]``."""
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
+        d: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                             "created": self.created, "model": self.model, "choices": [choice], "bear": bear}
+        if self.include_usage:
+            d["usage"] = None
+        out = sse(d)
+        if self.include_usage:
+            out += sse({"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                        "created": self.created, "model": self.model, "choices": [], "usage": usage})
+        return out + SSE_DONE
+
+    def body(self, text: str, finish_reason: str, usage: dict[str, int], bear: dict[str, Any]) -> dict[str, Any]:
+        """The non-streaming response."""
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice], "usage": usage, "bear": bear}
+
+
+def sse_error(err: ApiError) -> bytes:
+    """An error after the stream started (status 200 already sent): OpenAI's SDKs raise it."""
+    return sse(err.body())
+
+
+def usage_of(done: dict[str, Any], chunks: int) -> dict[str, int]:
+    u = done.get("usage") or {}
+    prompt = int(u.get("prompt_tokens", 0))
+    completion = int(u.get("completion_tokens", chunks))
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": int(u.get("total_tokens", prompt + completion))}
+
+
+def decision_headers(query_id: str, routed: dict[str, Any] | None) -> dict[str, str]:
+    """What BEAR decided, as response headers (the last ``bear.routed/1`` of the query)."""
+    h = {"x-bear-query-id": query_id}
+    if not routed:
+        return h
+    h["x-bear-instance"] = str(routed.get("instance", ""))
+    h["x-bear-model"] = str(routed.get("model", ""))
+    pt = routed.get("predicted_ttft_s")
+    if isinstance(pt, int | float):
+        h["x-bear-predicted-ttft-ms"] = f"{pt * 1e3:.3f}"
+    h["x-bear-ttft-method"] = str(routed.get("ttft_method", ""))
+    h["x-bear-policy"] = str(routed.get("policy", ""))
+    h["x-bear-feasible"] = "true" if routed.get("feasible") else "false"
+    h["x-bear-attempt"] = str(routed.get("attempt", 1))
+    ds = routed.get("decision_s")
+    if isinstance(ds, int | float):
+        h["x-bear-decision-ms"] = f"{ds * 1e3:.3f}"
+    return h
+
+
+def decision_of(routed: dict[str, Any] | None, done: dict[str, Any]) -> dict[str, Any]:
+    """BEAR's decision and what came of it, as the ``bear`` field of the last chunk / the body."""
+    r = routed or {}
+    return {"instance": done.get("instance", r.get("instance")), "model": done.get("model", r.get("model")),
+            "predictor_model": done.get("predictor_model", r.get("predictor_model")),
+            "predicted_ttft_s": done.get("predicted_ttft_s", r.get("predicted_ttft_s")),
+            "ttft_method": r.get("ttft_method"), "feasible": r.get("feasible"), "policy": r.get("policy"),
+            "attempt": r.get("attempt"), "ttft_s": done.get("ttft_s"), "target_s": done.get("target_s"),
+            "on_time": done.get("on_time"), "utility": done.get("utility"),
+            "decision_s": done.get("decision_s", r.get("decision_s"))}

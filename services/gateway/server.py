@@ -1,0 +1,401 @@
+"""``bear gateway``: an aiohttp server that speaks the OpenAI API and puts every request through
+the routers — ``bear.client.submit.submit`` over NATS, the router's ``routed`` / ``chunk`` /
+``done`` / ``error`` messages back as OpenAI responses. Stateless like the routers: any number of
+gateways can run behind a load balancer.
+
+Per request: API key → in-flight bound → body (size limit, time limit) → one msgspec pass that
+decodes and validates → submit (trace context in the NATS headers) → the answer. A streamed
+answer's status and headers (BEAR's decision: instance, model, predicted TTFT, method) are sent
+with its first token, so an error before any token still gets its own HTTP status and a reroute
+(the router's second ``routed``) is what the headers report. A client that goes away cancels its
+handler (``handler_cancellation``): closing the submit iterator publishes ``bear.cancel`` and the
+router aborts the engine's generation. Reference: docs/gateway.md."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from bear.client.submit import Inboxes, submit
+from bear.gateway.auth import ApiKeys
+from bear.gateway.metrics import metrics
+from bear.gateway.openai_types import Defaults, Submission, parse_chat, parse_completion
+from bear.gateway.openai_wire import (
+    Answer,
+    ApiError,
+    decision_headers,
+    decision_of,
+    dumps,
+    sse_error,
+    usage_of,
+)
+from bear.protocol.subjects import Subjects
+from bear.router.registry import Registry
+from bear.runtime import tracing
+
+log = structlog.get_logger("bear.gateway")
+
+ENDPOINTS = ("chat", "completions")
+NATS_HEADROOM = 64 * 1024  # room for the submission's other fields within NATS's max_payload
+
+
+class ClientGone(Exception):
+    """The client closed the connection while its answer was being written."""
+
+    def __init__(self, resp: web.StreamResponse) -> None:
+        super().__init__("client went away")
+        self.resp = resp
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefix: str = "bear"
+    defaults: Defaults = field(default_factory=Defaults)
+    max_body_bytes: int = 1024 * 1024
+    body_timeout_s: float = 10.0  # the whole body must arrive within this (slow clients get a 408)
+    request_timeout_s: float = 600.0  # request received → answer ended; then 504 (or an SSE error)
+    accept_timeout_s: float = 2.0  # no router answer in this → resubmit once, then 503
+    idle_timeout_s: float = 65.0  # a started answer silent this long → 504 (the router gives up at 60 s)
+    max_inflight: int = 4096  # completion requests in progress before 429
+    retry_after_s: int = 1
+    down_after_s: float = 10.0  # registry heartbeat older than this: the instance is not listed
+    drain_s: float = 5.0  # on SIGTERM: stop listening, let requests in progress end this long
+
+
+class Gateway:
+    """The HTTP application; ``nc`` is a connected NATS client, ``keys`` None means no auth."""
+
+    def __init__(self, nc: Any, cfg: GatewayConfig | None = None, keys: ApiKeys | None = None) -> None:
+        self.nc = nc
+        self.cfg = cfg or GatewayConfig()
+        self.keys = keys
+        self.subjects = Subjects(self.cfg.prefix)
+        self.registry = Registry(nc, self.subjects, down_after_s=self.cfg.down_after_s)
+        self.inboxes = Inboxes(nc)
+        self.m = metrics()
+        self._ttfb = {e: self.m.ttfb.labels(endpoint=e) for e in ENDPOINTS}  # label lookups once, not per request
+        self._counted: dict[tuple[str, str], Any] = {}
+        self.inflight = 0
+        self.started = int(time.time())
+        self._runner: web.AppRunner | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors])
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    async def start(self) -> None:
+        await self.registry.start(observe=False)
+        await self.inboxes.start()
+        # handler_cancellation: a client that disconnects cancels its handler (and so its generation)
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
+                                     shutdown_timeout=self.cfg.drain_s, keepalive_timeout=75.0)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.cfg.host, self.cfg.port, backlog=1024).start()
+        log.info("gateway serving", url=self.base_url, auth=self.keys is not None, prefix=self.cfg.prefix)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()  # stops listening, lets requests in progress end (drain_s)
+        await self.inboxes.stop()
+        await self.registry.stop()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.cfg.host}:{self.cfg.port}/v1"
+
+    # ------------------------------------------------------------------ plumbing
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Every error as an OpenAI error object, aiohttp's own (404 path, 405, 413) included."""
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return self._error(exc)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return self._error(ApiError(exc.status, exc.reason))
+
+    def _error(self, exc: ApiError, force_close: bool = False) -> web.Response:
+        resp = web.Response(body=dumps(exc.body()), status=exc.status, content_type="application/json",
+                            headers=exc.headers)
+        if force_close:
+            resp.force_close()
+        return resp
+
+    def _authorize(self, request: web.Request) -> None:
+        if self.keys is None:
+            return
+        why = self.keys.check(request.headers.get("Authorization"))
+        if why is not None:
+            raise ApiError(401, why, headers={"WWW-Authenticate": "Bearer"})
+
+    async def _body(self, request: web.Request) -> bytes:
+        limit = self.cfg.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise ApiError(413, f"request body of {request.content_length} bytes exceeds {limit}")
+        try:
+            async with asyncio.timeout(self.cfg.body_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            raise ApiError(408, f"request body not received within {self.cfg.body_timeout_s:g} s") from None
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"request body exceeds {limit} bytes") from None
+
+    # ------------------------------------------------------------------ completions
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, "completions")
+
+    async def _complete(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        status = "500"
+        counted = False
+        try:
+            try:
+                self._authorize(request)
+                if self.inflight >= self.cfg.max_inflight:
+                    raise ApiError(429, "gateway at its in-flight limit", headers={"Retry-After": str(self.cfg.retry_after_s)})
+                body = await self._body(request)
+                parse = parse_chat if endpoint == "chat" else parse_completion
+                sub = parse(body, request.headers, self.cfg.defaults)
+                if len(body) + NATS_HEADROOM > self.nc.max_payload:
+                    raise ApiError(413, f"request of {len(body)} bytes does not fit a NATS message "
+                                        f"({self.nc.max_payload} bytes)")
+            except ApiError as exc:
+                status = str(exc.status)
+                return self._error(exc, force_close=exc.status in (408, 413))
+            self.inflight += 1
+            self.m.inflight.inc()
+            counted = True
+            with tracing.child(f"gateway {request.path}", request.headers, kind="server",
+                               **{"http.route": request.path, "bear.model": sub.model}) as span:
+                resp = await self._answer(request, sub, span, t0, endpoint)
+                span.set(**{"http.status_code": resp.status})
+            status = str(resp.status)
+            return resp
+        except asyncio.CancelledError:  # the client went away (handler cancellation)
+            status = "499"
+            self.m.cancelled.inc()
+            raise
+        except ClientGone as gone:  # it went away while we wrote
+            status = "499"
+            self.m.cancelled.inc()
+            return gone.resp
+        finally:
+            if counted:
+                self.inflight -= 1
+                self.m.inflight.dec()
+            counter = self._counted.get((endpoint, status))
+            if counter is None:
+                counter = self._counted[endpoint, status] = self.m.requests.labels(endpoint=endpoint, status=status)
+            counter.inc()
+
+    async def _answer(self, request: web.Request, sub: Submission, span: tracing.Span, t0: float,
+                      endpoint: str) -> web.StreamResponse:
+        qid = os.urandom(16).hex()  # as unique as uuid4().hex, a sixth of its cost
+        span.set(**{"bear.query_id": qid})
+        it = submit(self.nc, sub.prompt, messages=sub.messages, ttft_target_s=sub.ttft_target_s,
+                    max_tokens=sub.max_tokens, lam=sub.lam, query_id=qid, model=sub.route_model,
+                    sampling=sub.sampling, headers=span.headers, subjects=self.subjects,
+                    accept_timeout_s=self.cfg.accept_timeout_s, idle_timeout_s=self.cfg.idle_timeout_s,
+                    inboxes=self.inboxes)
+        routed: dict[str, Any] | None = None
+        resp: web.StreamResponse | None = None
+        answer: Answer | None = None
+        texts: list[str] = []
+        chunks = 0
+        own = time.perf_counter() - t0  # the gateway's own time before the submission
+        try:
+            async with contextlib.aclosing(it), asyncio.timeout(self.cfg.request_timeout_s):
+                async for m in it:
+                    v = m.get("v")
+                    if v == "bear.routed/1":
+                        routed = m
+                        span.event("routed", instance=m.get("instance"), attempt=m.get("attempt"))
+                        continue
+                    if v == "bear.chunk/1":
+                        text = str(m.get("text", ""))
+                        chunks += 1
+                        if not sub.stream:
+                            texts.append(text)
+                            continue
+                        if resp is None:
+                            t_msg = time.perf_counter()
+                            answer = self._new_answer(sub, qid, routed)
+                            resp = await self._start_stream(request, qid, routed)
+                            await resp.write(answer.role_chunk() + answer.text_chunk(text))
+                            self._first_byte(endpoint, t0, own, t_msg, span)
+                        else:
+                            assert answer is not None
+                            await resp.write(answer.text_chunk(text))
+                        continue
+                    if v == "bear.done/1":
+                        t_msg = time.perf_counter()
+                        usage = usage_of(m, chunks)
+                        finish = str(m.get("finish_reason") or "stop")
+                        bear = decision_of(routed, m)
+                        if not sub.stream:
+                            answer = self._new_answer(sub, qid, routed, m)
+                            out = web.Response(body=dumps(answer.body("".join(texts), finish, usage, bear)),
+                                               content_type="application/json",
+                                               headers=self._headers(qid, routed, m))
+                            self._first_byte(endpoint, t0, own, t_msg, span)
+                            return out
+                        if resp is None:  # an empty answer
+                            answer = self._new_answer(sub, qid, routed, m)
+                            resp = await self._start_stream(request, qid, routed)
+                            await resp.write(answer.role_chunk())
+                            self._first_byte(endpoint, t0, own, t_msg, span)
+                        assert answer is not None
+                        await resp.write(answer.final_chunks(finish, usage, bear))
+                        await resp.write_eof()
+                        return resp
+                    if v == "bear.error/1":
+                        err = ApiError.from_router(m.get("error") or {}, self.cfg.retry_after_s)
+                        span.error(err.message)
+                        return await self._fail(resp, err)
+        except TimeoutError:
+            return await self._fail(resp, ApiError(504, f"no complete answer within {self.cfg.request_timeout_s:g} s"))
+        except ConnectionResetError:  # closing the iterator above cancelled the generation
+            assert resp is not None
+            raise ClientGone(resp) from None
+        except Exception as exc:  # NATS closed under us (503), or a bug (500): still an OpenAI error
+            from nats.errors import Error as NatsError
+
+            if isinstance(exc, NatsError):
+                err = ApiError(503, f"NATS: {exc}", headers={"Retry-After": str(self.cfg.retry_after_s)})
+            else:
+                log.exception("answer failed", query_id=qid)
+                err = ApiError(500, f"internal error: {exc!r}")
+            return await self._fail(resp, err)
+        # the iterator always ends with a terminal message; this is defensive
+        return self._error(ApiError(500, "the router's stream ended without a terminal message"))
+
+    async def _fail(self, resp: web.StreamResponse | None, err: ApiError) -> web.StreamResponse:
+        """``err`` as the answer: its own HTTP status before the stream started, an SSE error event
+        (and the end of the stream) after."""
+        if resp is None:
+            return self._error(err)
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write(sse_error(err))
+            await resp.write_eof()
+        return resp
+
+    def _new_answer(self, sub: Submission, qid: str, routed: dict[str, Any] | None,
+                    done: dict[str, Any] | None = None) -> Answer:
+        model = (done or {}).get("model") or (routed or {}).get("model") or sub.model
+        return Answer(sub.chat, qid, int(time.time()), str(model), sub.include_usage)
+
+    def _headers(self, qid: str, routed: dict[str, Any] | None, done: dict[str, Any] | None = None) -> dict[str, str]:
+        h = decision_headers(qid, routed)
+        if done is not None and isinstance(done.get("ttft_s"), int | float):
+            h["x-bear-ttft-ms"] = f"{done['ttft_s'] * 1e3:.3f}"
+            h["x-bear-on-time"] = "true" if done.get("on_time") else "false"
+        return h
+
+    async def _start_stream(self, request: web.Request, qid: str, routed: dict[str, Any] | None) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **self._headers(qid, routed)})
+        await resp.prepare(request)
+        return resp
+
+    def _first_byte(self, endpoint: str, t0: float, own: float, t_msg: float, span: tracing.Span) -> None:
+        now = time.perf_counter()
+        self._ttfb[endpoint].observe(now - t0)
+        self.m.overhead.observe(own + (now - t_msg))
+        span.event("first_byte")
+
+    # ------------------------------------------------------------------ models, health, metrics
+    def _models(self) -> dict[str, list[str]]:
+        """Served model name → healthy instances serving it."""
+        out: dict[str, list[str]] = {}
+        for inst in self.registry.healthy():
+            out.setdefault(inst.model, []).append(inst.id)
+        return out
+
+    def _model_entry(self, name: str, instances: list[str]) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.started, "owned_by": "bear",
+                "bear": {"instances": sorted(instances), "routing_alias": name == self.cfg.defaults.alias}}
+
+    async def models(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        models = self._models()
+        every = [i for ids in models.values() for i in ids]
+        data = [self._model_entry(self.cfg.defaults.alias, every)]
+        data += [self._model_entry(name, ids) for name, ids in sorted(models.items())]
+        return web.Response(body=dumps({"object": "list", "data": data}), content_type="application/json")
+
+    async def model(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        name = request.match_info["model"]
+        models = self._models()
+        if name == self.cfg.defaults.alias:
+            entry = self._model_entry(name, [i for ids in models.values() for i in ids])
+        else:
+            ids = models.get(name) or [i.id for i in self.registry.healthy() if i.predictor_model == name]
+            if not ids:
+                raise ApiError(404, f"the model {name!r} is not served by any healthy instance", param="model")
+            entry = self._model_entry(name, ids)
+        return web.Response(body=dumps(entry), content_type="application/json")
+
+    async def health(self, _: web.Request) -> web.Response:
+        ok = bool(self.nc.is_connected)
+        body = {"status": "ok" if ok else "unavailable", "nats": "connected" if ok else "disconnected",
+                "healthy_instances": len(self.registry.healthy()), "inflight": self.inflight}
+        return web.Response(body=dumps(body), status=200 if ok else 503, content_type="application/json")
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+class StartError(RuntimeError):
+    """The gateway cannot start (one line for the person starting it)."""
+
+
+async def serve(nats_url: str, cfg: GatewayConfig, keys: ApiKeys | None, ready: Any = None,
+                connect_within_s: float = 10.0) -> None:
+    """Process main of ``bear gateway``: runs until SIGINT/SIGTERM. NATS must answer within
+    ``connect_within_s`` at start (later outages are reconnected forever, answering 503 meanwhile)."""
+    from bear.runtime.service import connect, stop_event
+    from bear.runtime.shutdown import close_nats
+
+    try:
+        async with asyncio.timeout(connect_within_s):
+            nc = await connect(nats_url, f"bear-gateway-{cfg.port}")
+    except (TimeoutError, OSError) as exc:
+        raise StartError(f"cannot reach NATS at {nats_url} within {connect_within_s:g} s") from exc
+    gw = Gateway(nc, cfg, keys)
+    try:
+        await gw.start()
+    except OSError as exc:  # the port is taken, the address is not ours
+        await close_nats(nc)
+        raise StartError(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}") from exc
+    stop = stop_event()
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    await gw.stop()
+    await close_nats(nc)
+    tracing.shutdown()
+    log.info("gateway stopped")

@@ -1,0 +1,201 @@
+"""Least-privilege NATS authorization for a BEAR deployment: which identity may publish and
+subscribe to what, and the server configuration that enforces it (``bear up`` generates one per
+run; ``bear nats config`` writes one for a deployment).
+
+Every identity subscribes only to its own inbox prefix (``_INBOX_<name>.>``), so nobody reads
+another's replies. The predictor and the estimator answer only through *response permissions*
+(``allow_responses``: a reply subject they were sent, once); the routers — trusted with every
+prompt anyway — may publish into the client applications' inboxes (``_INBOX_<client>.>``) and
+nobody else may. Response permissions would not do for the routers: they are state of one server
+connection, so after a reconnect (a NATS restart, a cluster node lost) the new server refuses the
+rest of every answer in flight — the cluster test lost streams that way. Each instance publishes only its own snapshots, batch
+records, prefix-cache events and registry key. JetStream API rights name the exact streams a part uses and never
+include deleting, purging or reconfiguring one: only ``admin`` (``bear up`` itself, or the
+operator's provisioning step) creates the KV buckets. The subjects each rule came from were found
+by watching a real nats-server serve nats-py's KV calls (tests/security)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bear.protocol.subjects import Subjects
+from bear.runtime.identity import Identity, new_identity
+
+ACCOUNT = "BEAR"
+SERVICES = ("router", "predictor", "estimator", "calibrator", "gateway", "client")
+INSTANCE_PREFIX = "instance-"
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...] = ()
+    subscribe: tuple[str, ...] = ()
+    responses: dict[str, Any] | bool = False  # allow_responses: False, True (one reply) or {max, expires}
+    full: bool = False  # admin: everything
+
+    def as_config(self) -> dict[str, Any]:
+        if self.full:
+            return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
+        out: dict[str, Any] = {}
+        if self.publish:
+            out["publish"] = {"allow": list(self.publish)}
+        elif not self.responses:  # with allow_responses and no publish list, the server denies the rest
+            out["publish"] = {"deny": [">"]}
+        out["subscribe"] = {"allow": list(self.subscribe)}
+        if self.responses:
+            out["allow_responses"] = self.responses
+        return out
+
+
+def _kv_read(bucket: str) -> list[str]:
+    """Open a bucket and watch every key (nats-py ``key_value`` + ``watchall``: stream info, an
+    ordered push consumer, its info, its deletion on stop, flow-control replies)."""
+    s = f"KV_{bucket}"
+    return [f"$JS.API.STREAM.INFO.{s}", f"$JS.API.CONSUMER.CREATE.{s}", f"$JS.API.CONSUMER.CREATE.{s}.>",
+            f"$JS.API.CONSUMER.INFO.{s}.*", f"$JS.API.CONSUMER.DELETE.{s}.*", f"$JS.FC.{s}.>"]
+
+
+def _kv_write(bucket: str, key: str = "*") -> list[str]:
+    """Open a bucket and put, create or delete ``key`` (all three are publishes to ``$KV``)."""
+    return [f"$JS.API.STREAM.INFO.KV_{bucket}", f"$KV.{bucket}.{key}"]
+
+
+def _kv_claim(bucket: str) -> list[str]:
+    """Create-only puts (``kv.create``: on a conflict nats-py reads the key's last entry)."""
+    s = f"KV_{bucket}"
+    return [*_kv_write(bucket), f"$JS.API.STREAM.MSG.GET.{s}", f"$JS.API.DIRECT.GET.{s}", f"$JS.API.DIRECT.GET.{s}.>"]
+
+
+def _obj_read(bucket: str) -> list[str]:
+    """Open an object store and get objects (nats-py ``object_store`` + ``get``: stream info, the
+    object's last meta message, the stream of its chunk subject looked up by name, an ordered push
+    consumer over its chunks)."""
+    s = f"OBJ_{bucket}"
+    return ["$JS.API.STREAM.NAMES", f"$JS.API.STREAM.INFO.{s}", f"$JS.API.STREAM.MSG.GET.{s}", f"$JS.API.DIRECT.GET.{s}",
+            f"$JS.API.DIRECT.GET.{s}.>", f"$JS.API.CONSUMER.CREATE.{s}", f"$JS.API.CONSUMER.CREATE.{s}.>",
+            f"$JS.API.CONSUMER.INFO.{s}.*", f"$JS.API.CONSUMER.DELETE.{s}.*", f"$JS.FC.{s}.>"]
+
+
+def _obj_write(bucket: str) -> list[str]:
+    """Look an object up and put one (chunks, then its meta message). Object names are not subject
+    tokens, so any writer may put any name: readers check that a bundle's content hashes to the id
+    they asked for (bear.tokenizer.store.get_bundle), so a forged object is refused, not used."""
+    s = f"OBJ_{bucket}"
+    return [f"$JS.API.STREAM.INFO.{s}", f"$JS.API.STREAM.MSG.GET.{s}", f"$JS.API.DIRECT.GET.{s}",
+            f"$JS.API.DIRECT.GET.{s}.>", f"$O.{bucket}.C.>", f"$O.{bucket}.M.>"]
+
+
+def permissions(role: str, name: str, subjects: Subjects | None = None, instance: str | None = None,
+                clients: tuple[str, ...] = ("client", "gateway")) -> Permissions:
+    """The rights of identity ``name`` in ``role`` (admin, router, predictor, estimator, calibrator,
+    gateway, client, instance — the last with its ``instance`` id); ``clients``: the client
+    applications' identities, whose inboxes the routers answer."""
+    s = subjects or Subjects()
+    p = s.prefix
+    inbox = f"_INBOX_{name}.>"
+    if role == "admin":
+        return Permissions(full=True)
+    if role == "router":
+        return Permissions(
+            publish=(s.predict, s.estimate, f"{s.estimate}.*", s.dispatch_all, s.outcome_all,
+                     *_kv_claim(s.queries_bucket), *_kv_read(s.instances_bucket), *_kv_read(s.calibration_bucket),
+                     *_obj_read(s.tokenizers_bucket),
+                     *(f"_INBOX_{c}.>" for c in clients)),
+            subscribe=(s.submit, s.cancel, s.outcome_all, inbox))
+    if role == "predictor":
+        return Permissions(subscribe=(s.predict, "$SRV.>", inbox), responses=True)
+    if role == "estimator":
+        return Permissions(
+            publish=(*_kv_read(s.instances_bucket), *_kv_read(s.calibration_bucket), s.kv_resync("*")),
+            subscribe=(s.estimate, f"{s.estimate}.*", s.snapshot_all, s.dispatch_all, s.kv_all, "$SRV.>", inbox),
+            responses=True)
+    if role == "calibrator":
+        return Permissions(publish=tuple(_kv_write(s.calibration_bucket)),
+                           subscribe=(s.batches_all, s.outcome_all, inbox))
+    if role == "gateway":
+        return Permissions(publish=(s.submit, s.cancel, *_kv_read(s.instances_bucket)), subscribe=(inbox,))
+    if role == "client":
+        return Permissions(publish=(s.submit, s.cancel), subscribe=(inbox,))
+    if role == "instance":
+        if not instance:
+            raise ValueError("an instance identity needs its instance id")
+        return Permissions(publish=(s.snapshot(instance), s.batches(instance), s.kv(instance),
+                                    *_kv_write(s.instances_bucket, instance), *_obj_write(s.tokenizers_bucket)),
+                           subscribe=(s.kv_resync(instance), inbox))
+    raise ValueError(f"unknown role {role!r} (admin, {', '.join(SERVICES)}, instance); prefix {p}")
+
+
+def instance_identity_name(instance: str) -> str:
+    return f"{INSTANCE_PREFIX}{instance}"
+
+
+@dataclass
+class AuthFiles:
+    """What ``generate`` wrote: the server's authorization block and one identity file each."""
+
+    directory: Path
+    config: Path  # an ``accounts { … }`` block: include it in, or pass it as, the server config
+    creds: dict[str, Path] = field(default_factory=dict)  # identity name → its file
+
+    def path(self, name: str) -> Path:
+        return self.creds[name]
+
+    def instance(self, instance: str) -> Path:
+        return self.creds[instance_identity_name(instance)]
+
+
+def _conf_value(v: Any) -> str:
+    """A value in nats-server's configuration syntax: JSON strings (quoted, so ``$JS`` is never
+    read as a variable), lists and maps with bare keys."""
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k}: {_conf_value(x)}" for k, x in v.items()) + " }"
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_conf_value(x) for x in v) + "]"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return json.dumps(v)
+
+
+def server_config(users: list[tuple[Identity, Permissions]]) -> str:
+    """The ``accounts`` block: account BEAR (JetStream on) with one nkey user per identity.
+    Connections without an identity are refused (no ``no_auth_user``)."""
+    lines = ["# BEAR NATS authorization (bear.runtime.nats_auth): one nkey user per identity.",
+             "# Generated; the public keys only — each identity's seed is in its own 0600 file.",
+             "accounts {", f"  {ACCOUNT} {{", "    jetstream: enabled", "    users: ["]
+    for ident, perms in users:
+        lines.append(f"      # {ident.name}")
+        lines.append(f"      {{ nkey: {json.dumps(ident.public_key)}, permissions: {_conf_value(perms.as_config())} }}")
+    lines += ["    ]", "  }", "}", ""]
+    return "\n".join(lines)
+
+
+def plan(instances: list[str], clients: tuple[str, ...] = ("client", "gateway"),
+         services: tuple[str, ...] = ("router", "predictor", "estimator", "calibrator")) -> list[tuple[str, str, str | None]]:
+    """(identity name, role, instance id) of a deployment: admin, each service, each client
+    application (role client, or gateway for ``gateway``), each instance."""
+    out: list[tuple[str, str, str | None]] = [("admin", "admin", None)]
+    out += [(svc, svc, None) for svc in services]
+    out += [(c, "gateway" if c == "gateway" else "client", None) for c in clients]
+    out += [(instance_identity_name(i), "instance", i) for i in instances]
+    return out
+
+
+def generate(directory: Path, instances: list[str], subjects: Subjects | None = None, *,
+             clients: tuple[str, ...] = ("client", "gateway")) -> AuthFiles:
+    """Fresh identities for ``instances`` and every service (plus ``clients``) under
+    ``directory`` (mode 0700; files 0600), and ``auth.conf``, the server's accounts block."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    directory.chmod(0o700)
+    files = AuthFiles(directory, directory / "auth.conf")
+    users = []
+    for name, role, inst in plan(instances, clients):
+        ident = new_identity(name)
+        files.creds[name] = ident.save(directory / f"{name}.json")
+        users.append((ident, permissions(role, name, subjects, inst, (*clients, "admin"))))  # admin probes too
+    fd_path = files.config
+    fd_path.write_text(server_config(users))
+    fd_path.chmod(0o600)
+    return files

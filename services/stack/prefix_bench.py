@@ -1,0 +1,163 @@
+"""``bear bench prefix``: what exact prompt tokens and prefix-hit lookup cost the router's
+decision, at long prompts, measured side by side.
+
+One local stack (nats-server, the paper's three sim engines with a tokenizer and a prefix cache,
+predictor, estimator) and two routers in the same queue group, so that they share every query
+stream, instance and host condition: one tokenises (the default), the other runs with
+``--no-tokenize`` (prompt lengths estimated from the text, no hits). Queries are ``prompt_tokens``-
+token prompts built on a few long shared documents plus a short question, so that after each
+document's first query an instance holds almost the whole prompt — the worst case for the lookup
+(the estimator hashes nearly every block) and the case where hits matter.
+
+The tokenizer is a byte-level BPE trained here (``tokenizers``) on the same synthetic text, with
+a vocabulary like a production model's (32k), so that encoding costs what a real BPE costs per
+token; the prompts are cut to exactly ``prompt_tokens`` of its tokens. Decision times come from
+each router's outcome log (``decision_s``: submit received → dispatch published).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bear.runtime import aio
+
+WORDS = 20_000
+
+
+def _words(rng: np.random.Generator) -> list[str]:
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    return ["".join(rng.choice(letters, size=int(rng.integers(2, 11)))) for _ in range(WORDS)]
+
+
+def _text(rng: np.random.Generator, vocab: list[str], n: int) -> str:
+    # Zipf-like word frequencies, as in natural text
+    idx = np.minimum(rng.zipf(1.2, size=n) - 1, len(vocab) - 1)
+    return " ".join(vocab[i] for i in idx)
+
+
+def write_bench_tokenizer(out: Path, seed: int = 0) -> Any:
+    """A 32k-vocabulary byte-level BPE trained on synthetic Zipf text, with the tiny model's chat
+    template, written as a model directory; returns (the Tokenizer, the word list)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from bear.vllm_instance.tiny_model import CHAT_TEMPLATE
+
+    rng = np.random.default_rng(seed)
+    vocab = _words(rng)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=32_000, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator((_text(rng, vocab, 2000) for _ in range(300)), trainer=trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                                           "chat_template": CHAT_TEMPLATE}))
+    return tok, vocab
+
+
+def _prompts(tok: Any, vocab: list[str], n: int, prompt_tokens: int, docs: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed + 1)
+    documents = []
+    for _ in range(docs):
+        ids = tok.encode(_text(rng, vocab, int(prompt_tokens * 1.2))).ids[: prompt_tokens - 64]
+        documents.append(tok.decode(ids))
+    out = []
+    for i in range(n):
+        q = documents[i % docs] + f" question {i}: " + _text(rng, vocab, 80)
+        ids = tok.encode(q).ids[:prompt_tokens]
+        out.append(tok.decode(ids))
+    return out
+
+
+def _pct(xs: list[float]) -> dict[str, float]:
+    a = np.asarray(xs) * 1e3
+    if not len(a):
+        return {"n": 0}
+    return {"p50_ms": float(np.percentile(a, 50)), "p90_ms": float(np.percentile(a, 90)),
+            "p99_ms": float(np.percentile(a, 99)), "mean_ms": float(a.mean()), "n": len(a)}
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r for r in recs if r.get("status") == "done" and not str(r["query_id"]).startswith("probe-")]
+
+
+def _summary(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"decision": _pct([r["decision_s"] for r in recs]),
+            "router_own": _pct([max(0.0, r["decision_s"] - r["wait_s"]) for r in recs]),
+            "estimator_reply": _pct([r["estimate_s"] for r in recs]),
+            "predictor_reply": _pct([r["predict_s"] for r in recs]),
+            "tokenize": _pct([r.get("tokenize_s", 0.0) for r in recs]),
+            "tokens_exact": sum(r.get("tokens") == "exact" for r in recs),
+            "prefix_hit_share": (sum(r.get("prefix_hit_tokens", 0) for r in recs)
+                                 / max(1, sum(r.get("instance_prompt_tokens", r.get("prompt_tokens", 0)) for r in recs))),
+            "queries": len(recs)}
+
+
+def run_prefix_bench(rate: float, duration: float, prompt_tokens: int = 8192, docs: int = 6, seed: int = 0,
+                     tokenize_ms_reps: int = 200) -> dict[str, Any]:
+    import nats
+
+    from bear.load.generator import LoadQuery, run_load
+    from bear.load.targets import ttft_target_s
+    from bear.stack.stack import Stack, StackConfig, wait_ready
+
+    work = Path(tempfile.mkdtemp(prefix="bear-prefix-bench-"))
+    tok, vocab = write_bench_tokenizer(work / "tokenizer", seed)
+    n = max(2, round(rate * duration))
+    prompts = _prompts(tok, vocab, n, prompt_tokens, docs, seed)
+    rng = np.random.default_rng(seed + 2)
+    queries = [LoadQuery(query_id=f"pb-{seed}-{i}-{time.time_ns() % 10**9}", task="doc-qa", prompt=p,
+                         prompt_tokens=prompt_tokens, quality={}, target_s=float(ttft_target_s(prompt_tokens, rng)[0]))
+               for i, p in enumerate(prompts)]
+    times = np.cumsum(rng.exponential(1.0 / rate, n))
+    # the encoding alone, in this process, for scale
+    t_enc = []
+    for _ in range(tokenize_ms_reps):
+        t = time.perf_counter()
+        tok.encode(prompts[0])
+        t_enc.append(time.perf_counter() - t)
+    stack = Stack(StackConfig(workdir=work, calibrator=False, log_level="warning",
+                              sim_args=["--tokenizer", str(work / "tokenizer")]))
+    off_log = work / "outcomes-no-tokenize.jsonl"
+    with stack:
+        extra = subprocess.Popen([sys.executable, "-m", "bear", "router", "--nats", stack.url, "--no-tokenize",
+                                  "--outcome-log", str(off_log), "--log-level", "warning"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            aio.run(wait_ready(stack.url, list(stack.instances), "bear", 60.0, stack))
+            time.sleep(2.0)  # the second router subscribed; tokenizers fetched
+
+            async def go() -> Any:
+                nc = await nats.connect(stack.url)
+                try:
+                    return await run_load(nc, queries, times, max_tokens=1)
+                finally:
+                    await nc.close()
+
+            t0 = time.time()
+            res = aio.run(go())
+            elapsed = time.time() - t0
+        finally:
+            extra.terminate()
+            extra.wait(timeout=20)
+    on, off = _summary(_records(stack.outcome_log(0))), _summary(_records(off_log))
+    ratio = {k: on["decision"][k] / off["decision"][k] - 1.0 for k in ("p50_ms", "p90_ms", "mean_ms")
+             if on["decision"].get(k) and off["decision"].get(k)}
+    return {"rate_qps": rate, "duration_s": duration, "prompt_tokens": prompt_tokens, "documents": docs,
+            "sent": res.sent, "errors": dict(res.errors), "wall_s": elapsed,
+            "tokenize": on, "no_tokenize": off, "decision_overhead": ratio,
+            "encode_8k_in_process": _pct(t_enc), "cpus": os.cpu_count(), "host_load": os.getloadavg()}

@@ -1,0 +1,3 @@
+"""Exact prompt tokens: tokenizer bundles (``bundle``) in the ``bear_tokenizers`` object store
+(``store``), chat templates rendered as vLLM renders them (``chat``), and the router's cache of
+loaded tokenizers that encodes off the event loop (``cache``)."""

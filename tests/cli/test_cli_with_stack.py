@@ -1,0 +1,118 @@
+"""The CLI against a real ``bear up`` (issue 12), started as a user starts it in a terminal: the
+other commands find it without ``--nats``; a prompt from stdin or a file; a prompt or
+``--max-tokens`` the engine refuses ends in one line with the engine's reason and is not retried;
+a prompt larger than NATS allows is refused before sending; Ctrl-C in ``bear submit`` exits 130 in
+one line; a second ``bear up`` refuses in one line, or names the port it cannot have; Ctrl-C
+stops everything and leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bear_cli import all_gone, assert_one_line_error, make_bear, start_up
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    b = make_bear(tmp_path_factory.mktemp("cli-stack"))
+    u = start_up(b)
+    pids = u.pids()
+    yield u
+    u.proc.send_signal(signal.SIGINT)  # Ctrl-C
+    rc = u.proc.wait(60)
+    out = u.log.read_text()
+    assert rc == 0 and "stopped." in out and "Traceback" not in out, out[-3000:]
+    assert all_gone(pids)
+    assert not list(b.state_dir.glob("up-*.json"))  # no stack published any more
+    assert not list((b.cwd / ".bear-up" / "runs").glob("*/jetstream"))  # the temporary store went
+    b.assert_clean()
+
+
+def records(up) -> list[dict]:
+    path = Path(up.state()["outcome_logs"][0])
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def test_submit_finds_the_stack_and_says_the_text_is_placeholder(up) -> None:
+    res = up.bear("submit", "Explain KV caching briefly", "--max-tokens", "8")
+    assert res.rc == 0, res.err
+    assert res.out.split() and set(res.out.split()) <= {"lorem", "ipsum", "dolor", "sit", "amet", "consectetur",
+                                                        "adipiscing", "elit"}
+    assert "placeholder" in res.err and "[bea]" in res.err and "target 500 ms" in res.err  # markup not eaten
+    assert "Traceback" not in res.err
+
+
+def test_prompt_from_stdin_and_file(up) -> None:
+    res = up.bear("submit", "-", "--max-tokens", "3", stdin="a prompt from stdin\n")
+    assert res.rc == 0 and len(res.out.split()) == 3, res.err
+    (up.bear.cwd / "prompt.txt").write_text("a prompt from a file")
+    res = up.bear("submit", "--file", "prompt.txt", "--max-tokens", "2")
+    assert res.rc == 0 and len(res.out.split()) == 2, res.err
+
+
+def test_engine_refusals_are_one_line_and_not_retried(up) -> None:
+    (up.bear.cwd / "long.txt").write_text("word " * 40_000)  # ≈ 50k tokens > max_model_len 40960, < 1 MB
+    assert_one_line_error(up.bear("submit", "--file", "long.txt", "--query-id", "too-long"), 1, "too_large",
+                          "refused the query", "max_model_len", within_s=20.0, only=False)
+    # max_tokens beyond every registered max_model_len: refused by the router before dispatch
+    assert_one_line_error(up.bear("submit", "hi", "--max-tokens", "10000000", "--query-id", "too-many"), 1,
+                          "too_large", "max_model_len", within_s=20.0, only=False)
+    time.sleep(0.5)
+    recs = {r["query_id"]: r for r in records(up)}
+    assert recs["too-long"]["status"] == "too_large" and recs["too-long"]["attempt"] == 1
+    assert recs["too-long"]["http_status"] == 400
+    assert recs["too-many"]["status"] == "too_large" and "http_status" not in recs["too-many"]
+    res = up.bear("submit", "still routed", "--max-tokens", "2")  # no instance was held against it
+    assert res.rc == 0, res.err
+
+
+def test_prompt_beyond_nats_max_payload_is_refused_before_sending(up) -> None:
+    (up.bear.cwd / "huge.txt").write_text("x" * 1_200_000)
+    assert_one_line_error(up.bear("submit", "--file", "huge.txt"), 1, "too_large", "max_payload", within_s=10.0, only=False)
+
+
+def test_ctrl_c_in_submit_exits_130_in_one_line(up) -> None:
+    p = subprocess.Popen([sys.executable, "-m", "bear", "submit", "a long answer", "--max-tokens", "30000"],
+                         cwd=up.bear.cwd, env=up.bear.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    assert p.stdout is not None
+    assert p.stdout.read(6)  # the answer is streaming
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=15)
+    assert p.returncode == 130 and time.monotonic() - t0 < 5.0
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines[-1] == "error: interrupted" and "Traceback" not in err, err
+
+
+def test_load_finds_the_stack_and_explains_its_summary(up) -> None:
+    res = up.bear("load", "--rate", "4", "--duration", "2", "--max-tokens", "64", timeout=120)
+    assert res.rc == 0, res.err[-2000:]
+    out = " ".join(res.out.split())
+    for figure in ("OnTimeUtility:", "SLO attainment:", "mean TTFT:", "routing composition:"):
+        assert figure in out, out
+    assert "eq. 6" in out and "on this pool BEAR reaches" in out
+
+
+def test_load_that_completes_nothing_fails_in_one_line(up) -> None:
+    res = up.bear("load", "--rate", "3", "--duration", "1", "--max-tokens", "10000000", timeout=120)
+    assert_one_line_error(res, 1, "no query completed", "too_large", within_s=60.0, only=False)
+
+
+def test_second_up_refuses_here_and_names_the_port_elsewhere(up, tmp_path) -> None:
+    line = assert_one_line_error(up.bear("up"), 1, "already running from this directory", str(up.proc.pid))
+    assert up.state()["nats_url"] in line
+    port = up.state()["metrics"][0].rsplit(":", 1)[1].split("/")[0]
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    assert_one_line_error(up.bear("up", "--metrics-port", port, cwd=other), 1, port, "already in use")
+    assert not (other / ".bear-up" / "runs").exists() or not list((other / ".bear-up" / "runs").iterdir())

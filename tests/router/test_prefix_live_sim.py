@@ -1,0 +1,79 @@
+"""The live path with exact inputs on a simulated instance (in this process, real NATS): the sim
+engine registers its tokenizer and publishes its prefix cache; the router tokenises chat queries
+with that tokenizer (estimate request lengths = the engine's prompt tokens, tokens: exact) and
+the estimator's mirrored hit equals the cached tokens the engine reports on every turn."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import nats
+
+from bear.client.submit import submit
+from bear.estimator.estimate import EstimatorConfig
+from bear.estimator.worker import EstimatorWorker
+from bear.protocol.messages import EstimateRequest, decode
+from bear.protocol.subjects import Subjects
+from bear.router.service import RouterConfig, RouterService
+from bear.sim.run import serve
+from bear.vllm_instance.launch import free_port
+from bear.vllm_instance.tiny_model import write_tokenizer
+
+
+async def test_router_sim_exact_tokens_and_mirrored_hits(nats_server, tmp_path: Path) -> None:
+    write_tokenizer(tmp_path)
+    ready = asyncio.Event()
+    sim = asyncio.create_task(serve("qwen3-8b-h100", free_port(), "sim-0", nats_server.url, seed=1,
+                                    output_lengths="lognormal:16:0.3", tokenizer_dir=str(tmp_path), ready=ready))
+    await asyncio.wait_for(ready.wait(), 30)
+    nc = await nats.connect(nats_server.url)
+    worker = EstimatorWorker(nc, EstimatorConfig())
+    router = RouterService(nc, RouterConfig(policy="bear", outcome_log=tmp_path / "out.jsonl", predict_budget_s=0.05,
+                                            predict_try_s=0.025))
+    seen: dict[str, EstimateRequest] = {}
+
+    async def snoop(msg: Any) -> None:
+        r = decode(EstimateRequest, msg.data)
+        seen[r.query.id] = r
+
+    try:
+        await nc.subscribe(Subjects().estimate, cb=snoop)
+        await worker.start()
+        await router.start()
+        for _ in range(200):
+            info = router.registry.instances.get("sim-0")
+            st = worker.store.peek("sim-0")
+            if (info is not None and info.tokenizer in router.tokenizers.loaded and st is not None
+                    and (st.snap is not None or st.raw is not None) and st.prefix.synced and st.prefix_events):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            st = worker.store.peek("sim-0")
+            raise AssertionError(("not usable", router.registry.instances.get("sim-0"), list(router.tokenizers.loaded),
+                                  st and (st.snap is not None, st.prefix.synced, st.prefix_events, st.prefix.resync_reason)))
+        done: dict[str, dict[str, Any]] = {}
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": "Be brief. " * 60}]
+        for t in range(4):
+            msgs.append({"role": "user", "content": f"turn {t}: " + "tell me more " * 30})
+            out = [m async for m in submit(nc, messages=list(msgs), ttft_target_s=5.0, max_tokens=32,
+                                           query_id=f"t{t}", session="s")]
+            assert out[-1]["v"] == "bear.done/1", out[-1]
+            done[f"t{t}"] = out[-1]
+            msgs.append({"role": "assistant", "content": "".join(m.get("text", "") for m in out
+                                                                if m["v"] == "bear.chunk/1")})
+            await asyncio.sleep(0.2)  # the turn's KV events reach the mirror
+    finally:
+        await router.stop()
+        await worker.stop()
+        await nc.close()
+        sim.cancel()
+    recs = {r["query_id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    for qid, d in done.items():
+        (cand,) = seen[qid].candidates()
+        assert cand.prompt_tokens == d["usage"]["prompt_tokens"], (qid, cand, d["usage"])
+        assert recs[qid]["tokens"] == "exact"
+        assert recs[qid]["prefix_hit_tokens"] == d["usage"]["cached_tokens"], (qid, recs[qid], d["usage"])
+    assert recs["t0"]["prefix_hit_tokens"] == 0 and all(recs[f"t{t}"]["prefix_hit_tokens"] > 0 for t in (1, 2, 3))

@@ -1,0 +1,297 @@
+"""Every attack of issue 16 against a nats-server started with the credentials ``bear up``
+generates (bear.runtime.nats_auth) is refused — and each part can still do its own job with
+exactly the rights it has (so the permission table is minimal *and* sufficient).
+
+An attack counts as refused when what it tried never happens: the forged message never reaches a
+subscriber that is allowed to see it, the KV entry is not written, the stream still exists."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bear.protocol.errors import BearError
+from bear.protocol.subjects import Subjects
+from bear.runtime.kv import ensure_kv, provision, watch_kv
+from bear.runtime.nats_auth import AuthFiles, generate
+from bear.runtime.nats_server import LocalNatsServer
+from bear.runtime.service import connect
+
+S = Subjects()
+INSTANCES = ["a", "b"]
+
+
+class Env:
+    def __init__(self, srv: LocalNatsServer, files: AuthFiles) -> None:
+        self.srv = srv
+        self.files = files
+        self.conns: list[Any] = []
+
+    async def nc(self, name: str) -> Any:
+        creds = self.files.instance(name[len("instance-"):]) if name.startswith("instance-") else self.files.path(name)
+        nc = await connect(self.srv.url, f"test-{name}", creds=creds, connect_within_s=3.0)
+        self.conns.append(nc)
+        return nc
+
+    async def close(self) -> None:
+        for nc in self.conns:
+            with contextlib.suppress(Exception):
+                await nc.close()
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    files = generate(tmp_path / "auth", INSTANCES)
+    with LocalNatsServer(config=files.config) as srv:
+        e = Env(srv, files)
+        admin = await e.nc("admin")
+        await provision(admin.jetstream(), S)
+        try:
+            yield e
+        finally:
+            await e.close()
+
+
+async def _received(nc: Any, subject: str, act: Any, wait_s: float = 0.4, expect: int = 0) -> list[Any]:
+    """What a subscription of ``nc`` to ``subject`` receives while ``act()`` runs: everything that
+    arrives within ``wait_s`` (refusals: nothing may arrive), or, with ``expect``, until that many
+    arrived (allowed messages: ``act`` is repeated each second, at most 10 times, because on a
+    loaded host a first publish was once seen never to arrive) and ``wait_s`` more for extras."""
+    got: list[Any] = []
+    enough = asyncio.Event()
+
+    async def cb(msg: Any) -> None:
+        got.append(msg)
+        if len(got) >= expect:
+            enough.set()
+
+    sub = await nc.subscribe(subject, cb=cb)
+    await nc.flush()
+    await act()
+    for _ in range(10 if expect else 0):
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(enough.wait(), 1.0)
+        if enough.is_set():
+            break
+        await act()
+    await asyncio.sleep(wait_s)
+    await sub.unsubscribe()
+    return got
+
+
+async def _publish(nc: Any, subject: str, data: bytes = b"forged", reply: str = "") -> None:
+    with contextlib.suppress(Exception):
+        await nc.publish(subject, data, reply=reply)
+        await nc.flush()
+
+
+async def test_anonymous_and_unknown_identities_are_refused(env: Env, tmp_path: Path) -> None:
+    with pytest.raises(BearError, match="authorization violation"):
+        await connect(env.srv.url, "anon", creds="", connect_within_s=2.0)
+    stranger = generate(tmp_path / "other", ["a"])  # a well-formed identity the server does not list
+    with pytest.raises(BearError, match="authorization violation"):
+        await connect(env.srv.url, "stranger", creds=stranger.path("admin"), connect_within_s=2.0)
+
+
+async def test_credential_files_are_private(env: Env) -> None:
+    assert env.files.directory.stat().st_mode & 0o777 == 0o700
+    for path in [env.files.config, *env.files.creds.values()]:
+        assert path.stat().st_mode & 0o777 == 0o600, path
+
+
+async def test_rogue_registration_is_refused(env: Env) -> None:
+    """Only instance X writes registry key X: the router never learns of a rogue instance."""
+    router = await env.nc("router")
+    seen: list[str] = []
+    watch = asyncio.create_task(watch_kv(router.jetstream(), S.instances_bucket, lambda k, v: seen.append(k),
+                                         nc=router))
+    try:
+        for who in ("instance-b", "client", "gateway", "estimator", "predictor", "calibrator", "router"):
+            nc = await env.nc(who)
+            for key in ("a", "rogue"):  # a put is a publish to $KV.<bucket>.<key> (what kv.put sends)
+                await _publish(nc, f"$KV.{S.instances_bucket}.{key}", b"rogue", reply=nc.new_inbox())
+        own = await env.nc("instance-a")
+        kv = await ensure_kv(own.jetstream(timeout=1.0), S.instances_bucket)
+        await kv.put("a", b"genuine")  # the instance itself may
+        admin = await env.nc("admin")  # control: the same raw publish does write when allowed
+        await _publish(admin, f"$KV.{S.instances_bucket}.control", b"x", reply=admin.new_inbox())
+        await asyncio.sleep(0.5)
+    finally:
+        watch.cancel()
+    assert seen == ["a", "control"]
+    entry = await (await admin.jetstream().key_value(S.instances_bucket)).get("a")
+    assert entry.value == b"genuine"
+
+
+@pytest.mark.parametrize("subject", [S.snapshot("a"), S.batches("a"), S.dispatch("a"), S.outcome("a"),
+                                     f"$KV.{S.calibration_bucket}.a"])
+async def test_forging_another_instances_messages_is_refused(env: Env, subject: str) -> None:
+    admin = await env.nc("admin")
+    forgers = ["instance-b", "client", "gateway", "predictor", "estimator"]
+    if not subject.startswith(("bear.dispatch", "bear.outcome")):
+        forgers.append("router")
+    ncs = [await env.nc(w) for w in forgers]
+
+    async def act() -> None:
+        for nc in ncs:
+            await _publish(nc, subject)
+
+    assert await _received(admin, subject, act) == []
+
+
+async def test_an_instance_publishes_its_own_state(env: Env) -> None:
+    admin = await env.nc("admin")
+    own = await env.nc("instance-a")
+    got = await _received(admin, "bear.>", lambda: _publish(own, S.snapshot("a")), expect=1)
+    assert {m.subject for m in got} == {S.snapshot("a")}
+    got = await _received(admin, "bear.>", lambda: _publish(own, S.batches("a")), expect=1)
+    assert {m.subject for m in got} == {S.batches("a")}
+
+
+async def test_inboxes_are_private(env: Env) -> None:
+    """A client's answer reaches only that client: nobody else may subscribe to its inbox, and
+    nobody but a router may publish into it (the predictor and the estimator only answer requests
+    they were sent)."""
+    client = await env.nc("client")
+    router = await env.nc("router")
+    answered = asyncio.Event()
+
+    async def serve(msg: Any) -> None:
+        for k in range(5):  # a streamed answer: many responses to one submit
+            await router.publish(msg.reply, b"chunk %d" % k)
+        await router.flush()
+        answered.set()
+
+    await router.subscribe(S.submit, queue="bear-router", cb=serve)
+    await router.flush()
+    snoopers = [await env.nc(w) for w in ("gateway", "estimator", "predictor", "calibrator", "instance-a")]
+    snooped: list[Any] = []
+
+    async def snoop(msg: Any) -> None:
+        snooped.append(msg)
+
+    for nc in snoopers:
+        for pattern in ("_INBOX.>", "_INBOX_client.>", ">"):
+            with contextlib.suppress(Exception):
+                await nc.subscribe(pattern, cb=snoop)
+        await nc.flush()
+    inbox = client.new_inbox()
+    assert inbox.startswith("_INBOX_client.")
+    sub = await client.subscribe(inbox)
+    await client.publish(S.submit, b"query", reply=inbox)
+    await asyncio.wait_for(answered.wait(), 3.0)
+    for nc in snoopers:  # injection: publishing straight into the client's inbox
+        await _publish(nc, inbox, b"forged answer")
+    got = []
+    with contextlib.suppress(Exception):
+        while True:
+            got.append((await sub.next_msg(timeout=0.5)).data)
+    assert got == [b"chunk %d" % k for k in range(5)]
+    assert snooped == []
+
+
+async def test_streams_cannot_be_deleted_or_purged(env: Env) -> None:
+    """Nobody but admin deletes, purges or reconfigures a bucket (deleting the dedup stream used
+    to allow a second execution of a query id)."""
+    for who in ("router", "client", "gateway", "estimator", "predictor", "calibrator", "instance-a"):
+        nc = await env.nc(who)
+        for op in ("STREAM.DELETE", "STREAM.PURGE", "STREAM.UPDATE", "STREAM.CREATE"):
+            for bucket in (S.queries_bucket, S.instances_bucket, S.calibration_bucket):
+                body = b'{"name": "KV_%s", "subjects": ["x"]}' % bucket.encode() if op != "STREAM.PURGE" else b"{}"
+                await _publish(nc, f"$JS.API.{op}.KV_{bucket}", body, reply=nc.new_inbox())
+    admin = await env.nc("admin")
+    js = admin.jetstream()
+    await ensure_kv(js, "scratch")  # control: the same raw request deletes when allowed
+    await _publish(admin, "$JS.API.STREAM.DELETE.KV_scratch", b"", reply=admin.new_inbox())
+    await asyncio.sleep(0.5)
+    assert "KV_scratch" not in [i.config.name for i in await js.streams_info()]
+    for bucket in (S.queries_bucket, S.instances_bucket, S.calibration_bucket):
+        info = await js.stream_info(f"KV_{bucket}")
+        assert info.config.name == f"KV_{bucket}"
+    assert (await js.stream_info(f"KV_{S.queries_bucket}")).config.max_age == pytest.approx(600.0)
+
+
+async def test_each_part_can_do_its_job(env: Env) -> None:
+    """The positive side: the rights in the table suffice (a missing one would break BEAR with
+    auth on, which the stack tests also run)."""
+    from nats import micro
+
+    predictor = await env.nc("predictor")
+    svc = await micro.add_service(predictor, name="bear-predictor", version="0.1.0")
+
+    async def handle(req: Any) -> None:
+        await req.respond(b"prediction")
+
+    await svc.add_endpoint(name="predict", subject=S.predict, handler=handle, queue_group="bear-predictor")
+    router = await env.nc("router")
+    assert (await router.request(S.predict, b"q", timeout=2.0)).data == b"prediction"
+    # ... but only as an answer: publishing into the router's (or a client's) inbox unasked is refused
+    got = await _received(router, "_INBOX_router.>", lambda: _publish(predictor, "_INBOX_router.x", b"forged"))
+    assert got == []
+    admin = await env.nc("admin")
+    assert (await admin.request("$SRV.PING.bear-predictor", b"", timeout=2.0)).data
+    # the router's dedup: create-only claims of query ids
+    kv = await ensure_kv(router.jetstream(timeout=2.0), S.queries_bucket)
+    await kv.create("q1", b"router")
+    with pytest.raises(Exception, match="wrong last sequence"):
+        await kv.create("q1", b"again")
+    # the calibrator publishes a fit; estimators and routers follow both buckets
+    cal = await env.nc("calibrator")
+    await (await ensure_kv(cal.jetstream(timeout=2.0), S.calibration_bucket)).put("a", b"fit")
+    inst = await env.nc("instance-a")
+    await (await ensure_kv(inst.jetstream(timeout=2.0), S.instances_bucket)).put("a", b"rec")
+    for who, bucket in (("estimator", S.calibration_bucket), ("estimator", S.instances_bucket),
+                        ("router", S.calibration_bucket), ("gateway", S.instances_bucket)):
+        nc = await env.nc(who)
+        seen: list[str] = []
+        loaded = asyncio.Event()
+        task = asyncio.create_task(watch_kv(nc.jetstream(), bucket, lambda k, v, seen=seen: seen.append(k),
+                                            on_loaded=loaded.set, nc=nc))
+        try:
+            await asyncio.wait_for(loaded.wait(), 5.0)
+        finally:
+            task.cancel()
+        assert seen == ["a"], (who, bucket)
+    await svc.stop()
+
+
+async def test_prefix_cache_events_and_tokenizer_bundles(env: Env) -> None:
+    """Issue 15's subjects under the same rules: an instance publishes only its own prefix-cache
+    events and hears only its own resync requests; estimators follow every instance's events and
+    ask for resyncs; an instance stores its tokenizer bundle and a router fetches it; a bundle forged
+    under another's id is refused by the reader."""
+    from bear.tokenizer.bundle import TokenizerBundle
+    from bear.tokenizer.store import get_bundle, put_bundle
+
+    est = await env.nc("estimator")
+    inst_a, inst_b = await env.nc("instance-a"), await env.nc("instance-b")
+    got = await _received(est, S.kv_all, lambda: _publish(inst_a, S.kv("a")), expect=1)
+    assert {m.subject for m in got} == {S.kv("a")}
+    assert await _received(est, S.kv_all, lambda: _publish(inst_b, S.kv("a"))) == []  # forging a's events
+    got = await _received(inst_a, S.kv_resync("a"), lambda: _publish(est, S.kv_resync("a")), expect=1)
+    assert got
+    for nc in (inst_b, await env.nc("router"), await env.nc("client")):  # nobody else listens to a's resyncs
+        with contextlib.suppress(Exception):
+            await nc.subscribe(S.kv_resync("a"))
+        await nc.flush()
+    admin = await env.nc("admin")
+    got = await _received(admin, S.kv_resync("a"), lambda: _publish(inst_b, S.kv_resync("a")))
+    assert got == []  # an instance may not ask another for a resync
+
+    bundle = TokenizerBundle(b'{"model": {}}', None, {})
+    bid = await put_bundle(inst_a.jetstream(timeout=3.0), S.tokenizers_bucket, bundle)
+    router = await env.nc("router")
+    fetched = await get_bundle(router.jetstream(timeout=3.0), S.tokenizers_bucket, bid)
+    assert fetched is not None and fetched.id == bid
+    # instance b overwrites a's object with other content: the reader refuses it
+    obs = await inst_b.jetstream(timeout=3.0).object_store(S.tokenizers_bucket)
+    with contextlib.suppress(Exception):  # the new meta lands; purging a's chunks is refused (no purge right)
+        await obs.put(bid, TokenizerBundle(b'{"model": {"forged": 1}}', None, {}).to_bytes())
+    info = await obs.get_info(bid)
+    assert info.size != len(bundle.to_bytes())  # the forgery did replace the object's meta
+    assert await get_bundle(router.jetstream(timeout=3.0), S.tokenizers_bucket, bid) is None

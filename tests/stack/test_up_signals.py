@@ -1,0 +1,78 @@
+"""``bear up`` owns its children (issue 12): SIGTERM or SIGHUP under load stops every child within
+10 s, removes the temporary JetStream store and the published state and exits 128 + signal;
+SIGKILL of ``bear up`` itself still takes every child with it (parent-death signal), and the stale
+state is ignored; a child that dies during start-up fails ``bear up`` in one line that names it and
+quotes its error."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from bear.stack.stack import Stack, StackConfig, StackError
+
+from bear_cli import all_gone, assert_one_line_error, make_bear, start_up, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def outcome_count(up) -> int:
+    path = Path(up.state()["outcome_logs"][0])
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_signal_under_load_stops_everything_within_10s(tmp_path, sig) -> None:
+    b = make_bear(tmp_path)
+    up = start_up(b, "--load-rate", "6", "--load-duration", "120", "--metrics-port", "0")
+    run_dir = Path(up.state()["run_dir"])
+    assert (run_dir / "jetstream").is_dir()
+    pids = up.pids()
+    wait_for(lambda: outcome_count(up) >= 10, 60, "under load", up.proc, up.log)
+    t0 = time.monotonic()
+    up.proc.send_signal(sig)
+    wait_for(lambda: all_gone(pids), 10.0, "all gone", log=up.log)
+    took = time.monotonic() - t0
+    assert up.proc.wait(5) == 128 + sig, up.log.read_text()[-2000:]
+    assert took < 10.0
+    print(f"{signal.Signals(sig).name} under load: every process gone {took:.1f} s after the signal")  # with -s
+    assert not (run_dir / "jetstream").exists()
+    assert not list(b.state_dir.glob("up-*.json"))
+    assert "Traceback" not in up.log.read_text()
+    b.assert_clean()
+
+
+def test_sigkill_of_bear_up_takes_its_children(tmp_path) -> None:
+    b = make_bear(tmp_path)
+    up = start_up(b, "--metrics-port", "0")
+    named = up.state()["pids"]
+    pids = up.pids()
+    up.proc.send_signal(signal.SIGKILL)
+    end = time.monotonic() + 15.0  # each child stops on its own (SIGTERM from the kernel), NATS gone too
+    while not all_gone(pids) and time.monotonic() < end:
+        time.sleep(0.1)
+    print(f"SIGKILL: every child gone {time.monotonic() - end + 15.0:.1f} s after it")  # with -s
+    left = sorted(n for n, p in named.items() if not all_gone([p]))
+    assert left == [], {n: (Path(up.state_or_last()["logs"]) / f"{n}.log").read_text()[-1500:] for n in left}
+    up.proc.wait(5)
+    # the state file is stale now: nothing finds a stack, and it is removed
+    assert_one_line_error(b("submit", "hi"), 3, "no BEAR stack found")
+    assert not list(b.state_dir.glob("up-*.json"))
+    b.assert_clean()
+
+
+def test_child_dying_at_start_up_is_named_and_quoted(tmp_path) -> None:
+    st = Stack(StackConfig(workdir=tmp_path / "w", router_args=["--param", "bogus"], log_level="warning"))
+    with pytest.raises(StackError) as err:
+        st.start()
+    st.stop()
+    msg = str(err.value)
+    assert "router-0 exited with code 2" in msg and "--param expects NAME=VALUE, got 'bogus'" in msg, msg
+    assert str(st.log_dir / "router-0.log") in msg
+    assert all(not c.alive() for c in st.children.values()) and not (st.run_dir / "jetstream").exists()
+    assert json.dumps(msg)  # one line
+    assert "\n" not in msg

@@ -1,0 +1,142 @@
+"""Exact prompt tokens: chat conversations and plain prompts tokenised as vLLM tokenises them
+(golden ids from the vLLM venv's transformers renderer, tests/tokenizer/make_golden.py), bundles
+identified by content, fetched from the object store by routers and encoded off the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import nats
+import pytest
+
+from bear.protocol.subjects import Subjects
+from bear.tokenizer.bundle import BundleError, TokenizerBundle, from_model_dir
+from bear.tokenizer.cache import TokenizerCache, load
+from bear.tokenizer.store import get_bundle, put_bundle
+from bear.vllm_instance.tiny_model import write_tokenizer
+
+GOLDEN = json.loads((Path(__file__).resolve().parent / "data" / "chat_golden.json").read_text())
+
+
+def tiny_dir(tmp: Path, template: str | None = None, **extra: str) -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(tmp)
+    cfg = json.loads((tmp / "tokenizer_config.json").read_text())
+    if template is not None:
+        cfg["chat_template"] = template
+    cfg.update(extra)
+    (tmp / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return tmp
+
+
+@pytest.mark.parametrize("case", GOLDEN, ids=lambda c: f"{c['template']}-{'chat' if 'messages' in c else 'prompt'}")
+def test_ids_equal_vllms_renderer(case: dict, tmp_path: Path) -> None:
+    tok = load(from_model_dir(tiny_dir(tmp_path, case["chat_template"], bos_token="<|endoftext|>")))
+    if "messages" in case:
+        assert tok.encode(None, case["messages"]) == case["ids"]
+    else:
+        assert tok.encode(case["prompt"], None) == case["ids"]
+
+
+def test_unrenderable_chat_is_not_counted(tmp_path: Path) -> None:
+    raising = next(c["chat_template"] for c in GOLDEN if c["template"] == "raise-on-bad-role")
+    tok = load(from_model_dir(tiny_dir(tmp_path, raising)))
+    assert tok.encode(None, [{"role": "narrator", "content": "x"}]) is None  # the template raised
+    assert tok.encode(None, [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]) is None
+    no_template = load(TokenizerBundle(tok.bundle.tokenizer_json))
+    assert no_template.encode(None, [{"role": "user", "content": "x"}]) is None
+
+
+def test_bundle_identity_and_round_trip(tmp_path: Path) -> None:
+    a = from_model_dir(tiny_dir(tmp_path / "a"))
+    b = from_model_dir(tiny_dir(tmp_path / "b"))
+    assert a.id == b.id and a.id.startswith("tok-")  # one family, one bundle
+    c = from_model_dir(tiny_dir(tmp_path / "c", "{{ messages[0]['content'] }}"))
+    assert c.id != a.id
+    assert TokenizerBundle.from_bytes(a.to_bytes()) == a
+    (tmp_path / "d").mkdir()
+    (tmp_path / "nothing").mkdir()
+    (tmp_path / "d" / "chat_template.jinja").write_text("J{{ messages[0]['content'] }}")
+    d = from_model_dir(tiny_dir(tmp_path / "d"))
+    assert d.chat_template == "J{{ messages[0]['content'] }}"  # the .jinja file wins, as in transformers
+    with pytest.raises(BundleError):
+        from_model_dir(tmp_path / "nothing")
+    with pytest.raises(BundleError):
+        TokenizerBundle.from_bytes(b"\x01garbage")
+
+
+async def test_router_cache_fetches_by_id_and_encodes_off_loop(nats_server, tmp_path: Path) -> None:
+    nc = await nats.connect(nats_server.url)
+    bucket = Subjects().tokenizers_bucket
+    bundle = from_model_dir(tiny_dir(tmp_path))
+    bid = await put_bundle(nc.jetstream(), bucket, bundle)
+    assert await put_bundle(nc.jetstream(), bucket, bundle) == bid  # idempotent
+    assert await get_bundle(nc.jetstream(), bucket, "tok-missing") is None
+    cache = TokenizerCache(nc, bucket)
+    try:
+        assert await cache.encode([bid], "hi", None) == {}  # not loaded yet: no exact count
+        cache.want([bid, "tok-missing"])
+        for _ in range(100):
+            if bid in cache.loaded:
+                break
+            await asyncio.sleep(0.05)
+        msgs = [{"role": "user", "content": "hello"}]
+        got = await cache.encode([bid, "tok-missing"], None, msgs)
+        assert got == {bid: load(bundle).encode(None, msgs)}
+        long = "word " * 8000
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        t = asyncio.create_task(ticker())
+        ids = await cache.encode([bid], long, None)
+        t.cancel()
+        assert len(ids[bid]) == len(long.encode())  # byte-level tokenizer: one id per byte
+        assert ticks >= 1  # the loop kept running while the prompt was encoded
+    finally:
+        await cache.close()
+        await nc.close()
+
+
+def test_chunked_encoding_equals_the_full_one_and_reuses_shared_text(tmp_path: Path) -> None:
+    from bear.stack.prefix_bench import _prompts, write_bench_tokenizer
+    from bear.tokenizer.chunks import ChunkedEncoder
+
+    tok, vocab = write_bench_tokenizer(tmp_path / "bpe")
+    ce = ChunkedEncoder(tok)
+    assert ce.disabled is None
+    prompts = _prompts(tok, vocab, 12, 4096, 3, seed=1)
+    for p in prompts:
+        assert ce.encode(p, False) == tok.encode(p, add_special_tokens=False).ids
+    assert ce.hit_chars > 0.6 * ce.total_chars  # the shared documents were encoded once
+    # a conversation: each turn resends the last (with Unicode and odd spacing in it)
+    conv = "system: Ünïcode résumé  double  spaces\n\n" + " ".join(vocab[:900])
+    for t in range(5):
+        conv += f"\nuser {t}: don't stop " + " ".join(vocab[1000 + 50 * t:1050 + 50 * t])
+        assert ce.encode(conv, False) == tok.encode(conv, add_special_tokens=False).ids
+
+
+def test_chunking_turns_itself_off_for_a_tokenizer_it_would_get_wrong() -> None:
+    from bear.tokenizer.chunks import ChunkedEncoder
+
+    class Merging:  # one token per pair of characters, across spaces: chunk splits would differ
+        def encode(self, text: str, add_special_tokens: bool = False):
+            class E:
+                pass
+
+            e = E()
+            e.ids = [ord(text[i]) * 1000 + (ord(text[i + 1]) if i + 1 < len(text) else 0)
+                     for i in range(0, len(text), 2)]
+            e.offsets = [(i, min(i + 2, len(text))) for i in range(0, len(text), 2)]
+            return e
+
+    ce = ChunkedEncoder(Merging())
+    assert ce.disabled is not None
+    text = "ab " * 1000
+    assert ce.encode(text, False) == Merging().encode(text).ids
