@@ -331,7 +331,7 @@ def trained_predictor_dir(n_train: int, seed: int, cache: Path | None = None) ->
     """Train (once, cached) the predictor on synthetic data disjoint from the evaluation queries."""
     from bear.predictor.train import train
 
-    key = hashlib.sha1(f"synth-v3-{n_train}-{seed}".encode()).hexdigest()[:10]
+    key = hashlib.sha1(f"synth-v4-{n_train}-{seed}".encode()).hexdigest()[:10]
     out = (cache or default_cache_dir()) / f"eval-predictor-{key}"
     if not (out / "meta.json").exists():
         records = list(generate(n_train, seed=seed))
