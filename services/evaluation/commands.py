@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from bear.options import positive_list
+from bear.options import policy_list, positive_list
 
 # Kept here (not imported from bear.evaluation.run) so that `bear --help` stays fast; a test
 # checks that it equals run.experiment_names().
@@ -44,6 +44,10 @@ def eval_cmd(
         callback=positive_list,
         help="Comma-separated arrival rates (q/s) for rates/estimator/prefix; default: the paper's 5,6,7,8,8.9 "
              "(prefix: 5,8.9,16,32,48).")] = None,
+    policies: Annotated[str | None, typer.Option(
+        callback=policy_list,
+        help="Comma-separated routing policies: run only the routers of these (rates, estimator, accuracy, highload, "
+             "prefix; default: every router of comparison.json, prefix: its five).")] = None,
     workers: Annotated[int, typer.Option(min=0, help="Simulation processes (0: one per core).")] = 0,
     out: Annotated[Path | None, typer.Option(
         help="Folder for the JSON results, PNG figures and summary.md; default docs/results/<UTC date> for all, "
@@ -71,6 +75,14 @@ def eval_cmd(
     except ValueError as exc:
         raise typer.BadParameter(f"--rates: comma-separated numbers, got {rates!r}") from exc
     names = runner.ALL if experiment == "all" else [experiment]
+    pol = policies.split(",") if policies else None
+    if pol is not None:
+        from bear.evaluation.suite import SELECTABLE, registry
+
+        if experiment not in SELECTABLE:
+            raise typer.BadParameter(f"--policies applies to {', '.join(SELECTABLE)}, not {experiment}")
+        if not registry(rate_list, pol)[experiment].cells(seed_list[:1]):
+            raise typer.BadParameter(f"--policies: no router of {experiment} runs {policies}")
     out = out or default_out(experiment, seed_list)
     console = Console(stderr=True)
     t0 = time.monotonic()
@@ -82,7 +94,7 @@ def eval_cmd(
             progress.update(task, description=f"{experiment}: simulating", total=n, completed=0)
 
         results = runner.run(names, seed_list, n_queries, out, workers=workers, on_cells=started,
-                             on_done=lambda: progress.advance(task), rates=rate_list)
+                             on_done=lambda: progress.advance(task), rates=rate_list, policies=pol)
     wall = time.monotonic() - t0
     if as_json:
         from bear.protocol.codec import json_safe

@@ -95,20 +95,12 @@ def run_single(names: Sequence[str], s: Setup, workers: int) -> dict[str, dict[s
 
 def run(names: Sequence[str], seeds: Sequence[int], n_queries: int, out: Path, workers: int = 0,
         on_cells: Callable[[int], None] | None = None, on_done: Callable[[], None] | None = None,
-        rates: Sequence[float] | None = None) -> dict[str, dict[str, Any]]:
+        rates: Sequence[float] | None = None, policies: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     """Run the named experiments over ``seeds`` (single-seed ones on the first) and write
-    ``out/<name>.json`` and its PNGs; returns the results by name."""
-    from bear.evaluation.suite import prefix_experiment, rates_experiment
-
+    ``out/<name>.json`` and its PNGs; returns the results by name. ``rates`` and ``policies``
+    apply to the experiments of ``suite.SELECTABLE``."""
     workers = workers or os.cpu_count() or 1
-    reg = registry()
-    if rates is not None and "rates" in names:
-        reg["rates"] = rates_experiment(rates=rates)
-    if rates is not None and "estimator" in names:
-        reg["estimator"] = rates_experiment(rates=rates, names=["bear", "bear+ext", "prefill-throughput"],
-                                            name="estimator", figure="Fig. 16")
-    if rates is not None and "prefix" in names:
-        reg["prefix"] = prefix_experiment(rates=rates)
+    reg = registry(rates, policies)
     exps = [reg[n] for n in names if n in reg]
     t0 = time.monotonic()
     cells = [c for e in exps for c in e.cells(seeds if e.multi_seed else seeds[:1])]

@@ -72,7 +72,7 @@ def _labels(names: Sequence[str]) -> dict[str, dict[str, str]]:
 # ------------------------------------------------------------------------------------- rates
 def rates_experiment(rates: Sequence[float] = PAPER_RATES, names: Sequence[str] | None = None,
                      name: str = "rates", figure: str = "Figs. 8, 1, 16, 18, 19") -> Experiment:
-    names = list(names or rate_entries())
+    names = list(rate_entries() if names is None else names)
 
     def cells(seeds: Sequence[int]) -> list[Cell]:
         return [cell(n, r, s) for s in seeds for n in names for r in rates]
@@ -252,8 +252,8 @@ def sensitivity_experiment(rates: Sequence[float] = SENSITIVITY_RATES) -> Experi
     return Experiment("sensitivity", "sensitivity study", cells, result, multi_seed=False)
 
 
-def highload_experiment() -> Experiment:
-    e = rates_experiment(rates=HIGH_LOAD_RATES, name="highload", figure="high-load sensitivity")
+def highload_experiment(names: Sequence[str] | None = None) -> Experiment:
+    e = rates_experiment(rates=HIGH_LOAD_RATES, names=names, name="highload", figure="high-load sensitivity")
     return Experiment(e.name, e.figure, e.cells, e.result, multi_seed=False)
 
 
@@ -289,33 +289,52 @@ def tune_experiment() -> Experiment:
 
 
 # ------------------------------------------------------------------------------------- prefix
-def prefix_experiment(rates: Sequence[float] | None = None) -> Experiment:
+def prefix_experiment(rates: Sequence[float] | None = None, policies: Sequence[str] | None = None) -> Experiment:
     """Multi-turn sessions with prefix caching on (``bear.evaluation.prefix``, docs/prefix.md): its
-    own cells (sessions, not the query stream), run in the same pool on the seed's setup."""
+    own cells (sessions, not the query stream), run in the same pool on the seed's setup.
+    ``policies``: registry names to keep (``bear`` keeps ``bear-nohits`` too)."""
     from dataclasses import asdict
 
     from bear.evaluation.prefix import PREFIX_POLICIES, PREFIX_RATES, prefix_cells, prefix_result
     from bear.evaluation.prefix_workload import ChatStats
 
     xs = list(rates or PREFIX_RATES)
+    pol = [p for p in PREFIX_POLICIES if policies is None or ("bear" if p == "bear-nohits" else p) in policies]
 
     def cells(seeds: Sequence[int]) -> list[Any]:
-        return [c for s in seeds for c in prefix_cells(xs, list(PREFIX_POLICIES), s)]
+        return [c for s in seeds for c in prefix_cells(xs, pol, s)]
 
     def result(res: Results, seeds: Sequence[int]) -> dict[str, Any]:
-        return {"seeds": list(seeds[:1]), **prefix_result(xs, list(PREFIX_POLICIES), res, seeds[0]),
-                "workload": asdict(ChatStats())}
+        return {"seeds": list(seeds[:1]), **prefix_result(xs, pol, res, seeds[0]), "workload": asdict(ChatStats())}
 
     return Experiment("prefix", "prefix caching (docs/prefix.md)", cells, result, multi_seed=False)
 
 
-def registry() -> dict[str, Experiment]:
+# the experiments that take --rates and --policies
+SELECTABLE = ("rates", "estimator", "accuracy", "highload", "prefix")
+
+
+def selectable(rates: Sequence[float] | None = None, policies: Sequence[str] | None = None) -> dict[str, Experiment]:
+    """The experiments of ``SELECTABLE`` for these rates (default: each one's own) and only the
+    comparison entries whose policy is in ``policies`` (default: all)."""
+    def keep(ns: Sequence[str]) -> list[str]:
+        return [n for n in ns if policies is None or entries()[n].policy in policies]
+
+    high = highload_experiment(keep(rate_entries()))
+    return {
+        "rates": rates_experiment(rates=rates or PAPER_RATES, names=keep(rate_entries())),
+        "estimator": rates_experiment(rates=rates or PAPER_RATES, names=keep(["bear", "bear+ext", "prefill-throughput"]),
+                                      name="estimator", figure="Fig. 16"),
+        "accuracy": rates_experiment(rates=[PAPER_RATE], names=keep(rate_entries()), name="accuracy", figure="Fig. 19"),
+        "highload": high,
+        "prefix": prefix_experiment(rates=rates, policies=policies)}
+
+
+def registry(rates: Sequence[float] | None = None, policies: Sequence[str] | None = None) -> dict[str, Experiment]:
+    """Every experiment by name; ``rates`` and ``policies`` apply to those of ``SELECTABLE``."""
+    sel = selectable(rates, policies)
     return {e.name: e for e in (
-        rates_experiment(),
-        rates_experiment(names=["bear", "bear+ext", "prefill-throughput"], name="estimator", figure="Fig. 16"),
-        rates_experiment(rates=[PAPER_RATE], name="accuracy", figure="Fig. 19"),
+        sel["rates"], sel["estimator"], sel["accuracy"],
         delta_experiment(), staleness_experiment(), lambda_experiment(), bursty_experiment(),
-        sensitivity_experiment(),
-        highload_experiment(),
-        prefix_experiment(),
+        sensitivity_experiment(), sel["highload"], sel["prefix"],
         tune_experiment())}
