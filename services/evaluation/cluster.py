@@ -31,15 +31,16 @@ from bear.estimator.estimate import EstimatorConfig, estimate
 from bear.estimator.state import StateStore
 from bear.evaluation.workload import QuerySet
 from bear.load.metrics import Outcome
+from bear.predictor.synth import MAX_OUTPUT_TOKENS
 from bear.protocol.messages import Calibration, EstimateCandidate, EstimateQuery
 from bear.router.candidates import ModelPrediction, build_candidates, dispatch_for
-from bear.router.policies import Policy, QueryContext
+from bear.router.policies import Candidate, Policy, QueryContext
 from bear.router.registry import InstanceInfo
 from bear.sim.profile import Profile, load_profile
 from bear.sim.roofline import RooflineModel
 
 PAPER_POOL = ("qwen3-0.6b-h100", "qwen3-8b-h100", "qwen3-32b-2xh100-tp2")
-MAX_TOKENS = 4096
+MAX_TOKENS = MAX_OUTPUT_TOKENS  # every query's max_tokens
 HEARTBEAT_S = 0.5  # the instance publisher's idle re-publication period
 
 
@@ -53,6 +54,11 @@ class InstanceSpec:
     def from_profile(cls, profile_name: str) -> InstanceSpec:
         p = load_profile(profile_name)
         return cls(name=p.name, model=p.model.rsplit("/", 1)[-1], profile=p)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt the instance accepts with ``max_tokens`` = MAX_TOKENS."""
+        return int(self.profile.engine_config()["max_model_len"]) - MAX_TOKENS
 
 
 @dataclass
@@ -76,6 +82,7 @@ class SimInstance:
     idle_since: float = 0.0
     records: list[dict] | None = None  # bear.batch/1 records, when calibrating
     busy_s: float = 0.0
+    running_s: float = 0.0  # ∫ running requests dt over busy time (mean concurrency = running_s / busy_s)
 
     def __post_init__(self) -> None:
         self.engine = libbea.Engine(self.spec.profile.engine_config())
@@ -99,6 +106,7 @@ class SimInstance:
             self.busy, self.idle_since = False, t
             return None
         self.busy_s += dur
+        self.running_s += self.snaps[-1][1].n_running * dur
         self.busy = True
         return t + dur
 
@@ -133,7 +141,10 @@ class Cluster:
     """One run: a fresh pool, one policy, one arrival sequence."""
 
     def __init__(self, specs: list[InstanceSpec], calib: dict[str, Calibration], seed: int, delay_s: float = 0.0,
-                 estimator: EstimatorConfig | None = None, prices: dict[str, tuple[float, float]] | None = None) -> None:
+                 estimator: EstimatorConfig | None = None, prices: dict[str, tuple[float, float]] | None = None,
+                 history: dict[str, list[tuple[float, float | None]]] | None = None) -> None:
+        """``history``: (TTFT, TPOT) per instance observed before the run (the profiling runs), so
+        that the policies that read observed latencies start from what an operator has measured."""
         self.cfg = estimator or EstimatorConfig()
         self.insts = [SimInstance(s, seed=seed * 1000 + k, keep_s=delay_s + 1.0) for k, s in enumerate(specs)]
         self.delay_s = delay_s
@@ -148,8 +159,12 @@ class Cluster:
             if cal is not None:
                 st.calibration, st.calibrated = cal, True
                 info.calibration = cal
+            for ttft, tpot in (history or {}).get(s.name, []):
+                info.obs.add_outcome(0.0, ttft, tpot, False)
             self.infos.append(info)
         self.events: list[tuple[float, int]] = []
+        # every decision's candidates and each instance's free KV blocks then, when set to []
+        self.trace: list[tuple[list[Candidate], dict[str, int]]] | None = None
         self.live: dict[str, _Live] = {}
         self.first_token: dict[str, float] = {}
         self.finished_at: dict[str, float] = {}
@@ -213,6 +228,9 @@ class Cluster:
         cs, used = build_candidates(query.prompt_tokens, self.infos, preds, rows, t,
                                     default_output_tokens=self.cfg.default_output_tokens)
         d = policy.decide(QueryContext(qs.ids[i], target_s, lam, query.prompt_tokens), cs)
+        if self.trace is not None:
+            self.trace.append((cs, {inst.spec.name: int(self.store.get(inst.spec.name).snap.free_blocks)
+                                    for inst in self.insts}))
         k = next(n for n, info in enumerate(self.infos) if info.id == d.candidate.instance)
         self.store.get(self.infos[k].id).on_dispatch(dispatch_for(qs.ids[i], qs.ids[i], used[self.infos[k].id],
                                                                    MAX_TOKENS, t))
@@ -245,8 +263,17 @@ class Cluster:
         return outcomes
 
 
+@dataclass
+class Profiling:
+    """What profiling each instance alone gives: its calibration (β, θ) and the (TTFT, TPOT) of
+    the light phase's queries."""
+
+    calibration: dict[str, Calibration]
+    history: dict[str, list[tuple[float, float | None]]]
+
+
 def calibrate_pool(specs: list[InstanceSpec], qs: QuerySet, seed: int, light_rate: float = 3.0,
-                   burst_rate: float = 40.0) -> dict[str, Calibration]:
+                   burst_rate: float = 40.0) -> Profiling:
     """Profile every instance alone, as an operator would before serving (paper §5.1): half the
     calibration queries at a light rate, then the other half as a burst that saturates it; the
     batch records go through the online calibrator's own fit (``robust_fit``: β and θ)."""
@@ -258,6 +285,7 @@ def calibrate_pool(specs: list[InstanceSpec], qs: QuerySet, seed: int, light_rat
     burst_start = float(light[-1]) + 5.0 if half else 0.0
     times = np.concatenate([light, burst_start + arrivals("poisson", burst_rate, n - half, seed=seed + 1)])
     out: dict[str, Calibration] = {}
+    history: dict[str, list[tuple[float, float | None]]] = {}
     for k, spec in enumerate(specs):
         cl = Cluster([spec], {}, seed=seed + 17 * k)
         inst = cl.insts[0]
@@ -271,4 +299,10 @@ def calibrate_pool(specs: list[InstanceSpec], qs: QuerySet, seed: int, light_rat
             te, kk = heapq.heappop(cl.events)
             cl._complete(te, kk)
         out[spec.name] = robust_fit(inst.records, spec.name)
-    return out
+        hist = []
+        for i in range(half):
+            rid, n_out = qs.ids[i], int(min(qs.true_output[i, col], MAX_TOKENS))
+            first, done = cl.first_token[rid], cl.finished_at[rid]
+            hist.append((first - float(times[i]), (done - first) / (n_out - 1) if n_out > 1 else None))
+        history[spec.name] = hist
+    return Profiling(out, history)

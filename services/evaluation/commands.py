@@ -1,129 +1,142 @@
-"""``bear eval``: run one of the paper's experiments and write its JSON result and PNG plot."""
+"""``bear eval``: run the paper's experiments in the simulated pool and write their JSON results,
+PNG figures and (for several) a summary page."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
-import msgspec
 import typer
 
-from bear.options import policy_list, positive, positive_list
-from bear.protocol.codec import json_safe
+from bear.options import policy_list, positive_list
 
-EXPERIMENTS = ["rates", "delta", "bursty", "staleness", "estimator", "lambda", "accuracy", "prefix"]
+# Kept here (not imported from bear.evaluation.run) so that `bear --help` stays fast; a test
+# checks that it equals run.experiment_names().
+EXPERIMENTS = ["rates", "estimator", "accuracy", "delta", "staleness", "lambda", "bursty", "sensitivity",
+               "highload", "tune", "lps", "estimates", "workload", "diagnose", "prefix", "all"]
+HEADLINE_SEEDS = "2026,2027,2028"
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise typer.BadParameter(f"{what}: comma-separated integers, got {text!r}") from exc
+
+
+def default_out(experiment: str, seeds: list[int]) -> Path:
+    """One dated folder per `all` run; a single experiment in a folder of its own inside it."""
+    day = Path("docs/results") / time.strftime("%Y-%m-%d", time.gmtime())
+    return day if experiment == "all" else day / f"{experiment}-{'-'.join(map(str, seeds))}"
 
 
 def eval_cmd(
     experiment: Annotated[str, typer.Option(help=f"Which experiment: {', '.join(EXPERIMENTS)}.")] = "rates",
-    seed: Annotated[int, typer.Option(help="Seed of queries, arrivals, targets and engine noise.")] = 0,
-    n_queries: Annotated[int, typer.Option(min=1, help="Queries per simulated run.")] = 2000,
-    rates: Annotated[
-        str | None, typer.Option(callback=positive_list,
-                                 help="Comma-separated arrival rates (q/s) for rates/estimator/prefix; default: the paper's (prefix: 5, 8.9, 16, 32, 48).")
-    ] = None,
-    rate: Annotated[float, typer.Option(callback=positive,
-                                        help="Arrival rate for delta/staleness/lambda/accuracy.")] = 8.0,
+    seed: Annotated[int | None, typer.Option(help="One seed (queries, arrivals, targets, engine noise).")] = None,
+    seeds: Annotated[str | None, typer.Option(
+        help=f"Comma-separated seeds; default {HEADLINE_SEEDS.split(',')[0]} for one experiment, "
+             f"{HEADLINE_SEEDS} for all. Single-seed parts (sensitivity, lps, estimates, workload, tune) use the first.")] = None,
+    n_queries: Annotated[int, typer.Option(min=1, help="Queries per simulated run (prefix: turns).")] = 2000,
+    rates: Annotated[str | None, typer.Option(
+        callback=positive_list,
+        help="Comma-separated arrival rates (q/s) for rates/estimator/prefix; default: the paper's 5,6,7,8,8.9 "
+             "(prefix: 5,8.9,16,32,48).")] = None,
     policies: Annotated[str | None, typer.Option(
-        callback=policy_list, help="Comma-separated policies (default: BEAR + all baselines).")] = None,
-    workers: Annotated[int, typer.Option(min=0, help="Simulation processes (default: one per core).")] = 0,
-    out: Annotated[Path, typer.Option(help="Directory for the JSON result and the PNG plot.")] = Path("results"),
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result JSON on stdout.")] = False,
+        callback=policy_list,
+        help="Comma-separated routing policies: run only the routers of these (rates, estimator, accuracy, highload, "
+             "prefix; default: every router of comparison.json, prefix: its five).")] = None,
+    workers: Annotated[int, typer.Option(min=0, help="Simulation processes (0: one per core).")] = 0,
+    out: Annotated[Path | None, typer.Option(
+        help="Folder for the JSON results, PNG figures and summary.md; default docs/results/<UTC date> for all, "
+             "docs/results/<UTC date>/<experiment>-<seeds> for one experiment.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the (single) experiment's JSON on stdout.")] = False,
 ) -> None:
-    """Reproduce a routing experiment of the paper in a virtual-time simulation of the pool."""
+    """Reproduce the paper's routing experiments in a virtual-time simulation of the pool."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from bear.evaluation import experiments as ex
-    from bear.evaluation import plots
+    from bear.evaluation import run as runner
 
     if experiment not in EXPERIMENTS:
         raise typer.BadParameter(f"unknown experiment {experiment!r}; one of {', '.join(EXPERIMENTS)}")
-    console = Console(stderr=True)
-    rate_list = [float(x) for x in rates.split(",")] if rates else list(ex.PAPER_RATES)
-    pol = policies.split(",") if policies else list(ex.RATE_POLICIES)
-    with console.status("preparing predictor, queries and calibration (cached after the first run)"):
-        s = ex.setup(seed, n_queries)
-    if experiment == "prefix":  # multi-turn sessions with prefix caching (bear.evaluation.prefix)
-        from bear.evaluation.prefix import run_prefix_experiment
+    if seed is not None and seeds is not None:
+        raise typer.BadParameter("give --seed or --seeds, not both")
+    seed_list = [seed] if seed is not None else _ints(seeds or (
+        HEADLINE_SEEDS if experiment == "all" else HEADLINE_SEEDS.split(",")[0]), "--seeds")
+    if experiment == "tune":
+        from bear.evaluation.experiments import load_config
 
-        result, png = run_prefix_experiment(s, rate_list if rates else None, policies.split(",") if policies else None,
-                                            workers, out, console)
-        _write(out, experiment, seed, n_queries, result, s, as_json, console, png)
-        return
-    if experiment in ("rates", "accuracy"):
-        cells = ex.rates_cells(rate_list if experiment == "rates" else [rate], pol)
-    elif experiment == "estimator":
-        cells = ex.rates_cells(rate_list, ["bear", "prefill-throughput"])
-    elif experiment == "delta":
-        cells = ex.delta_cells(rate)
-    elif experiment == "bursty":
-        cells = ex.bursty_cells(pol)
-    elif experiment == "staleness":
-        cells = ex.staleness_cells(rate)
-    else:
-        cells = ex.lambda_cells(rate, pol)
+        seed_list = seed_list if (seed is not None or seeds) else [int(load_config()["tuning"]["seed"])]
+    try:
+        rate_list = [float(x) for x in rates.split(",")] if rates else None
+    except ValueError as exc:
+        raise typer.BadParameter(f"--rates: comma-separated numbers, got {rates!r}") from exc
+    names = runner.ALL if experiment == "all" else [experiment]
+    pol = policies.split(",") if policies else None
+    if pol is not None:
+        from bear.evaluation.suite import SELECTABLE, registry
+
+        if experiment not in SELECTABLE:
+            raise typer.BadParameter(f"--policies applies to {', '.join(SELECTABLE)}, not {experiment}")
+        if not registry(rate_list, pol)[experiment].cells(seed_list[:1]):
+            raise typer.BadParameter(f"--policies: no router of {experiment} runs {policies}")
+    out = out or default_out(experiment, seed_list)
+    console = Console(stderr=True)
+    t0 = time.monotonic()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
-        task = progress.add_task(f"{experiment}: simulating", total=len(cells))
-        res = ex.run_cells(s, cells, workers=workers or None, on_done=lambda _c: progress.advance(task))
-    out.mkdir(parents=True, exist_ok=True)
-    png = out / f"{experiment}.png"
-    if experiment == "rates":
-        result = ex.rates_result(rate_list, pol, res)
-        plots.rates(result, png)
-    elif experiment == "estimator":
-        result = ex.rates_result(rate_list, ["bear", "prefill-throughput"], res)
-        plots.xy(result, png, "rates", "BEA vs prefill-throughput under the BEAR rule", "arrival rate (q/s)")
-    elif experiment == "delta":
-        result = ex.delta_result(rate, res)
-        plots.delta(result, png)
-    elif experiment == "bursty":
-        result = ex.bursty_result(pol, res)
-        plots.bursty(result, png)
-    elif experiment == "staleness":
-        result = ex.staleness_result(rate, res)
-        plots.staleness(result, png)
-    elif experiment == "lambda":
-        result = ex.lambda_result(rate, pol, res)
-        plots.xy(result, png, "lambdas", f"OnTimeUtility vs λ at {rate:g} q/s", "λ", log=True)
-    else:
-        result = ex.accuracy_result(rate, res, pol)
-        plots.accuracy(result, png)
-    _write(out, experiment, seed, n_queries, result, s, as_json, console, png)
+        task = progress.add_task(f"{experiment}: setups (cached after the first run)", total=None)
 
+        def started(n: int) -> None:
+            progress.update(task, description=f"{experiment}: simulating", total=n, completed=0)
 
-def _write(out: Path, experiment: str, seed: int, n_queries: int, result: dict[str, Any], s: Any, as_json: bool,
-           console: Any, png: Path) -> None:
-    result = json_safe({"experiment": experiment, "seed": seed, "n_queries": n_queries, **result,
-                     "calibration": {k: msgspec.to_builtins(v) for k, v in s.calibration.items()}})
-    (out / f"{experiment}.json").write_text(json.dumps(result, indent=2))
+        results = runner.run(names, seed_list, n_queries, out, workers=workers, on_cells=started,
+                             on_done=lambda: progress.advance(task), rates=rate_list, policies=pol)
+    wall = time.monotonic() - t0
     if as_json:
-        print(json.dumps(result))
+        from bear.protocol.codec import json_safe
+
+        print(json.dumps(json_safe(results[names[0]] if len(names) == 1 else results)))
     else:
-        _print_table(console, experiment, result)
-        print(f"wrote {out / (experiment + '.json')} and {png}", file=sys.stderr)
+        for name, r in results.items():
+            _print(console, name, r)
+    print(f"{experiment}: {wall:.0f} s; wrote {out}/ ({', '.join(f'{n}.json' for n in results)}"
+          + (", summary.md" if len(results) > 1 else "") + ")", file=sys.stderr)
 
 
-def _print_table(console: Any, experiment: str, result: dict[str, Any]) -> None:
+def _print(console: Any, name: str, r: dict[str, Any]) -> None:
     from rich.table import Table
 
-    if "policies" in result and experiment in ("rates", "estimator", "lambda", "prefix"):
-        xs = result.get("rates") or result.get("lambdas")
-        t = Table(title=f"OnTimeUtility ({experiment})")
-        t.add_column("policy")
-        for x in xs:
+    if "on_time_utility" in r and "rates" in r and isinstance(r["on_time_utility"], dict) and "entries" in r \
+            and name in ("rates", "estimator", "accuracy", "highload", "prefix"):
+        t = Table(title=f"OnTimeUtility ({name}; mean over seeds {', '.join(map(str, r['seeds']))})")
+        t.add_column("router")
+        for x in r["rates"]:
             t.add_column(f"{x:g}")
-        for name, vals in result["policies"].items():
-            t.add_row(name, *(f"{v:.4f}" if v is not None else "-" for v in vals))
+        for n, v in r["on_time_utility"].items():
+            t.add_row(n, *(f"{m:.4f}" for m in v["mean"]))
         console.print(t)
-        if "gain_over_best_baseline" in result:
-            console.print("BEAR vs best baseline per rate: " +
-                          ", ".join(f"{g * 100:+.1f}%" for g in result["gain_over_best_baseline"] if g is not None))
+        for ours, g in r.get("gains", {}).items():
+            console.print(f"{ours} vs best baseline per rate: " + ", ".join(f"{x * 100:+.1f}%" for x in g["mean"])
+                          + f"; average {g['average']['mean'] * 100:+.1f}% "
+                          f"[{g['average']['min'] * 100:+.1f}, {g['average']['max'] * 100:+.1f}]")
+        for ours, g in r.get("estimator_gain", {}).items():
+            console.print(f"{ours} vs eq. 8 under the same rule: " + ", ".join(f"{x * 100:+.1f}%" for x in g["mean"]))
+    elif name == "prefix":
+        t = Table(title=f"OnTimeUtility (prefix; multi-turn sessions, seed {r['seeds'][0]})")
+        t.add_column("policy")
+        for x in r["rates"]:
+            t.add_column(f"{x:g}")
+        for n, v in r["policies"].items():
+            t.add_row(n, *(f"{m:.4f}" for m in v))
+        console.print(t)
+    elif name == "tune":
+        console.print(f"tuned on seed(s) {r['seeds']}: {json.dumps(r['chosen'])}")
     else:
-        console.print_json(json.dumps({k: v for k, v in result.items() if k != "calibration"}))
+        console.print(f"{name}: {', '.join(r.get('files', []))}")
 
 
 def register(app: typer.Typer) -> None:

@@ -1,16 +1,22 @@
-"""The paper's experiments over the virtual-time pool, each returning a JSON-able result.
+"""The paper's experiments over the virtual-time pool, each a list of simulation cells and a
+function that turns their results into a JSON-able result.
 
-Every experiment shares one setup per seed (trained predictor, evaluation queries with their
-predictions, per-instance calibration), cached on disk, and runs its (policy, setting) cells in
-a process pool so that both cores work.
+Every seed has one setup (trained predictor, evaluation queries with their predictions, per-
+instance profiling: calibration and the latencies it observed), cached on disk. The routers
+compared are the entries of ``comparison.json`` — a policy, its parameters (the tuned baselines'
+frozen there) and the estimator configuration it runs under — so no experiment special-cases a
+policy. Cells of any number of seeds and experiments run in one process pool.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import math
 import os
 import pickle
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,130 +28,257 @@ from bear.estimator.estimate import EstimatorConfig
 from bear.evaluation.cluster import PAPER_POOL, Cluster, InstanceSpec, calibrate_pool
 from bear.evaluation.workload import QuerySet, build_queries
 from bear.load.arrivals import Mmpp2, poisson_arrivals
-from bear.load.metrics import summary
+from bear.load.metrics import Outcome, composition, summary, ttft_prediction_error
 from bear.load.targets import ttft_target_s
 from bear.predictor.synth import default_cache_dir, trained_predictor_dir
 from bear.protocol.messages import Calibration
-from bear.router.policies import BASELINES, make_policy
+from bear.router.policies import make_policy
+from bear.sim.profile import Profile
 
-RATE_POLICIES = ["bear", *BASELINES, "prefill-throughput"]
-PAPER_RATES = [5.0, 6.0, 7.0, 8.0, 8.9]
-DEFAULT_LAMBDA = 5e-4
+CONFIG = Path(__file__).with_name("comparison.json")
+PAPER_RATES = [5.0, 6.0, 7.0, 8.0, 8.9]  # Fig. 8's arrival rates (q/s)
+PAPER_RATE = 8.0  # Figs. 9 and 14
+DEFAULT_LAMBDA = 5e-4  # §5.1
+HEADLINE_SEEDS = (2026, 2027, 2028)  # seeds no earlier result of this project used
+SETUP_VERSION = "v6"
 
 
+# ------------------------------------------------------------------------------------- entries
+@dataclass(frozen=True)
+class Entry:
+    """One router of the comparison: a registry policy, its parameters, its estimator settings."""
+
+    name: str
+    policy: str
+    role: str  # ours | baseline | ablation
+    label: str = ""
+    params: tuple[tuple[str, float], ...] = ()
+    estimator: tuple[tuple[str, bool], ...] = ()
+
+
+@functools.lru_cache(maxsize=4)
+def load_config(path: Path = CONFIG) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def entries(path: Path = CONFIG) -> dict[str, Entry]:
+    out = {}
+    for name, d in load_config(path)["entries"].items():
+        out[name] = Entry(name=name, policy=d["policy"], role=d["role"], label=d.get("label", name),
+                          params=tuple(sorted(d.get("params", {}).items())),
+                          estimator=tuple(sorted(d.get("estimator", {}).items())))
+    return out
+
+
+def names(role: str) -> list[str]:
+    return [n for n, e in entries().items() if e.role == role]
+
+
+def baselines() -> list[str]:
+    return names("baseline")
+
+
+def rate_entries() -> list[str]:
+    """What the rates experiment compares: BEAR (both forms), the baselines, the eq. 8 ablation."""
+    return ["bear", "bear+ext", *baselines(), "prefill-throughput"]
+
+
+# ------------------------------------------------------------------------------------- variants
+@dataclass(frozen=True)
+class Variant:
+    """An instance assumption changed for the sensitivity study (applied to every profile)."""
+
+    name: str = ""
+    compute_scale: float = 1.0
+    memory_scale: float = 1.0
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None  # a shorter context: prompts are truncated to it (new queries)
+
+    def apply(self, p: Profile) -> Profile:
+        sched = dict(p.scheduler)
+        if self.max_num_batched_tokens is not None:
+            sched["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.max_model_len is not None:
+            sched["max_model_len"] = self.max_model_len
+        return dataclasses.replace(p, compute_efficiency=p.compute_efficiency * self.compute_scale,
+                                   memory_efficiency=min(1.0, p.memory_efficiency * self.memory_scale),
+                                   scheduler=sched)
+
+
+SENSITIVITY = [
+    Variant("prefill-25%", compute_scale=0.75), Variant("prefill+25%", compute_scale=1.25),
+    Variant("decode-25%", memory_scale=0.75), Variant("decode+25%", memory_scale=1.25),
+    Variant("budget-2048", max_num_batched_tokens=2048), Variant("budget-16384", max_num_batched_tokens=16384),
+    # Qwen3's native context (model card: 32,768; config.json's 40,960 leaves room for the output),
+    # and shorter deployment limits, all with max_tokens 4,096: GovReport's long tail truncated.
+    Variant("context-32k", max_model_len=32_768), Variant("context-16k", max_model_len=16_384),
+    Variant("context-8k", max_model_len=8_192),
+]
+
+
+# ------------------------------------------------------------------------------------- setups
 @dataclass
 class Setup:
     seed: int
     n_queries: int
     queries: QuerySet
     calibration: dict[str, Calibration]
+    history: dict[str, list[tuple[float, float | None]]] = field(default_factory=dict)
     pool: list[str] = field(default_factory=lambda: list(PAPER_POOL))
+    variant: Variant = field(default_factory=Variant)
 
     def specs(self) -> list[InstanceSpec]:
-        return [InstanceSpec.from_profile(p) for p in self.pool]
+        out = []
+        for p in self.pool:
+            sp = InstanceSpec.from_profile(p)
+            out.append(dataclasses.replace(sp, profile=self.variant.apply(sp.profile)))
+        return out
 
     def targets(self) -> np.ndarray:
         return ttft_target_s(self.queries.prompt_tokens[:, 0], np.random.default_rng(self.seed + 2))
 
 
-def setup(seed: int, n_queries: int, cache: Path | None = None, n_train: int = 3000, n_calib: int = 400) -> Setup:
+def setup(seed: int, n_queries: int, cache: Path | None = None, n_train: int = 3000, n_calib: int = 400,
+          variant: Variant | None = None) -> Setup:
     """Predictor trained on synthetic data (seed-disjoint), evaluation and calibration queries,
-    per-instance calibration: built once per (seed, n) and cached."""
+    per-instance profiling: built once per (seed, n, variant) and cached."""
+    variant = variant or Variant()
     cache = cache or default_cache_dir()
-    path = cache / f"eval-setup-v2-{seed}-{n_queries}-{n_train}-{n_calib}.pkl"
+    tag = f"-{variant.name}" if variant.name else ""
+    path = cache / f"eval-setup-{SETUP_VERSION}-{seed}-{n_queries}-{n_train}-{n_calib}{tag}.pkl"
     if path.exists():
         with open(path, "rb") as f:
             return pickle.load(f)
     pred_dir = trained_predictor_dir(n_train, seed=10_000 + seed, cache=cache)
-    qs = build_queries(n_queries, seed=seed, predictor_dir=pred_dir)
-    cal_qs = build_queries(n_calib, seed=20_000 + seed, predictor_dir=pred_dir)
-    specs = [InstanceSpec.from_profile(p) for p in PAPER_POOL]
-    s = Setup(seed=seed, n_queries=n_queries, queries=qs, calibration=calibrate_pool(specs, cal_qs, seed=seed + 3))
+    specs = [dataclasses.replace(sp, profile=variant.apply(sp.profile))
+             for sp in (InstanceSpec.from_profile(p) for p in PAPER_POOL)]
+    limit = min(sp.max_prompt_tokens for sp in specs)
+    if variant.name and variant.max_model_len is None:  # the seed's queries, profiled on the changed instances
+        base = setup(seed, n_queries, cache, n_train, n_calib)
+        qs = base.queries
+    else:
+        qs = build_queries(n_queries, seed=seed, predictor_dir=pred_dir, max_prompt_tokens=limit)
+    cal_qs = build_queries(n_calib, seed=20_000 + seed, predictor_dir=pred_dir, max_prompt_tokens=limit)
+    prof = calibrate_pool(specs, cal_qs, seed=seed + 3)
+    s = Setup(seed=seed, n_queries=n_queries, queries=qs, calibration=prof.calibration, history=prof.history,
+              variant=variant)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
         pickle.dump(s, f)
+    tmp.replace(path)
     return s
 
 
+# ------------------------------------------------------------------------------------- cells
 @dataclass(frozen=True)
 class Cell:
-    """One simulation: a policy (with parameters) under one arrival setting."""
+    """One simulation: an entry (policy, parameters, estimator) under one arrival setting, on the
+    setup of one seed and instance variant."""
 
+    entry: str
     policy: str
     rate: float
+    seed: int
     params: tuple[tuple[str, float], ...] = ()
+    estimator: tuple[tuple[str, bool], ...] = ()
     arrivals: str = "poisson"
     ratio: float = 1.0
     delay_s: float = 0.0
-    compensate: bool = True
-    use_dispatches: bool = True
-    arrival_fill: bool = True
     max_age_s: float = EstimatorConfig.max_age_s
     lam: float = DEFAULT_LAMBDA
+    variant: str = ""
 
-    def estimator(self) -> EstimatorConfig:
-        """The estimator configuration of this cell (the live worker's defaults otherwise)."""
-        return EstimatorConfig(compensate_staleness=self.compensate, use_dispatches=self.use_dispatches,
-                               arrival_fill=self.arrival_fill, max_age_s=self.max_age_s)
+    def estimator_config(self) -> EstimatorConfig:
+        return EstimatorConfig(**dict(self.estimator), max_age_s=self.max_age_s)
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return self.seed, self.variant
 
 
-def arrival_times(s: Setup, cell: Cell) -> np.ndarray:
+def cell(entry: str, rate: float, seed: int, params: dict[str, float] | None = None, **kw: Any) -> Cell:
+    """The cell of a comparison entry; ``params`` override the entry's own."""
+    e = entries()[entry]
+    merged = {**dict(e.params), **(params or {})}
+    return Cell(entry=entry, policy=e.policy, rate=rate, seed=seed, params=tuple(sorted(merged.items())),
+                estimator=e.estimator, **kw)
+
+
+def arrival_times(s: Setup, c: Cell) -> np.ndarray:
     rng = np.random.default_rng(s.seed + 1)
-    n = s.n_queries
-    if cell.arrivals == "mmpp":
-        return Mmpp2(cell.rate, cell.ratio).arrivals(n, rng)[0]
-    return poisson_arrivals(cell.rate, n, rng)
+    if c.arrivals == "mmpp":
+        return Mmpp2(c.rate, c.ratio).arrivals(s.n_queries, rng)[0]
+    return poisson_arrivals(c.rate, s.n_queries, rng)
 
 
-def run_cell(s: Setup, cell: Cell) -> dict[str, Any]:
-    if hasattr(cell, "run"):  # a cell of an experiment kept in its own module (bear.evaluation.prefix)
-        return cell.run(s)
-    policy = make_policy(cell.policy, **dict(cell.params))
+def simulate(s: Setup, c: Cell) -> list[Outcome]:
     q = s.queries
     prices = {m: (float(q.price_in[j]), float(q.price_out[j])) for j, m in enumerate(q.models)}
-    cluster = Cluster(s.specs(), s.calibration, seed=s.seed + 4, delay_s=cell.delay_s, estimator=cell.estimator(),
-                      prices=prices)
-    outcomes = cluster.run(s.queries, arrival_times(s, cell), s.targets(), policy, cell.lam)
-    return summary(outcomes)
+    cluster = Cluster(s.specs(), s.calibration, seed=s.seed + 4, delay_s=c.delay_s, estimator=c.estimator_config(),
+                      prices=prices, history=s.history)
+    return cluster.run(q, arrival_times(s, c), s.targets(), make_policy(c.policy, **dict(c.params)), c.lam)
 
 
-_WORKER_SETUP: Setup | None = None
+def run_cell(s: Setup, c: Any) -> dict[str, Any]:
+    if hasattr(c, "run"):  # a cell of an experiment kept in its own module (bear.evaluation.prefix)
+        return c.run(s)
+    outs = simulate(s, c)
+    res = summary(outs)
+    by_inst: dict[str, list[Outcome]] = {}
+    for o in outs:
+        by_inst.setdefault(o.instance, []).append(o)
+    res["ttft_prediction_by_instance"] = {i: ttft_prediction_error(v) for i, v in sorted(by_inst.items())}
+    by_task: dict[str, list[Outcome]] = {}
+    for o in outs:
+        by_task.setdefault(o.task, []).append(o)
+    res["composition_by_task"] = {t: composition(v) for t, v in sorted(by_task.items())}
+    return res
 
 
-def _init_worker(setup_obj: Setup) -> None:
-    global _WORKER_SETUP
-    _WORKER_SETUP = setup_obj
+_WORKER_SETUPS: dict[tuple[int, str], Setup] = {}
 
 
-def _run_in_worker(cell: Cell) -> tuple[Cell, dict[str, Any]]:
-    assert _WORKER_SETUP is not None
-    return cell, run_cell(_WORKER_SETUP, cell)
+def _init_worker(setups: dict[tuple[int, str], Setup]) -> None:
+    _WORKER_SETUPS.clear()
+    _WORKER_SETUPS.update(setups)
 
 
-def run_cells(s: Setup, cells: list[Cell], workers: int | None = None,
+def _run_in_worker(c: Cell) -> tuple[Cell, dict[str, Any]]:
+    return c, run_cell(_WORKER_SETUPS[c.key], c)
+
+
+def run_cells(setups: dict[tuple[int, str], Setup], cells: Sequence[Cell], workers: int | None = None,
               on_done: Callable[[Cell], None] | None = None) -> dict[Cell, dict[str, Any]]:
-    workers = workers or min(len(cells), os.cpu_count() or 1)
+    """Every distinct cell once, in a process pool (``workers`` processes; one per core by default)."""
+    todo = list(dict.fromkeys(cells))
+    workers = workers or min(len(todo), os.cpu_count() or 1)
     results: dict[Cell, dict[str, Any]] = {}
     if workers <= 1:
-        for c in cells:
-            results[c] = run_cell(s, c)
+        for c in todo:
+            results[c] = run_cell(setups[c.key], c)
             if on_done:
                 on_done(c)
         return results
-    with ProcessPoolExecutor(max_workers=workers, initializer=_init_worker, initargs=(s,)) as ex:
-        for cell, res in ex.map(_run_in_worker, cells):
-            results[cell] = res
+    # the slowest cells (congested baselines) first, so that the pool does not end on one of them
+    todo.sort(key=lambda c: -c.rate)
+    with ProcessPoolExecutor(max_workers=workers, initializer=_init_worker, initargs=(setups,)) as ex:
+        for c, res in ex.map(_run_in_worker, todo, chunksize=1):
+            results[c] = res
             if on_done:
-                on_done(cell)
+                on_done(c)
     return results
 
 
-# ---------------------------------------------------------------------------------- experiments
-def gain_over_best_baseline(table: dict[str, list[float]], ours: str = "bear") -> list[float]:
-    """Per rate: (ours − best other) / best other."""
-    others = [k for k in table if k != ours]
-    if ours not in table or not others:
-        return []
+# ------------------------------------------------------------------------------------- statistics
+def spread(values: Iterable[float]) -> dict[str, float]:
+    """Mean and range over seeds."""
+    v = [float(x) for x in values]
+    return {"mean": float(np.mean(v)), "min": float(np.min(v)), "max": float(np.max(v)), "n": len(v)}
+
+
+def gain_over_best(table: dict[str, list[float]], ours: str, others: Sequence[str]) -> list[float]:
+    """Per rate: (ours − best of ``others``) / best of ``others``."""
     out = []
     for k, v in enumerate(table[ours]):
         best = max(table[o][k] for o in others)
@@ -153,79 +286,5 @@ def gain_over_best_baseline(table: dict[str, list[float]], ours: str = "bear") -
     return out
 
 
-def rates_cells(rates: Iterable[float], policies: Iterable[str]) -> list[Cell]:
-    return [Cell(p, r) for r in rates for p in policies]
-
-
-def rates_result(rates: list[float], policies: list[str], res: dict[Cell, dict[str, Any]]) -> dict[str, Any]:
-    table = {p: [res[Cell(p, r)]["on_time_utility"] for r in rates] for p in policies}
-    return {
-        "rates": rates,
-        "policies": table,
-        "slo_attainment": {p: [res[Cell(p, r)]["slo_attainment"] for r in rates] for p in policies},
-        "composition": {p: [res[Cell(p, r)]["composition"] for r in rates] for p in policies},
-        "mean_ttft_s": {p: [res[Cell(p, r)]["mean_ttft_s"] for r in rates] for p in policies},
-        "gain_over_best_baseline": gain_over_best_baseline(
-            {p: v for p, v in table.items() if p != "prefill-throughput"}),
-    }
-
-
-DELTAS = [0.0, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
-
-
-def delta_cells(rate: float) -> list[Cell]:
-    cells = [Cell("bear-lagrange", rate, (("delta", d),)) for d in DELTAS]
-    cells += [Cell(p, rate) for p in ("bear", *BASELINES)]
-    return cells
-
-
-def delta_result(rate: float, res: dict[Cell, dict[str, Any]]) -> dict[str, Any]:
-    curve = [{"delta": d, "mean_utility": res[Cell("bear-lagrange", rate, (("delta", d),))]["mean_utility"],
-              "mean_ttft_s": res[Cell("bear-lagrange", rate, (("delta", d),))]["mean_ttft_s"]} for d in DELTAS]
-    points = {p: {"mean_utility": res[Cell(p, rate)]["mean_utility"], "mean_ttft_s": res[Cell(p, rate)]["mean_ttft_s"]}
-              for p in ("bear", *BASELINES)}
-    return {"rate": rate, "lagrange": curve, "policies": points}
-
-
-BURSTY_RATES = [6.0, 7.0, 8.0]
-
-
-def bursty_cells(policies: list[str]) -> list[Cell]:
-    return [Cell(p, r, arrivals="mmpp", ratio=ratio) for ratio in (3.0, 6.0) for r in BURSTY_RATES for p in policies]
-
-
-def bursty_result(policies: list[str], res: dict[Cell, dict[str, Any]]) -> dict[str, Any]:
-    return {f"r={int(ratio)}": {"rates": BURSTY_RATES,
-                                "policies": {p: [res[Cell(p, r, arrivals="mmpp", ratio=ratio)]["on_time_utility"]
-                                                 for r in BURSTY_RATES] for p in policies}}
-            for ratio in (3.0, 6.0)}
-
-
-DELAYS = [0.0, 0.025, 0.1, 0.4, 1.0]
-
-
-def staleness_cells(rate: float) -> list[Cell]:
-    # BEA on snapshots up to 1 s old: the fallback age is raised above the largest delay studied.
-    return [Cell("bear", rate, delay_s=d, compensate=c, max_age_s=2.0) for d in DELAYS for c in (True, False)]
-
-
-def staleness_result(rate: float, res: dict[Cell, dict[str, Any]]) -> dict[str, Any]:
-    return {"rate": rate, "delays_s": DELAYS,
-            "compensated": [res[Cell("bear", rate, delay_s=d, compensate=True, max_age_s=2.0)]["on_time_utility"] for d in DELAYS],
-            "uncompensated": [res[Cell("bear", rate, delay_s=d, compensate=False, max_age_s=2.0)]["on_time_utility"] for d in DELAYS]}
-
-
-LAMBDAS = [1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3]
-
-
-def lambda_cells(rate: float, policies: list[str]) -> list[Cell]:
-    return [Cell(p, rate, lam=lam) for lam in LAMBDAS for p in policies]
-
-
-def lambda_result(rate: float, policies: list[str], res: dict[Cell, dict[str, Any]]) -> dict[str, Any]:
-    return {"rate": rate, "lambdas": LAMBDAS,
-            "policies": {p: [res[Cell(p, rate, lam=lam)]["on_time_utility"] for lam in LAMBDAS] for p in policies}}
-
-
-def accuracy_result(rate: float, res: dict[Cell, dict[str, Any]], policies: list[str]) -> dict[str, Any]:
-    return {"rate": rate, "policies": {p: res[Cell(p, rate)]["ttft_prediction"] for p in policies}}
+def best_baseline(table: dict[str, list[float]], others: Sequence[str]) -> list[str]:
+    return [max(others, key=lambda o: table[o][k]) for k in range(len(next(iter(table.values()))))]

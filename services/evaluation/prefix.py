@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -226,7 +226,13 @@ PREFIX_RATES = [5.0, 8.9, 16.0, 32.0, 48.0]
 class PrefixCell:
     policy: str  # a registry name, or bear-nohits (BEAR with the estimator's prefix mirror off)
     rate: float
+    seed: int = 0  # the setup's seed
     lam: float = 5e-4
+
+    @property
+    def key(self) -> tuple[int, str]:
+        """The setup it runs on (``experiments.run_cells``): its seed, no instance variant."""
+        return self.seed, ""
 
     def estimator(self) -> EstimatorConfig:
         return EstimatorConfig(use_prefix_hits=self.policy != "bear-nohits")
@@ -235,7 +241,7 @@ class PrefixCell:
         return make_policy("bear" if self.policy == "bear-nohits" else self.policy)
 
     def run(self, s: Any) -> dict[str, Any]:
-        """The cell's result (what ``experiments.run_cells`` calls in its process pool)."""
+        """The cell's result (what ``experiments.run_cell`` calls in its process pool)."""
         return run_prefix_cell(s, self)
 
 
@@ -254,13 +260,13 @@ def run_prefix_cell(s: Any, cell: PrefixCell, stats: ChatStats = ChatStats()) ->
     return res
 
 
-def prefix_cells(rates: list[float], policies: list[str]) -> list[PrefixCell]:
-    return [PrefixCell(p, r) for r in rates for p in policies]
+def prefix_cells(rates: list[float], policies: list[str], seed: int) -> list[PrefixCell]:
+    return [PrefixCell(p, r, seed=seed) for r in rates for p in policies]
 
 
-def prefix_result(rates: list[float], policies: list[str], res: dict[PrefixCell, dict[str, Any]]) -> dict[str, Any]:
+def prefix_result(rates: list[float], policies: list[str], res: dict[Any, dict[str, Any]], seed: int) -> dict[str, Any]:
     def table(key: str) -> dict[str, list[Any]]:
-        return {p: [res[PrefixCell(p, r)][key] for r in rates] for p in policies}
+        return {p: [res[PrefixCell(p, r, seed=seed)][key] for r in rates] for p in policies}
 
     out = {"rates": rates, "policies": table("on_time_utility"), "slo_attainment": table("slo_attainment"),
            "mean_ttft_s": table("mean_ttft_s"), "hit_share": table("hit_share"),
@@ -273,26 +279,3 @@ def prefix_result(rates: list[float], policies: list[str], res: dict[PrefixCell,
         out["bear_minus_nohits"] = [out["policies"]["bear"][k] - out["policies"]["bear-nohits"][k]
                                     for k in range(len(rates))]
     return out
-
-
-def run_prefix_experiment(s: Any, rates: list[float] | None, policies: list[str] | None, workers: int, out: Any,
-                          console: Any) -> tuple[dict[str, Any], Any]:
-    """What ``bear eval --experiment prefix`` runs: every (policy, rate) cell, the result and its plot."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from bear.evaluation import plots
-    from bear.evaluation.experiments import run_cells
-
-    pol = policies or list(PREFIX_POLICIES)
-    rates = rates or list(PREFIX_RATES)
-    cells = prefix_cells(rates, pol)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as progress:
-        task = progress.add_task("prefix: simulating", total=len(cells))
-        res = run_cells(s, cells, workers=workers or None,  # type: ignore[arg-type]
-                        on_done=lambda _c: progress.advance(task))
-    out.mkdir(parents=True, exist_ok=True)
-    result = {**prefix_result(rates, pol, res), "workload": asdict(ChatStats())}
-    png = out / "prefix.png"
-    plots.xy(result, png, "rates", "OnTimeUtility with multi-turn sessions (prefix caching on)", "arrival rate (q/s)")
-    return result, png

@@ -38,13 +38,15 @@ class QuerySet:
         return float(self.true_quality[i, j] - lam * cost)
 
 
-def build_queries(n: int, seed: int, predictor_dir: Path) -> QuerySet:
+def build_queries(n: int, seed: int, predictor_dir: Path, max_prompt_tokens: int | None = None) -> QuerySet:
+    """``n`` queries of the synthetic task mix with the predictor's answers; prompts longer than
+    ``max_prompt_tokens`` (the pool's context less ``max_tokens``) are truncated."""
     from bear.predictor.runtime import Predictor
-    from bear.predictor.synth import generate
+    from bear.predictor.synth import MAX_PROMPT_TOKENS, generate
 
     pred = Predictor(predictor_dir)
     models = pred.models
-    recs = list(generate(n, seed=seed, models=tuple(models)))
+    recs = list(generate(n, seed=seed, models=tuple(models), max_prompt_tokens=max_prompt_tokens or MAX_PROMPT_TOKENS))
     m = len(models)
     ids, tasks = [], []
     shape = (n, m)
@@ -69,3 +71,16 @@ def build_queries(n: int, seed: int, predictor_dir: Path) -> QuerySet:
         price_in=np.array([pred.by_name[x].price_in for x in models]),
         price_out=np.array([pred.by_name[x].price_out for x in models]),
     )
+
+
+def length_distributions(qs: QuerySet) -> dict[str, dict]:
+    """Prompt tokens per task and true response tokens per task and model (Figs. 12, 13), with
+    their means."""
+    tasks = sorted(set(qs.tasks))
+    idx = {t: [i for i, x in enumerate(qs.tasks) if x == t] for t in tasks}
+    prompt = {t: qs.prompt_tokens[idx[t], 0].tolist() for t in tasks}
+    out = {t: {m: qs.true_output[idx[t], j].tolist() for j, m in enumerate(qs.models)} for t in tasks}
+    return {"prompt_tokens": prompt, "output_tokens": out,
+            "prompt_mean": {t: float(np.mean(v)) for t, v in prompt.items()},
+            "output_mean": {t: {m: float(np.mean(v)) for m, v in per.items()} for t, per in out.items()},
+            "n": {t: len(v) for t, v in idx.items()}}

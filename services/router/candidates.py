@@ -87,9 +87,11 @@ def build_candidates(prompt_tokens: int, insts: Sequence[InstanceView],
         used[inst.id] = p
         theta = inst.calibration.prefill_tps()
         p50, p90 = inst.obs.percentiles()
+        ttft95, tpot90 = inst.obs.semantic_router_percentiles()
         c = Candidate(instance=inst.id, model=inst.predictor_model, acc=p.acc, cost=p.cost_usd * MUSD,
                       out_len=p.out_len, out_p90=p.out_p90, prefill_tps=theta, tpot=inst.obs.tpot,
                       throughput_rps=inst.obs.throughput_rps(now), observed_ttft_p50=p50, observed_ttft_p90=p90,
+                      observed_ttft_p95=ttft95, observed_tpot_p90=tpot90,
                       prompt_tokens=p.prompt_tokens, tokens_exact=exact is not None)
         row = rows.get(inst.id) if rows is not None else None
         if row is not None:

@@ -664,7 +664,8 @@ class RouterService:
                 "n_waiting": c.n_waiting, "pending_prefill_tokens": c.pending_prefill_tokens,
                 "pending_decode_tokens": c.pending_decode_tokens, "prefill_tps": c.prefill_tps, "tpot": c.tpot,
                 "throughput_rps": c.throughput_rps, "observed_ttft_p50": c.observed_ttft_p50,
-                "observed_ttft_p90": c.observed_ttft_p90, "prompt_tokens": c.prompt_tokens,
+                "observed_ttft_p90": c.observed_ttft_p90, "observed_ttft_p95": c.observed_ttft_p95,
+                "observed_tpot_p90": c.observed_tpot_p90, "prompt_tokens": c.prompt_tokens,
                 "prefix_hit_tokens": c.prefix_hit_tokens, "kv_usage": c.kv_usage, "score": d.scores.get(c.instance)}
                 for c in cands},
         })

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 import pytest
 
-from bear.evaluation.cluster import PAPER_POOL, Cluster, InstanceSpec
+from bear.evaluation.cluster import PAPER_POOL, Cluster, InstanceSpec, calibrate_pool
 from bear.evaluation.workload import QuerySet
 from bear.load.metrics import Outcome, composition, on_time_utility, slo_attainment, summary
 from bear.protocol.messages import Calibration
@@ -45,12 +46,11 @@ def tiny_queries(n: int, seed: int = 0) -> QuerySet:
     )
 
 
+@functools.lru_cache(maxsize=1)
 def calib() -> dict[str, Calibration]:
-    return {
-        "qwen3-0.6b-h100": Calibration(beta=(4e-3, 1e-6, 5e-8, 5e-10), mape=0.03, theta=180_000.0),
-        "qwen3-8b-h100": Calibration(beta=(1e-2, 1.7e-5, 5e-8, 2e-9), mape=0.03, theta=32_000.0),
-        "qwen3-32b-2xh100-tp2": Calibration(beta=(1.8e-2, 4.3e-5, 4e-8, 4.3e-9), mape=0.03, theta=15_000.0),
-    }
+    """The pool's calibration as bear eval makes it (profiling runs through robust_fit)."""
+    specs = [InstanceSpec.from_profile(p) for p in PAPER_POOL]
+    return calibrate_pool(specs, tiny_queries(300, seed=9), seed=1).calibration
 
 
 def run(policy: str, seed: int, n: int = 300, rate: float = 12.0, delay: float = 0.0):
@@ -107,19 +107,22 @@ def test_staleness_router_sees_snapshots_at_least_delay_old() -> None:
 
 @pytest.mark.slow
 def test_eval_cli_json_contract(tmp_path) -> None:
-    """`bear eval --experiment rates --seed S --json` prints {"rates": [...], "policies": {...}} on a
-    clean stdout (other tools parse it), and writes the JSON and the PNG."""
+    """`bear eval --experiment rates --seed S --json` prints the result on a clean stdout (other
+    tools parse it: rates, OnTimeUtility per entry with mean/min/max, gains) and writes the JSON
+    and the PNGs."""
     import json
     import subprocess
     import sys
 
     out = subprocess.run(
         [sys.executable, "-m", "bear", "eval", "--experiment", "rates", "--seed", "3", "--rates", "6,12",
-         "--policies", "bear,round-robin", "--n-queries", "200", "--workers", "1", "--json", "--out", str(tmp_path)],
+         "--n-queries", "200", "--workers", "1", "--json", "--out", str(tmp_path)],
         capture_output=True, text=True, check=True, timeout=600,
     )
     doc = json.loads(out.stdout)
-    assert doc["rates"] == [6.0, 12.0]
-    assert set(doc["policies"]) == {"bear", "round-robin"}
-    assert all(0.0 <= v <= 1.0 for vals in doc["policies"].values() for v in vals)
+    assert doc["rates"] == [6.0, 12.0] and doc["seeds"] == [3]
+    assert {"bear", "bear+ext", "routebalance", "prefill-throughput"} <= set(doc["on_time_utility"])
+    assert all(0.0 <= v <= 1.0 for e in doc["on_time_utility"].values() for v in e["mean"])
+    assert len(doc["gains"]["bear"]["mean"]) == 2
     assert (tmp_path / "rates.json").exists() and (tmp_path / "rates.png").stat().st_size > 10_000
+    assert (tmp_path / "rates-composition.png").exists()

@@ -128,7 +128,8 @@ def offline_info(inst: str, cal: Calibration, outcomes: list[Outcome], port: int
 
 CANDIDATE_FIELDS = ("model", "acc", "cost", "out_len", "out_p90", "ttft", "method", "ttft_prefill", "n_running",
                     "n_waiting", "pending_prefill_tokens", "pending_decode_tokens", "prefill_tps", "tpot",
-                    "throughput_rps", "observed_ttft_p50", "observed_ttft_p90")
+                    "throughput_rps", "observed_ttft_p50", "observed_ttft_p90", "observed_ttft_p95",
+                    "observed_tpot_p90")
 
 
 def as_logged(c: Any) -> dict[str, Any]:

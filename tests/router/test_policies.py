@@ -14,13 +14,16 @@ def pool() -> list[Candidate]:
     return [
         Candidate("small", "Qwen3-0.6B", acc=0.40, cost=10.0, out_len=300, ttft=0.05, ttft_prefill=0.04,
                   n_running=2, n_waiting=0, throughput_rps=8.0, tpot=0.005, prefill_tps=50_000,
-                  pending_prefill_tokens=0, pending_decode_tokens=200, observed_ttft_p50=0.05, observed_ttft_p90=0.08),
+                  pending_prefill_tokens=0, pending_decode_tokens=200, observed_ttft_p50=0.05, observed_ttft_p90=0.08,
+                  observed_ttft_p95=0.09, observed_tpot_p90=0.006),
         Candidate("mid", "Qwen3-8B", acc=0.80, cost=60.0, out_len=300, ttft=0.25, ttft_prefill=0.10,
                   n_running=10, n_waiting=1, throughput_rps=4.0, tpot=0.012, prefill_tps=20_000,
-                  pending_prefill_tokens=2000, pending_decode_tokens=3000, observed_ttft_p50=0.2, observed_ttft_p90=0.4),
+                  pending_prefill_tokens=2000, pending_decode_tokens=3000, observed_ttft_p50=0.2, observed_ttft_p90=0.4,
+                  observed_ttft_p95=0.5, observed_tpot_p90=0.014),
         Candidate("big", "Qwen3-32B", acc=0.92, cost=150.0, out_len=300, ttft=0.90, ttft_prefill=0.15,
                   n_running=20, n_waiting=6, throughput_rps=2.0, tpot=0.030, prefill_tps=8_000,
-                  pending_prefill_tokens=8000, pending_decode_tokens=9000, observed_ttft_p50=0.6, observed_ttft_p90=1.5),
+                  pending_prefill_tokens=8000, pending_decode_tokens=9000, observed_ttft_p50=0.6, observed_ttft_p90=1.5,
+                  observed_ttft_p95=1.9, observed_tpot_p90=0.035),
     ]
 
 
@@ -78,6 +81,23 @@ def test_baselines() -> None:
     assert pick("score", gamma=1.0) == "small"  # big: 0.92-0.075-(1+9)=... heavily penalised
     assert pick("routebalance", w_latency=0.0, w_cost=0.0) == "big"
     assert pick("routebalance", w_latency=2.0) == "small"
+
+
+def test_semantic_router_as_vllm_sr_scores() -> None:
+    """mean(TPOT_p90 / min, TTFT_p95 / min) over the candidates with data, lowest wins; without
+    data a candidate is skipped; with none, the first candidate."""
+    cands = pool()
+    cands[0].observed_ttft_p95 = 0.40  # small: slow to first token, fast per token
+    cands[1].observed_ttft_p95, cands[1].observed_tpot_p90 = 0.20, 0.020
+    # small: (0.006/0.006 + 0.40/0.20)/2 = 1.5; mid: (0.020/0.006 + 1)/2 = 2.17; big: worse
+    assert pick("semantic-router", cands=cands) == "small"
+    scores = make_policy("semantic-router").decide(Q, cands).scores
+    assert scores["small"] == pytest.approx(-1.5) and scores["mid"] == pytest.approx(-(0.020 / 0.006 + 1) / 2)
+    cands[0].observed_tpot_p90 = 0.0  # no TPOT seen at small: skipped, not preferred
+    assert pick("semantic-router", cands=cands) == "mid"
+    for c in cands:
+        c.observed_ttft_p95 = c.observed_tpot_p90 = 0.0
+    assert pick("semantic-router", cands=cands) == "small"  # no data anywhere: the first
 
 
 def test_utility_eq4() -> None:

@@ -21,7 +21,7 @@ from bear.protocol.messages import encode
 from bear.protocol.subjects import Subjects
 from bear.router.dedup import Deduplicator
 from bear.router.dispatch import parse_chunk
-from bear.router.observations import RATE_WINDOW_S, Observations
+from bear.router.observations import HISTORY, RATE_WINDOW_S, Observations
 from bear.router.service import RouterConfig, RouterService, parse_submit
 from bear.runtime.kv import ensure_kv
 from bear.runtime.nats_server import free_port
@@ -68,6 +68,16 @@ def test_instance_rate_window_and_ttft_percentiles() -> None:
             xs = np.asarray(info.observed)
             assert (p50, p90) == pytest.approx((np.percentile(xs, 50), np.percentile(xs, 90)))
     assert info.percentiles() == pytest.approx(tuple(np.percentile(np.asarray(info.observed), [50, 90])))
+    # semantic-router's percentiles: TTFT p95 and TPOT p90, the mean below 3 observations, 0 without
+    assert info.semantic_router_percentiles()[1] == 0.0
+    info.add_outcome(601.0, None, 0.02, True)
+    info.add_outcome(601.0, None, 0.04, True)
+    assert info.semantic_router_percentiles()[1] == pytest.approx(0.03)
+    for _ in range(1500):  # the window keeps the last HISTORY observations
+        info.add_outcome(602.0, float(rng.exponential()), float(rng.uniform(0.01, 0.05)), True)
+    assert len(info.observed) == len(info.tpots) == HISTORY
+    want = (np.percentile(np.asarray(info.observed), 95), np.percentile(np.asarray(info.tpots), 90))
+    assert info.semantic_router_percentiles() == pytest.approx(want)
 
 
 def test_parse_chunk_completion_and_chat() -> None:

@@ -72,7 +72,8 @@ def candidate_of(name: str, d: dict) -> Candidate:
                      n_waiting=d["n_waiting"], pending_prefill_tokens=d["pending_prefill_tokens"],
                      pending_decode_tokens=d["pending_decode_tokens"], prefill_tps=d["prefill_tps"], tpot=d["tpot"],
                      throughput_rps=d["throughput_rps"], observed_ttft_p50=d["observed_ttft_p50"],
-                     observed_ttft_p90=d["observed_ttft_p90"])
+                     observed_ttft_p90=d["observed_ttft_p90"], observed_ttft_p95=d["observed_ttft_p95"],
+                     observed_tpot_p90=d["observed_tpot_p90"])
 
 
 async def test_every_query_one_terminal_and_policy_obeyed(stack: Stack) -> None:

@@ -42,6 +42,8 @@ class Candidate:
     throughput_rps: float = 0.0  # completed requests per second (recent)
     observed_ttft_p50: float = 0.0
     observed_ttft_p90: float = 0.0
+    observed_ttft_p95: float = 0.0  # 0: no observation yet
+    observed_tpot_p90: float = 0.0
     # the prompt there (per instance: its tokenizer, its prefix cache)
     prompt_tokens: int = 0  # the query's prompt length at this instance
     tokens_exact: bool = False  # from the instance's tokenizer (else estimated from the text)

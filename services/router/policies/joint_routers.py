@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -56,16 +57,23 @@ class RouteBalancePolicy(Policy):
 
 
 class SemanticRouterLatencyPolicy(Policy):
-    """vLLM semantic-router's latency mode: the instance whose observed TTFT percentiles
-    (p50, p90 over a rolling window), normalised across candidates, are lowest."""
+    """vLLM semantic-router's ``latency_aware`` selection (vllm-project/semantic-router,
+    pkg/selection/latency_aware.go): score = mean(TPOT_p / min TPOT_p, TTFT_p / min TTFT_p) over the
+    candidates that have both percentiles (TTFT p95, TPOT p90, the recipe's values, over the last
+    1,000 observations), lowest wins; candidates without data are skipped, and with none having
+    data the first candidate is taken."""
 
     name: ClassVar[str] = "semantic-router"
     uses_history: ClassVar[bool] = True
 
     def latency_estimate(self, c: Candidate) -> float:
-        return c.observed_ttft_p50
+        return c.observed_ttft_p95 if c.observed_ttft_p95 > 0 else math.nan
 
     def score(self, q: QueryContext, cands: Sequence[Candidate]) -> list[float]:
-        p50 = normalized([c.observed_ttft_p50 for c in cands])
-        p90 = normalized([c.observed_ttft_p90 for c in cands])
-        return [-(a + b) / 2 for a, b in zip(p50, p90, strict=True)]
+        have = [c.observed_ttft_p95 > 0 and c.observed_tpot_p90 > 0 for c in cands]
+        if not any(have):
+            return [1.0 if k == 0 else 0.0 for k in range(len(cands))]
+        ttft_min = min(c.observed_ttft_p95 for c, h in zip(cands, have, strict=True) if h)
+        tpot_min = min(c.observed_tpot_p90 for c, h in zip(cands, have, strict=True) if h)
+        return [-(c.observed_tpot_p90 / tpot_min + c.observed_ttft_p95 / ttft_min) / 2 if h else -math.inf
+                for c, h in zip(cands, have, strict=True)]

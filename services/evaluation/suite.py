@@ -1,0 +1,340 @@
+"""The experiments of the paper, each a set of cells over the seeds and a function that turns
+their results into the figure's data (mean and range over seeds, the paper's number beside)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bear.evaluation.experiments import (
+    PAPER_RATE,
+    PAPER_RATES,
+    SENSITIVITY,
+    Cell,
+    baselines,
+    best_baseline,
+    cell,
+    entries,
+    gain_over_best,
+    load_config,
+    rate_entries,
+    spread,
+)
+
+Results = dict[Cell, dict[str, Any]]
+
+# The paper's numbers each experiment is compared with (Mind the Delay, arXiv 2607.18253).
+PAPER = {
+    "gain_over_best_baseline": 0.305,  # §5.2, Fig. 8: average over the rates
+    "gain_over_routebalance_score": 0.63,  # §5.2: average over the rates
+    "max_gain_over_routebalance_score": 0.74,  # §5.2: at 8.9 q/s
+    "staleness_drop_at_1s": 0.07,  # App. F, Fig. 14 (close to zero-delay up to 400 ms)
+    "bea_mape": 0.05, "eq8_mape": 0.85,  # Fig. 4 (Qwen3-0.6B on one H100)
+    "eq12_mape": 0.04,  # Fig. 5
+    "lps_k": 25, "lps_measured_concurrency": 25.7,  # Fig. 7
+}
+
+DELTAS = [0.0, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
+DELAYS = [0.0, 0.025, 0.1, 0.4, 1.0]  # App. F, Fig. 14
+LAMBDAS = [1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3]
+BURSTY_RATES = [6.0, 7.0, 8.0]  # App. B, Table 3
+BURST_RATIOS = [3.0, 6.0]
+SENSITIVITY_RATES = [5.0, 8.0]
+HIGH_LOAD_RATES = [10.0, 12.0]
+COMPOSITION = ["bear", "bear+ext", "shortest-queue", "latency-agnostic", "round-robin",  # Fig. 1
+               "score", "routebalance"]
+STALE_MAX_AGE_S = 2.0  # BEA on snapshots up to 1 s old: the fallback age above the largest delay
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    figure: str
+    cells: Callable[[Sequence[int]], list[Cell]]
+    result: Callable[[Results, Sequence[int]], dict[str, Any]]
+    multi_seed: bool = True  # run over every seed given (else the first)
+
+
+def _per_seed(res: Results, seeds: Sequence[int], make: Callable[[int], Sequence[Cell]], metric: str) -> dict:
+    """{metric per seed: [value per cell]} plus mean/min/max per position."""
+    per = {s: [res[c][metric] for c in make(s)] for s in seeds}
+    cols = list(zip(*per.values(), strict=True))
+    return {"per_seed": per, "mean": [spread(c)["mean"] for c in cols], "min": [min(c) for c in cols],
+            "max": [max(c) for c in cols]}
+
+
+def _labels(names: Sequence[str]) -> dict[str, dict[str, str]]:
+    es = entries()
+    return {n: {"label": es[n].label, "role": es[n].role} for n in names}
+
+
+# ------------------------------------------------------------------------------------- rates
+def rates_experiment(rates: Sequence[float] = PAPER_RATES, names: Sequence[str] | None = None,
+                     name: str = "rates", figure: str = "Figs. 8, 1, 16, 18, 19") -> Experiment:
+    names = list(rate_entries() if names is None else names)
+
+    def cells(seeds: Sequence[int]) -> list[Cell]:
+        return [cell(n, r, s) for s in seeds for n in names for r in rates]
+
+    def result(res: Results, seeds: Sequence[int]) -> dict[str, Any]:
+        def row(n: str) -> Callable[[int], list[Cell]]:
+            return lambda s: [cell(n, r, s) for r in rates]
+
+        out: dict[str, Any] = {"rates": list(rates), "seeds": list(seeds), "entries": _labels(names)}
+        for metric in ("on_time_utility", "slo_attainment", "mean_ttft_s", "mean_utility"):
+            out[metric] = {n: _per_seed(res, seeds, row(n), metric) for n in names}
+        out["composition"] = {n: [_composition([res[cell(n, r, s)]["composition"] for s in seeds])
+                                  for r in rates] for n in names if n in COMPOSITION}
+        out["composition_by_task"] = {
+            n: [{t: _composition([res[cell(n, r, s)]["composition_by_task"].get(t, {}) for s in seeds])
+                 for t in sorted({t for s in seeds for t in res[cell(n, r, s)]["composition_by_task"]})}
+                for r in rates] for n in names if n in COMPOSITION}
+        out["ttft_prediction_by_instance"] = {
+            n: [_prediction([res[cell(n, r, s)]["ttft_prediction_by_instance"] for s in seeds]) for r in rates]
+            for n in names}
+        out["ttft_prediction"] = {n: [spread(res[cell(n, r, s)]["ttft_prediction"]["mape"] for s in seeds)
+                                      for r in rates] for n in names}
+        base = [b for b in baselines() if b in names]
+        if base:
+            out["gains"] = {o: _gains(res, seeds, rates, o, base) for o in ("bear", "bear+ext") if o in names}
+            rs = [b for b in ("routebalance", "score") if b in names]
+            if rs:
+                out["gains_over_routebalance_score"] = {o: _gains(res, seeds, rates, o, rs)
+                                                        for o in ("bear", "bear+ext") if o in names}
+        if "prefill-throughput" in names:
+            out["estimator_gain"] = {o: _gains(res, seeds, rates, o, ["prefill-throughput"])
+                                     for o in ("bear", "bear+ext") if o in names}
+        out["paper"] = {k: PAPER[k] for k in ("gain_over_best_baseline", "gain_over_routebalance_score",
+                                               "max_gain_over_routebalance_score")}
+        return out
+
+    return Experiment(name, figure, cells, result)
+
+
+def _gains(res: Results, seeds: Sequence[int], rates: Sequence[float], ours: str, others: Sequence[str]) -> dict:
+    per, best = {}, {}
+    for s in seeds:
+        table = {n: [res[cell(n, r, s)]["on_time_utility"] for r in rates] for n in (ours, *others)}
+        per[s] = gain_over_best(table, ours, others)
+        best[s] = best_baseline(table, others)
+    cols = list(zip(*per.values(), strict=True))
+    return {"per_seed": per, "best_baseline": best, "mean": [spread(c)["mean"] for c in cols],
+            "min": [min(c) for c in cols], "max": [max(c) for c in cols],
+            "average": spread(sum(v) / len(v) for v in per.values())}
+
+
+def _composition(per_seed: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, dict[str, float]]]:
+    insts = sorted({i for c in per_seed for i in c})
+    return {i: {k: spread(c.get(i, {}).get(k, 0.0) for c in per_seed) for k in ("share", "on_time_share")}
+            for i in insts}
+
+
+def _prediction(per_seed: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    insts = sorted({i for c in per_seed for i in c})
+    out = {}
+    for i in insts:
+        vals = [c[i] for c in per_seed if i in c and c[i]["n"]]
+        out[i] = ({"mape": spread(v["mape"] for v in vals), "median_rel_error": spread(v["median_rel_error"] for v in vals),
+                   "n": sum(v["n"] for v in vals)} if vals else {"n": 0})
+    return out
+
+
+# ------------------------------------------------------------------------------------- delta
+def delta_experiment(rate: float = PAPER_RATE) -> Experiment:
+    points = ["bear", "bear+ext", *baselines()]
+
+    def cells(seeds: Sequence[int]) -> list[Cell]:
+        return ([cell("bear-lagrange", rate, s, {"delta": d}) for s in seeds for d in DELTAS]
+                + [cell(n, rate, s) for s in seeds for n in points])
+
+    def result(res: Results, seeds: Sequence[int]) -> dict[str, Any]:
+        def pt(cs: list[Cell]) -> dict[str, Any]:
+            return {m: spread(res[c][m] for c in cs) for m in ("mean_utility", "mean_ttft_s", "on_time_utility")}
+
+        return {"rate": rate, "seeds": list(seeds), "entries": _labels(points),
+                "lagrange": [{"delta": d, **pt([cell("bear-lagrange", rate, s, {"delta": d}) for s in seeds])}
+                             for d in DELTAS],
+                "points": {n: pt([cell(n, rate, s) for s in seeds]) for n in points}}
+
+    return Experiment("delta", "Fig. 9", cells, result)
+
+
+# ------------------------------------------------------------------------------------- staleness
+STALENESS_RATES = [PAPER_RATE, 6.0]  # the paper's 8 q/s, and a rate this pool serves without collapse
+
+
+def staleness_experiment(rates: Sequence[float] = STALENESS_RATES) -> Experiment:
+    names = ["bear", "bear+ext"]
+
+    def row(n: str, rate: float) -> Callable[[int], list[Cell]]:
+        return lambda s: [cell(n, rate, s, delay_s=d, max_age_s=STALE_MAX_AGE_S) for d in DELAYS]
+
+    def cells(seeds: Sequence[int]) -> list[Cell]:
+        return [c for s in seeds for r in rates for n in names for c in row(n, r)(s)]
+
+    def result(res: Results, seeds: Sequence[int]) -> dict[str, Any]:
+        out: dict[str, Any] = {"rates": list(rates), "delays_s": DELAYS, "seeds": list(seeds),
+                               "entries": _labels(names), "paper": {"drop_at_1s": PAPER["staleness_drop_at_1s"]},
+                               "on_time_utility": {}, "drop_vs_zero_delay": {}}
+        for r in rates:
+            table = {n: _per_seed(res, seeds, row(n, r), "on_time_utility") for n in names}
+            out["on_time_utility"][str(r)] = table
+            out["drop_vs_zero_delay"][str(r)] = {
+                n: [spread(1.0 - v[k] / v[0] for v in table[n]["per_seed"].values()) for k in range(len(DELAYS))]
+                for n in names}
+        return out
+
+    return Experiment("staleness", "Fig. 14", cells, result)
+
+
+# ------------------------------------------------------------------------------------- lambda
+def lambda_experiment(rates: Sequence[float] = PAPER_RATES) -> Experiment:
+    names = ["bear", "latency-agnostic"]  # the paper's Fig. 17 compares these two
+
+    def cells(seeds: Sequence[int]) -> list[Cell]:
+        return [cell(n, r, s, lam=lam) for s in seeds for n in names for r in rates for lam in LAMBDAS]
+
+    def result(res: Results, seeds: Sequence[int]) -> dict[str, Any]:
+        return {"rates": list(rates), "lambdas": LAMBDAS, "seeds": list(seeds), "entries": _labels(names),
+                "on_time_utility": {n: {str(r): _per_seed(res, seeds, lambda s, n=n, r=r: [
+                    cell(n, r, s, lam=lam) for lam in LAMBDAS], "on_time_utility") for r in rates} for n in names}}
+
+    return Experiment("lambda", "Fig. 17", cells, result, multi_seed=False)
+
+
+# ------------------------------------------------------------------------------------- bursty
+def bursty_experiment() -> Experiment:
+    names = ["bear", "bear+ext", *baselines()]
+
+    def row(n: str, ratio: float) -> Callable[[int], list[Cell]]:
+        return lambda s: [cell(n, r, s, arrivals="mmpp", ratio=ratio) for r in BURSTY_RATES]
+
+    def cells(seeds: Sequence[int]) -> list[Cell]:
+        return [c for s in seeds for n in names for ratio in BURST_RATIOS for c in row(n, ratio)(s)]
+
+    def result(res: Results, seeds: Sequence[int]) -> dict[str, Any]:
+        return {"rates": BURSTY_RATES, "seeds": list(seeds), "entries": _labels(names),
+                "on_time_utility": {f"r={int(ratio)}": {n: _per_seed(res, seeds, row(n, ratio), "on_time_utility")
+                                                        for n in names} for ratio in BURST_RATIOS}}
+
+    return Experiment("bursty", "Fig. 10", cells, result, multi_seed=False)
+
+
+# ------------------------------------------------------------------------------------- sensitivity
+# The sensitivity study runs BEAR, the eq. 8 ablation and the two baselines that were the best
+# baseline in every cell of the rates experiment (SCORE, RouteBalance).
+SENSITIVITY_ENTRIES = ["bear", "bear+ext", "prefill-throughput", "score", "routebalance"]
+
+
+def sensitivity_experiment(rates: Sequence[float] = SENSITIVITY_RATES) -> Experiment:
+    names = SENSITIVITY_ENTRIES
+    variants = ["", *(v.name for v in SENSITIVITY)]
+
+    def cells(seeds: Sequence[int]) -> list[Cell]:
+        return [cell(n, r, s, variant=v) for s in seeds for v in variants for n in names for r in rates]
+
+    def result(res: Results, seeds: Sequence[int]) -> dict[str, Any]:
+        out: dict[str, Any] = {"rates": list(rates), "seeds": list(seeds), "entries": _labels(names),
+                               "variants": {}}
+        base = [n for n in names if n in baselines()]
+        for v in variants:
+            table = {n: [sum(res[cell(n, r, s, variant=v)]["on_time_utility"] for s in seeds) / len(seeds)
+                         for r in rates] for n in names}
+            out["variants"][v or "as set"] = {
+                "on_time_utility": table, "best_baseline": best_baseline(table, base),
+                "gain_bear": gain_over_best(table, "bear", base), "gain_bear+ext": gain_over_best(table, "bear+ext", base),
+                "estimator_gain": gain_over_best(table, "bear", ["prefill-throughput"]),
+                "composition_bear": [res[cell("bear", r, seeds[0], variant=v)]["composition"] for r in rates],
+                "slo_bear": [res[cell("bear", r, seeds[0], variant=v)]["slo_attainment"] for r in rates]}
+        return out
+
+    return Experiment("sensitivity", "sensitivity study", cells, result, multi_seed=False)
+
+
+def highload_experiment(names: Sequence[str] | None = None) -> Experiment:
+    e = rates_experiment(rates=HIGH_LOAD_RATES, names=names, name="highload", figure="high-load sensitivity")
+    return Experiment(e.name, e.figure, e.cells, e.result, multi_seed=False)
+
+
+def tune_experiment() -> Experiment:
+    """The grid of comparison.json's tuning section on its seed: the OnTimeUtility of every
+    configuration of RouteBalance and SCORE at the tuning rates."""
+    cfg = load_config()["tuning"]
+    rates = cfg["rates"]
+
+    def combos() -> list[tuple[str, dict[str, float]]]:
+        out = []
+        for name, grid in cfg["grid"].items():
+            keys = sorted(grid)
+            stack: list[dict[str, float]] = [{}]
+            for k in keys:
+                stack = [{**d, k: float(v)} for d in stack for v in grid[k]]
+            out += [(name, d) for d in stack]
+        return out
+
+    def cells(seeds: Sequence[int]) -> list[Cell]:
+        return [cell(n, r, s, p) for s in seeds for n, p in combos() for r in rates]
+
+    def result(res: Results, seeds: Sequence[int]) -> dict[str, Any]:
+        scores = []
+        for n, p in combos():
+            vals = [sum(res[cell(n, r, s, p)]["on_time_utility"] for s in seeds) / len(seeds) for r in rates]
+            scores.append({"entry": n, "params": p, "on_time_utility": vals, "mean": sum(vals) / len(vals)})
+        best = {n: max((x for x in scores if x["entry"] == n), key=lambda x: x["mean"]) for n in cfg["grid"]}
+        return {"seeds": list(seeds), "rates": rates, "objective": cfg["objective"], "scores": scores,
+                "chosen": {n: b["params"] for n, b in best.items()}}
+
+    return Experiment("tune", "baseline tuning (§5.3)", cells, result, multi_seed=False)
+
+
+# ------------------------------------------------------------------------------------- prefix
+def prefix_experiment(rates: Sequence[float] | None = None, policies: Sequence[str] | None = None) -> Experiment:
+    """Multi-turn sessions with prefix caching on (``bear.evaluation.prefix``, docs/prefix.md): its
+    own cells (sessions, not the query stream), run in the same pool on the seed's setup.
+    ``policies``: registry names to keep (``bear`` keeps ``bear-nohits`` too)."""
+    from dataclasses import asdict
+
+    from bear.evaluation.prefix import PREFIX_POLICIES, PREFIX_RATES, prefix_cells, prefix_result
+    from bear.evaluation.prefix_workload import ChatStats
+
+    xs = list(rates or PREFIX_RATES)
+    pol = [p for p in PREFIX_POLICIES if policies is None or ("bear" if p == "bear-nohits" else p) in policies]
+
+    def cells(seeds: Sequence[int]) -> list[Any]:
+        return [c for s in seeds for c in prefix_cells(xs, pol, s)]
+
+    def result(res: Results, seeds: Sequence[int]) -> dict[str, Any]:
+        return {"seeds": list(seeds[:1]), **prefix_result(xs, pol, res, seeds[0]), "workload": asdict(ChatStats())}
+
+    return Experiment("prefix", "prefix caching (docs/prefix.md)", cells, result, multi_seed=False)
+
+
+# the experiments that take --rates and --policies
+SELECTABLE = ("rates", "estimator", "accuracy", "highload", "prefix")
+
+
+def selectable(rates: Sequence[float] | None = None, policies: Sequence[str] | None = None) -> dict[str, Experiment]:
+    """The experiments of ``SELECTABLE`` for these rates (default: each one's own) and only the
+    comparison entries whose policy is in ``policies`` (default: all)."""
+    def keep(ns: Sequence[str]) -> list[str]:
+        return [n for n in ns if policies is None or entries()[n].policy in policies]
+
+    high = highload_experiment(keep(rate_entries()))
+    return {
+        "rates": rates_experiment(rates=rates or PAPER_RATES, names=keep(rate_entries())),
+        "estimator": rates_experiment(rates=rates or PAPER_RATES, names=keep(["bear", "bear+ext", "prefill-throughput"]),
+                                      name="estimator", figure="Fig. 16"),
+        "accuracy": rates_experiment(rates=[PAPER_RATE], names=keep(rate_entries()), name="accuracy", figure="Fig. 19"),
+        "highload": high,
+        "prefix": prefix_experiment(rates=rates, policies=policies)}
+
+
+def registry(rates: Sequence[float] | None = None, policies: Sequence[str] | None = None) -> dict[str, Experiment]:
+    """Every experiment by name; ``rates`` and ``policies`` apply to those of ``SELECTABLE``."""
+    sel = selectable(rates, policies)
+    return {e.name: e for e in (
+        sel["rates"], sel["estimator"], sel["accuracy"],
+        delta_experiment(), staleness_experiment(), lambda_experiment(), bursty_experiment(),
+        sensitivity_experiment(), sel["highload"], sel["prefix"],
+        tune_experiment())}
