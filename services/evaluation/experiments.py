@@ -79,8 +79,10 @@ def baselines() -> list[str]:
 
 
 def rate_entries() -> list[str]:
-    """What the rates experiment compares: BEAR (both forms), the baselines, the eq. 8 ablation."""
-    return ["bear", "bear+ext", *baselines(), "prefill-throughput"]
+    """What the rates experiment compares: BEAR (as the paper describes it, with the extensions, with
+    the overflow rule too), the baselines, the eq. 8 ablation under eq. 5's rule and under the
+    overflow rule."""
+    return ["bear", "bear+ext", "bear+overflow", *baselines(), "prefill-throughput", "prefill-throughput+overflow"]
 
 
 # ------------------------------------------------------------------------------------- variants

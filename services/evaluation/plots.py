@@ -17,6 +17,7 @@ import numpy as np
 STYLE: dict[str, dict[str, Any]] = {
     "bear": dict(color="black", linewidth=2.4, marker="o"),
     "bear+ext": dict(color="tab:red", linewidth=2.0, marker="s", linestyle="--"),
+    "bear+overflow": dict(color="tab:green", linewidth=2.0, marker="D", linestyle="-."),
     "prefill-throughput": dict(color="tab:gray", linewidth=1.6, marker="^", linestyle=":"),
 }
 

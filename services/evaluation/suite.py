@@ -42,7 +42,7 @@ BURSTY_RATES = [6.0, 7.0, 8.0]  # App. B, Table 3
 BURST_RATIOS = [3.0, 6.0]
 SENSITIVITY_RATES = [5.0, 8.0]
 HIGH_LOAD_RATES = [10.0, 12.0]
-COMPOSITION = ["bear", "bear+ext", "shortest-queue", "latency-agnostic", "round-robin",  # Fig. 1
+COMPOSITION = ["bear", "bear+ext", "bear+overflow", "shortest-queue", "latency-agnostic", "round-robin",  # Fig. 1
                "score", "routebalance"]
 STALE_MAX_AGE_S = 2.0  # BEA on snapshots up to 1 s old: the fallback age above the largest delay
 
@@ -97,14 +97,17 @@ def rates_experiment(rates: Sequence[float] = PAPER_RATES, names: Sequence[str] 
                                       for r in rates] for n in names}
         base = [b for b in baselines() if b in names]
         if base:
-            out["gains"] = {o: _gains(res, seeds, rates, o, base) for o in ("bear", "bear+ext") if o in names}
+            out["gains"] = {o: _gains(res, seeds, rates, o, base) for o in ("bear", "bear+ext", "bear+overflow") if o in names}
             rs = [b for b in ("routebalance", "score") if b in names]
             if rs:
                 out["gains_over_routebalance_score"] = {o: _gains(res, seeds, rates, o, rs)
-                                                        for o in ("bear", "bear+ext") if o in names}
+                                                        for o in ("bear", "bear+ext", "bear+overflow") if o in names}
         if "prefill-throughput" in names:
-            out["estimator_gain"] = {o: _gains(res, seeds, rates, o, ["prefill-throughput"])
+            out["estimator_gain"] = {o: _gains(res, seeds, rates, o, ["prefill-throughput"])  # same rule: eq. 5's
                                      for o in ("bear", "bear+ext") if o in names}
+            if "bear+overflow" in names and "prefill-throughput+overflow" in names:  # same rule: the overflow one
+                out["estimator_gain"]["bear+overflow"] = _gains(res, seeds, rates, "bear+overflow",
+                                                                ["prefill-throughput+overflow"])
         out["paper"] = {k: PAPER[k] for k in ("gain_over_best_baseline", "gain_over_routebalance_score",
                                                "max_gain_over_routebalance_score")}
         return out

@@ -100,7 +100,7 @@ def test_load_finds_the_stack_and_explains_its_summary(up) -> None:
     out = " ".join(res.out.split())
     for figure in ("OnTimeUtility:", "SLO attainment:", "mean TTFT:", "routing composition:"):
         assert figure in out, out
-    assert "eq. 6" in out and "on this pool BEAR reaches" in out
+    assert "eq. 6" in out and "evaluation table" in out
 
 
 def test_load_that_completes_nothing_fails_in_one_line(up) -> None:

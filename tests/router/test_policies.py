@@ -49,6 +49,23 @@ def test_bear_best_feasible_utility() -> None:
     assert not d.feasible
 
 
+def test_bear_overflow_sends_an_infeasible_query_where_its_prefill_costs_least() -> None:
+    """overflow=1: with no instance feasible, the least uncached prompt / θ wins, not the least
+    predicted TTFT; a feasible instance is still chosen by utility."""
+    cands = pool()
+    for c in cands:
+        c.prompt_tokens = 12_000
+    cands[0].ttft, cands[1].ttft, cands[2].ttft = 3.0, 2.0, 2.5  # small is the latest to start...
+    late = QueryContext("q", ttft_target=0.1)
+    assert pick("bear", late, cands) == "mid"  # the paper: the soonest start
+    assert pick("bear", late, cands, overflow=1) == "small"  # ...but its prefill costs least (12k / 50k tok/s)
+    cands[1].prefix_hit_tokens = 11_900  # mid holds the prompt: 100 tokens to compute there
+    assert pick("bear", late, cands, overflow=1) == "mid"
+    assert pick("bear", QueryContext("q", ttft_target=1.0), pool(), overflow=1) == "big"
+    with pytest.raises(ValueError):
+        make_policy("bear", overflow=2)
+
+
 def test_bear_skips_unhealthy_and_fails_loudly_when_none() -> None:
     cands = pool()
     cands[1].healthy = False

@@ -1,8 +1,16 @@
 """BEAR (paper eq. 5): the best utility among instances predicted to meet the TTFT target;
-if none is predicted to, the instance with the least predicted TTFT."""
+if none is predicted to, the instance with the least predicted TTFT.
+
+``overflow=1`` (this project's extension, off by default): a query no instance is predicted to
+start in time goes where its own prefill costs least (uncached prompt tokens / θ), not where it
+starts soonest. It earns nothing wherever it runs, so it should take the least capacity from the
+queries that can still be on time; the least-TTFT rule sent such long prompts to the big models,
+where each held the engine for seconds of prefill and made every later query late
+(docs/evaluation.md §7.1). Chosen on the tuning seed, like the baselines' parameters."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -13,9 +21,19 @@ class BearPolicy(Policy):
     name: ClassVar[str] = "bear"
     uses_ttft: ClassVar[bool] = True
 
+    def __init__(self, overflow: float = 0.0) -> None:
+        if overflow not in (0, 1):
+            raise ValueError("overflow must be 0 (least predicted TTFT, the paper) or 1 (least own prefill work)")
+        self.overflow = bool(overflow)
+
     def latency(self, c: Candidate) -> float:
         """Which TTFT estimate the rule trusts: BEA (or its fallback) here."""
         return c.ttft
+
+    @staticmethod
+    def prefill_work(c: Candidate) -> float:
+        """Seconds of prefill the query itself costs there (its uncached tokens at θ)."""
+        return max(1, c.prompt_tokens - c.prefix_hit_tokens) / c.prefill_tps if c.prefill_tps > 0 else math.inf
 
     def latency_estimate(self, c: Candidate) -> float:
         return self.latency(c)
@@ -31,7 +49,11 @@ class BearPolicy(Policy):
             return Decision(feasible[k], self.name, scores[k], True,
                             {c.instance: s for c, s in zip(feasible, scores, strict=True)})
         lat = [self.latency(c) for c in healthy]
-        k = min(range(len(healthy)), key=lambda i: (lat[i], i))
+        if self.overflow:
+            work = [self.prefill_work(c) for c in healthy]
+            k = min(range(len(healthy)), key=lambda i: (work[i], lat[i], i))
+        else:
+            k = min(range(len(healthy)), key=lambda i: (lat[i], i))
         return Decision(healthy[k], self.name, -lat[k], False, {c.instance: -t for c, t in zip(healthy, lat, strict=True)})
 
 
