@@ -239,7 +239,10 @@ async def test_delta_mirror_equals_full_capture(vllm_py: str, tiny_model: Path, 
     assert meta["verify"] and res["mismatches"] == 0 and res["undecodable"] == 0, res
     assert res["verified"] >= len(steps) - 1 - mirror["records"].get("check", 0), res
     assert res["steps"] + 1 == len(steps), "steps missing from the log"
-    assert res["preemptions"] > 0 and res["prefix_hit_admissions"] > 0 and res["aborted"] > 0, res
+    # Prefix hits and aborts are in every run; preemptions depend on how fast the engine runs (a CI
+    # run on a quiet host had none, every other run had some). Deltas across preemptions are checked
+    # on every run by tests/vllm/test_vllm_delta.py (kv-pressure) and the kv-pressure every-step test.
+    assert res["prefix_hit_admissions"] > 0 and res["aborted"] > 0, res
     busy = [s["seq"] for s in snaps if not s.get("idle")]
     assert published["differences"] == [] and published["unchained"] == 0, published
     assert published["compared"] == len(busy) - 1 == published["deltas"], published
