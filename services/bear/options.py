@@ -21,7 +21,7 @@ from typing import Annotated, Any
 
 import typer
 
-from bear.router.policies import REGISTRY
+from bear.router.policies import REGISTRY, make_policy
 from bear.runtime.logging import LogFormat
 from bear.runtime.metrics import LOOPBACK
 from bear.runtime.tracing import Exporter
@@ -115,6 +115,27 @@ MetricsHost = Annotated[str, typer.Option("--metrics-host",
                                           help="Address /metrics listens on (0.0.0.0: every interface).")]
 DEFAULT_METRICS_HOST = LOOPBACK
 PolicyOpt = Annotated[PolicyName, typer.Option("--policy", help="Routing policy: bear, bear-lagrange or a baseline.")]
+PolicyParamsOpt = Annotated[list[str], typer.Option(
+    "--param", help="Policy parameter NAME=VALUE, repeatable: bear overflow=1 (default; a query no instance can "
+                    "start in time goes where its own prefill costs least) or overflow=0 (the paper's least "
+                    "predicted TTFT); bear-lagrange delta=…; routebalance w_cost=… w_latency=…; score gamma=…")]
+
+
+def policy_params(policy: str, raw: list[str]) -> dict[str, float]:
+    """``--param`` values as the policy's keyword arguments, checked by building the policy once, so
+    that a wrong name or value fails before anything starts."""
+    out: dict[str, float] = {}
+    for item in raw:
+        k, _, v = item.partition("=")
+        try:
+            out[k.strip()] = float(v)
+        except ValueError:
+            raise typer.BadParameter(f"--param expects NAME=VALUE with a number, got {item!r}") from None
+    try:
+        make_policy(policy, **out)
+    except (TypeError, ValueError) as exc:
+        raise typer.BadParameter(f"--param for policy {policy}: {exc}") from None
+    return out
 JsonOut = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
 DeltasOpt = Annotated[bool, typer.Option(
     "--deltas/--no-deltas", help="Publish a bear.delta/1 every step on bear.delta.<id> (estimators apply them "

@@ -19,23 +19,15 @@ from bear.options import (
     OtlpEndpoint,
     PolicyName,
     PolicyOpt,
+    PolicyParamsOpt,
     Prefix,
     TraceExporterOpt,
+    policy_params,
     setup_tracing,
 )
 from bear.runtime import aio
 from bear.runtime.logging import LogFormat, configure_logging
 from bear.runtime.tracing import Exporter
-
-
-def _params(raw: list[str]) -> dict[str, float]:
-    out = {}
-    for item in raw:
-        k, _, v = item.partition("=")
-        if not v:
-            raise typer.BadParameter(f"--param expects NAME=VALUE, got {item!r}")
-        out[k.strip()] = float(v)
-    return out
 
 
 def _aliases(raw: list[str]) -> dict[str, str]:
@@ -84,7 +76,7 @@ def router(
     nats_url: NatsUrl = FIND_NATS,
     nats_creds: NatsCreds = "",
     policy: PolicyOpt = PolicyName.bear,
-    param: list[str] = typer.Option([], "--param", help="Policy parameter NAME=VALUE (e.g. delta=0.5); repeatable"),
+    param: PolicyParamsOpt = [],  # noqa: B006 (typer reads the default)
     lam: float = typer.Option(5e-4, "--lambda", help="Default λ of U = acc − λ·cost (cost in micro-USD)"),
     predict_budget: float = typer.Option(0.2, "--predict-budget", help="Seconds the predictor may take (2 tries)"),
     estimate_budget: float = typer.Option(0.2, "--estimate-budget", help="Seconds the estimator may take (2 tries)"),
@@ -128,7 +120,7 @@ def router(
     from bear.router.service import RouterConfig, serve
     from bear.runtime.metrics import start_metrics_server
 
-    cfg = RouterConfig(policy=str(policy), policy_params=_params(param), lam=lam, predict_budget_s=predict_budget,
+    cfg = RouterConfig(policy=str(policy), policy_params=policy_params(str(policy), param), lam=lam, predict_budget_s=predict_budget,
                        predict_try_s=predict_budget / 2, estimate_budget_s=estimate_budget,
                        estimate_try_s=estimate_budget / 2, default_output_tokens=default_output_tokens,
                        max_inflight=max_inflight, max_deciding=max_deciding, shed_lag_s=shed_lag,

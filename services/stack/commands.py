@@ -19,7 +19,15 @@ from typing import Any
 
 import typer
 
-from bear.options import DEFAULT_METRICS_HOST, MetricsHost, PolicyName, PolicyOpt, positive
+from bear.options import (
+    DEFAULT_METRICS_HOST,
+    MetricsHost,
+    PolicyName,
+    PolicyOpt,
+    PolicyParamsOpt,
+    policy_params,
+    positive,
+)
 from bear.protocol.codec import json_safe
 from bear.protocol.errors import BearError, ErrorCode
 from bear.runtime.identity import CREDS_ENV
@@ -94,6 +102,7 @@ def up_cmd(
         None, "--vllm-python", help="--backend vllm: vLLM's interpreter (default: $BEAR_VLLM_PYTHON, else "
                                     "~/.cache/bear/vllm-venv/bin/python)"),
     policy: PolicyOpt = PolicyName.bear,
+    param: PolicyParamsOpt = [],  # noqa: B006 (typer reads the default)
     estimator_workers: int = typer.Option(1, "--estimator-workers", min=1, help="Estimator worker processes (≥ 1)"),
     routers: int = typer.Option(1, "--routers", min=1, max=64, help="Router processes (a queue group)"),
     metrics_port: int | None = typer.Option(
@@ -154,6 +163,7 @@ def up_cmd(
         admin = nats_auth / "admin.json" if nats_auth is not None else ""
         aio.run(_reachable(nats_url, admin))  # a wrong URL fails here, in one line, before anything starts
 
+    params = policy_params(str(policy), param)  # a wrong name or value fails here, before anything starts
     from bear.stack.stack import StackConfig
 
     key_file = None
@@ -163,7 +173,8 @@ def up_cmd(
         key_file = workdir / "gateway-api-key"
         write_new_key(key_file)
     cfg = StackConfig(workdir=workdir, nats_url=nats_url, estimator_workers=estimator_workers, routers=routers,
-                      policy=str(policy), metrics_port=metrics_ports(metrics_port, routers, metrics_host),
+                      policy=str(policy), router_args=[f"--param={k}={v:g}" for k, v in params.items()],
+                      metrics_port=metrics_ports(metrics_port, routers, metrics_host),
                       metrics_host=metrics_host, runs_kept=keep_runs, n_train=n_train, backend=str(backend),
                       vllm_python=vllm_python, vllm_model=vllm_model.resolve() if vllm_model else None,
                       vllm_instances=vllm_instances, vllm_args=list(vllm_arg) or None, gateway_port=gateway_port,

@@ -57,7 +57,8 @@ def test_bear_overflow_sends_an_infeasible_query_where_its_prefill_costs_least()
         c.prompt_tokens = 12_000
     cands[0].ttft, cands[1].ttft, cands[2].ttft = 3.0, 2.0, 2.5  # small is the latest to start...
     late = QueryContext("q", ttft_target=0.1)
-    assert pick("bear", late, cands) == "mid"  # the paper: the soonest start
+    assert pick("bear", late, cands, overflow=0) == "mid"  # the paper: the soonest start
+    assert pick("bear", late, cands) == "small"  # the default: the overflow rule
     assert pick("bear", late, cands, overflow=1) == "small"  # ...but its prefill costs least (12k / 50k tok/s)
     cands[1].prefix_hit_tokens = 11_900  # mid holds the prompt: 100 tokens to compute there
     assert pick("bear", late, cands, overflow=1) == "mid"
