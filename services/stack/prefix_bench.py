@@ -109,9 +109,8 @@ def _summary(recs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_prefix_bench(rate: float, duration: float, prompt_tokens: int = 8192, docs: int = 6, seed: int = 0,
                      tokenize_ms_reps: int = 200) -> dict[str, Any]:
-    import nats
 
-    from bear.load.generator import LoadQuery, run_load
+    from bear.load.generator import LoadQuery
     from bear.load.targets import ttft_target_s
     from bear.stack.stack import Stack, StackConfig, wait_ready
 
@@ -143,16 +142,8 @@ def run_prefix_bench(rate: float, duration: float, prompt_tokens: int = 8192, do
         try:
             aio.run(wait_ready(stack.url, list(stack.instances), "bear", 60.0, stack, creds=stack.creds("admin")))
             time.sleep(2.0)  # the second router subscribed; tokenizers fetched
-
-            async def go() -> Any:
-                nc = await nats.connect(stack.url, **stack.nats_options("client"))
-                try:
-                    return await run_load(nc, queries, times, max_tokens=1)
-                finally:
-                    await nc.close()
-
             t0 = time.time()
-            res = aio.run(go())
+            res = stack.run_load(queries, times)
             elapsed = time.time() - t0
         finally:
             extra.terminate()

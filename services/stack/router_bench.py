@@ -94,10 +94,9 @@ async def echo_rtt(url: str, rate: float, n: int, seed: int = 0, **nats_options:
 
 
 def run_bench(rate: float, duration: float, seed: int = 0, routers: int = 1) -> dict[str, Any]:
-    import nats
 
     from bear.load.arrivals import arrivals
-    from bear.load.generator import make_queries, run_load
+    from bear.load.generator import make_queries
     from bear.stack.stack import Stack, StackConfig
 
     work = Path(tempfile.mkdtemp(prefix="bear-router-bench-"))
@@ -106,13 +105,6 @@ def run_bench(rate: float, duration: float, seed: int = 0, routers: int = 1) -> 
     times = arrivals("poisson", rate, n, seed=seed)
     stack = Stack(StackConfig(workdir=work, calibrator=False, log_level="warning", routers=routers))
     with stack:
-        async def go() -> Any:
-            nc = await nats.connect(stack.url, **stack.nats_options("client"))
-            try:
-                return await run_load(nc, queries, times, max_tokens=1)
-            finally:
-                await nc.close()
-
         import subprocess
         import sys
 
@@ -127,7 +119,7 @@ def run_bench(rate: float, duration: float, seed: int = 0, routers: int = 1) -> 
         procs = _processes(stack)
         cpu0 = {k: _cpu_s(pid) for k, pid in procs.items()}
         t0 = time.time()
-        res = aio.run(go())
+        res = stack.run_load(queries, times)
         elapsed = time.time() - t0
         cpu1 = {k: _cpu_s(pid) for k, pid in procs.items()}
     recs = [json.loads(line) for i in range(routers) for line in stack.outcome_log(i).read_text().splitlines()]

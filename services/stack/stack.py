@@ -199,6 +199,22 @@ class Stack:
         path = self.creds(identity)
         return auth_options(path) if path is not None else {}
 
+    def run_load(self, queries: Any, times: Any, max_tokens: int = 1) -> Any:
+        """Submit ``queries`` at ``times`` as the ``client`` identity and wait for every answer
+        (``bear.load.generator.run_load``'s result): what the benchmarks drive the stack with."""
+        import nats
+
+        from bear.load.generator import run_load
+
+        async def go() -> Any:
+            nc = await nats.connect(self.url, **self.nats_options("client"))
+            try:
+                return await run_load(nc, queries, times, max_tokens=max_tokens)
+            finally:
+                await nc.close()
+
+        return aio.run(go())
+
     def outcome_log(self, i: int = 0) -> Path:
         return self.run_dir / f"outcomes-router-{i}.jsonl"
 
