@@ -53,7 +53,7 @@ else:  # loaded as a top-level module from PYTHONPATH=services/snapshotter
     _spec.loader.exec_module(_shm)
 
 SUPPORTED_VLLM = ("0.32.0",)
-RECORD_VERSION = 2
+RECORD_VERSION = 3
 HEARTBEAT_S = 0.25
 DEFAULT_FULL_EVERY = 256
 
@@ -61,7 +61,7 @@ DEFAULT_FULL_EVERY = 256
 # (version, seq, t_sched0, t_sched1, t_upd0, t_upd1, wall, busy_after,
 #  sched_ids, sched_ns, new_reqs[(id, computed_before)], cached_ids, cached_computed_before,
 #  preempted_ids, free_blocks, running, waiting, overhead_ns_prev, inflight, overhead_cpu_ns_prev,
-#  full_reason, delta)
+#  full_reason, delta, block_ops)
 # sched_ids/sched_ns/cached_*/running/waiting are None in a delta-only record (full_reason 0).
 # running/waiting: (rows[(id, prompt, computed, max_tokens, preemptions, arrival, priority)],
 #                   output counts, block counts, {row index: shared leading blocks} | None,
@@ -80,6 +80,106 @@ FULL_RESYNC = 3  # a reader asked for one
 FULL_CHECK = 4  # vLLM's lists differ from the mirror: the delta would not describe the step
 FULL_MODE = 5  # deltas not supported in this configuration (async, priority, …)
 FULL_VERIFY = 6  # BEAR_SNAPSHOT_VERIFY=1: delta + full every step
+
+# BEAR_SNAPSHOT_BLOCK_OPS=1: every record also carries what vLLM's BlockPool did since the last one
+# (block_ops; None otherwise), in order, so that a reader can keep the free queue block by block
+# (records.BlockPoolReplica): (OP_POP, ids) blocks taken from the front (a cached one loses its
+# hash), (OP_TOUCH, ids) free cached blocks a hit took out of the queue, (OP_PREPEND, ids) /
+# (OP_APPEND, ids) freed blocks put at the front (uncached) / back (cached), (OP_CACHE, ids, names)
+# blocks that got a hash (names: the digest's low 64 bits, as vLLM's int KV events carry them),
+# (OP_EVICT, ids) hashes dropped without a pop, (OP_RESET,) the cache cleared, and in the first
+# record and resync records (OP_DUMP, free queue ids front to back, cached ids, their names).
+OP_POP, OP_TOUCH, OP_PREPEND, OP_APPEND, OP_CACHE, OP_EVICT, OP_RESET, OP_DUMP = range(8)
+
+
+def _name(block_hash: Any) -> int:
+    """A cached block's hash (vLLM's BlockHashWithGroupId: digest + 4-byte group id) as the int
+    vLLM's KV events carry: the digest's low 64 bits."""
+    return int.from_bytes(block_hash[-12:-4], "big")
+
+
+class _BlockOps:
+    """Wraps one BlockPool's queue-changing methods (instance attributes; the class stays vLLM's)
+    and logs their effect. Installed only with BEAR_SNAPSHOT_BLOCK_OPS=1."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.ops: list[tuple[Any, ...]] = []
+        ops = self.ops
+        get_new, touch, free, cache = pool.get_new_blocks, pool.touch, pool.free_blocks, pool.cache_full_blocks
+        evict, reset = pool.evict_blocks, pool.reset_prefix_cache
+
+        def get_new_blocks(num_blocks: int) -> Any:
+            ret = get_new(num_blocks)
+            ops.append((OP_POP, tuple([b.block_id for b in ret])))
+            return ret
+
+        def touch_(blocks: Any) -> None:
+            gone = tuple([b.block_id for b in blocks if b.ref_cnt == 0 and not b.is_null])
+            touch(blocks)
+            if gone:
+                ops.append((OP_TOUCH, gone))
+
+        def free_blocks(ordered_blocks: Any) -> None:
+            blocks = list(ordered_blocks)
+            first: list[int] = []
+            last: list[int] = []
+            for b in blocks:
+                if b.ref_cnt == 1 and not b.is_null and (b.pool is None or b.pool is pool):
+                    (first if b.block_hash is None or not pool.enable_caching else last).append(b.block_id)
+            free(blocks)
+            if first:
+                ops.append((OP_PREPEND, tuple(first)))
+            if last:
+                ops.append((OP_APPEND, tuple(last)))
+
+        def cache_full_blocks(request: Any, blocks: Any, num_cached_blocks: int, num_full_blocks: int,
+                              *args: Any, **kwargs: Any) -> None:
+            span = blocks[num_cached_blocks:num_full_blocks]
+            before = [b.block_hash for b in span]
+            cache(request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs)
+            ids: list[int] = []
+            names: list[int] = []
+            for b, h in zip(span, before, strict=True):
+                if b.block_hash is not None and b.block_hash is not h and not b.is_null:
+                    ids.append(b.block_id)
+                    names.append(_name(b.block_hash))
+            if ids:
+                ops.append((OP_CACHE, tuple(ids), tuple(names)))
+
+        def evict_blocks(block_ids: Any) -> Any:
+            cached = tuple([i for i in block_ids if pool.blocks[i].block_hash is not None])
+            ret = evict(block_ids)
+            if cached:
+                ops.append((OP_EVICT, cached))
+            return ret
+
+        def reset_prefix_cache(*args: Any, **kwargs: Any) -> Any:
+            ok = reset(*args, **kwargs)
+            if ok:
+                ops.append((OP_RESET,))
+            return ok
+
+        pool.get_new_blocks, pool.touch, pool.free_blocks = get_new_blocks, touch_, free_blocks
+        pool.cache_full_blocks, pool.evict_blocks = cache_full_blocks, evict_blocks
+        pool.reset_prefix_cache = reset_prefix_cache
+
+    def dump(self) -> tuple[Any, ...]:
+        """The whole pool (O(blocks): first and resync records only)."""
+        q = self.pool.free_block_queue
+        ids = []
+        b = q.fake_free_list_head.next_free_block
+        while b is not None and b is not q.fake_free_list_tail:
+            ids.append(b.block_id)
+            b = b.next_free_block
+        cached = [b for b in self.pool.blocks if b.block_hash is not None and not b.is_null]
+        return (OP_DUMP, tuple(ids), tuple([b.block_id for b in cached]), tuple([_name(b.block_hash) for b in cached]))
+
+    def take(self, dump: bool = False) -> tuple[Any, ...]:
+        """The ops since the last call (then the whole pool, when ``dump``)."""
+        out = tuple(self.ops)
+        self.ops.clear()
+        return (*out, self.dump()) if dump else out
 
 
 def vllm_version() -> str:
@@ -146,6 +246,7 @@ class _SnapshotMixin:
             name = f"{name}-dp{dp_rank}"
         mgr = self.kv_cache_manager  # type: ignore[attr-defined]
         self._bear_pool = mgr.block_pool
+        self._bear_ops = _BlockOps(mgr.block_pool) if os.environ.get("BEAR_SNAPSHOT_BLOCK_OPS") == "1" else None
         self._bear_req_blocks = mgr.coordinator.single_type_managers[0].req_to_blocks
         self._bear_prefix = bool(self.cache_config.enable_prefix_caching)  # type: ignore[attr-defined]
         self._bear_no_delta = self._bear_delta_unsupported()
@@ -431,7 +532,7 @@ class _SnapshotMixin:
                 RECORD_VERSION, self._bear_seq, t0, t1, t2, t3, time.time(), busy,
                 None, None, new_pairs, None, None, pre, free, None, None, self._bear_overhead_ns, None,
                 self._bear_overhead_cpu_ns,
-                FULL_NONE, delta,
+                FULL_NONE, delta, self._bear_block_ops(False),
             )  # fmt: skip
         else:
             cr = so.scheduled_cached_reqs
@@ -441,6 +542,7 @@ class _SnapshotMixin:
                 RECORD_VERSION, self._bear_seq, t0, t1, t2, t3, time.time(), busy,
                 tuple(ids), ns_full, new_pairs, tuple(cr.req_ids), tuple(cr.num_computed_tokens), pre, free,
                 run_cols, wait_cols, self._bear_overhead_ns, None, self._bear_overhead_cpu_ns, reason, delta,
+                self._bear_block_ops(reason in (FULL_FIRST, FULL_RESYNC)),
             )  # fmt: skip
             if reason != FULL_VERIFY:  # (a verify record's delta matched: the mirror chain goes on)
                 self._bear_reset_mirror()  # also compacts the position index every full_every steps
@@ -690,13 +792,16 @@ class _SnapshotMixin:
         record = (
             RECORD_VERSION, self._bear_seq, t0, t1, t2, t3, time.time(), busy,
             ids, ns, new, cids, cctx, pre, free, running, waiting, self._bear_overhead_ns, inflight,
-            self._bear_overhead_cpu_ns, FULL_MODE, None,
+            self._bear_overhead_cpu_ns, FULL_MODE, None, self._bear_block_ops(False),
         )  # fmt: skip
         self._bear_overhead_ns = self._bear_overhead_cpu_ns = 0
         try:
             self._bear_writer.write(record)
         except _shm.RecordTooLarge:
             self._bear_dropped += 1
+
+    def _bear_block_ops(self, dump: bool) -> tuple[Any, ...] | None:
+        return None if self._bear_ops is None else self._bear_ops.take(dump)
 
     def _bear_write_initial(self) -> None:
         free = self._bear_pool.get_num_free_blocks()
@@ -705,7 +810,7 @@ class _SnapshotMixin:
         record = (
             RECORD_VERSION, 0, now, now, now, now, time.time(), False,
             _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, free, running, waiting, 0, None, 0,
-            FULL_FIRST if self._bear_delta else FULL_MODE, None,
+            FULL_FIRST if self._bear_delta else FULL_MODE, None, self._bear_block_ops(True),
         )  # fmt: skip
         self._bear_writer.write(record)
         if self._bear_delta:

@@ -11,13 +11,13 @@ from typing import Any
 
 SNAPSHOT_SCHEMA = "bear.snapshot/1"
 BATCH_SCHEMA = "bear.batch/1"
-RECORD_VERSION = 2
+RECORD_VERSION = 3
 
 STEP_FIELDS = (
     "version", "seq", "t_sched0", "t_sched1", "t_upd0", "t_upd1", "wall", "busy_after",
     "sched_ids", "sched_ns", "new_reqs", "cached_ids", "cached_computed", "preempted",
     "free_blocks", "running", "waiting", "overhead_ns", "inflight", "overhead_cpu_ns",
-    "full_reason", "delta",
+    "full_reason", "delta", "block_ops",
 )  # fmt: skip
 ROW_FIELDS = (
     "id", "prompt_tokens", "computed_tokens", "output_tokens", "max_tokens", "blocks",

@@ -18,7 +18,7 @@ CONFIG = {
 
 
 def meta() -> dict[str, Any]:
-    return {"record_version": 2, "vllm_version": "0.32.0", "pid": 0, "dp_rank": 0, "delta": True, "config": CONFIG}
+    return {"record_version": 3, "vllm_version": "0.32.0", "pid": 0, "dp_rank": 0, "delta": True, "config": CONFIG}
 
 
 def cols(reqs: list[dict[str, Any]], with_ids: bool = False) -> tuple[Any, ...]:
@@ -53,10 +53,10 @@ def raw_step(
     t0 = time.monotonic() if t0 is None else t0
     cached = cached or {}
     return (
-        2, seq, t0, t0 + 0.001, t0 + dur * 0.9, t0 + dur * 0.95, time.time(), busy,
+        3, seq, t0, t0 + 0.001, t0 + dur * 0.9, t0 + dur * 0.95, time.time(), busy,
         tuple(sched), tuple(sched.values()), tuple((new or {}).items()), tuple(cached), tuple(cached.values()),
         preempted, free, cols(running or [], with_ids), cols(waiting or [], with_ids), 12345, None, 2345,
-        reason, delta,
+        reason, delta, None,
     )  # fmt: skip
 
 
@@ -74,9 +74,9 @@ def delta_step(
     """One delta-only record (full_reason 0)."""
     t0 = time.monotonic() if t0 is None else t0
     return (
-        2, seq, t0, t0 + 0.001, t0 + dur * 0.9, t0 + dur * 0.95, time.time(), busy,
+        3, seq, t0, t0 + 0.001, t0 + dur * 0.9, t0 + dur * 0.95, time.time(), busy,
         None, None, tuple((new or {}).items()), None, None, preempted, free, None, None, 12345, None, 2345,
-        0, delta,
+        0, delta, None,
     )  # fmt: skip
 
 

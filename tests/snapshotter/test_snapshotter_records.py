@@ -193,7 +193,7 @@ def test_verify_records_compare_the_mirror_with_the_full_state() -> None:
     from bear.snapshotter.records import StepDecoder
 
     full, deltas = _delta_scenario()
-    both = [full[0]] + [(*f[:20], 6, d[21]) for f, d in zip(full[1:], deltas[1:], strict=True)]
+    both = [full[0]] + [(*f[:20], 6, d[21], None) for f, d in zip(full[1:], deltas[1:], strict=True)]
     dec = StepDecoder()
     for r in both:
         assert dec.decode(r) is not None and dec.last_problem is None
@@ -204,7 +204,7 @@ def test_verify_records_compare_the_mirror_with_the_full_state() -> None:
     dec = StepDecoder()
     for r in both[:3]:
         dec.decode(r)
-    step = dec.decode((*both[3][:21], tuple(bad)))
+    step = dec.decode((*both[3][:21], tuple(bad), None))
     assert step is not None and step["running"] == parse_step(full[3])["running"]  # the full state wins
     assert dec.stats["mismatches"] == 1 and "got output" in (dec.last_problem or "")
     assert dec.decode(both[4]) is not None and dec.last_problem is None
