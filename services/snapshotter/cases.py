@@ -15,7 +15,9 @@ admission. Given the prompts' token ids (``prompts``: client request id → ids)
 engine's KV events, every hit in the case is the mirror's instead — the request's and those of
 the snapshot's waiting requests — computed from the cache as it was after step s−1
 (``recorded_cache``), exactly what an estimator mirroring the instance would know; the engine's
-own admission hit stays beside it (``engine_prefix_hit_tokens``).
+own admission hit stays beside it (``engine_prefix_hit_tokens``). A log that also carries the
+plugin's block-op log (``BEAR_SNAPSHOT_BLOCK_OPS=1``) gives each case the blocks of those hits and
+their places in the free queue (``recorded_pool``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from bear.snapshotter.recorded_cache import (
     spec_of,
     split_by_generation,
 )
+from bear.snapshotter.recorded_pool import add_tracked_blocks, logged
 from bear.snapshotter.records import batches_of, context_before, request_map, to_snapshot
 
 
@@ -157,6 +160,8 @@ def build_cases(
     spec = spec_of(meta)
     if prompts is not None and kv is not None and spec is not None:
         _mirror_hits(cases, RecordedCache(spec, kv, steps), prompts)
+        if logged(steps):  # the pool was logged block by block: the hits' blocks and where they sit
+            add_tracked_blocks(cases, meta, steps, spec, prompts)
     return cases
 
 

@@ -65,7 +65,7 @@ def parse_step(raw: Any) -> dict[str, Any]:
     _check(raw)
     if raw[15] is None:
         raise RecordError("a delta-only record cannot be decoded on its own (use StepDecoder)")
-    return _step(
+    step = _step(
         raw,
         dict(zip(raw[8], raw[9], strict=True)),
         {rid: c for rid, c in raw[10]},
@@ -73,6 +73,10 @@ def parse_step(raw: Any) -> dict[str, Any]:
         expand_rows(raw[15]),
         expand_rows(raw[16]),
     )
+    cols = raw[15]
+    if raw[22] is not None and len(cols) > 4 and cols[4] is not None:  # block ids (delta mode), pool logged
+        step["block_ids"] = {row[0]: list(bids) for row, bids in zip(cols[0], cols[4], strict=True)}
+    return step
 
 
 def expand_rows(cols: Any) -> list[list[Any]]:
@@ -278,10 +282,13 @@ class StateMirror:
         else:
             self._exclusive([r for r in changed if r in rows])
         self.seq = int(raw[1])
-        return _step(
+        step = _step(
             raw, sched_d, new_reqs, cached,
             [list(rows[r]) for r in self.run], [list(rows[r]) for r in self.wait],
         )  # fmt: skip
+        if raw[22] is not None:  # the pool is being logged block by block: say who holds which block
+            step["block_ids"] = {r: list(blocks[r]) for r in self.run}
+        return step
 
 
 class StepDecoder:
