@@ -87,17 +87,14 @@ def run_micro(prompt_tokens: int = 8192, block_size: int = 16, reps: int = 200, 
     return out
 
 
-def _estimate_micro(packed: bytes, names: list[int], spec: HashSpec, reps: int) -> dict[str, Any]:
-    """The estimator's answer (``bear.estimator.estimate``: plan + replays) for three synced
-    candidates with four residents each, the first holding the whole prompt: with the prompt's ids
-    (hits 8k, 0, 0: two distinct hits) and without (the estimated length at all three); and the
-    replays alone (``run_jobs``) of each plan."""
+def candidate_store(names: list[int], spec: HashSpec) -> tuple[Any, float]:
+    """Three synced candidates a, b, c (sim-engine snapshots, four residents each) whose prefix
+    mirrors are a: ``names``, b and c: empty; and the capture time."""
     import time as _t
 
     from bear import libbea
-    from bear.estimator.estimate import EstimatorConfig, estimate, plan, run_jobs
     from bear.estimator.state import StateStore
-    from bear.protocol.messages import EstimateCandidate, InstanceRecord, PrefixCacheInfo
+    from bear.protocol.messages import InstanceRecord, PrefixCacheInfo
     from bear.sim.profile import load_profile
 
     engine = {**load_profile("qwen3-8b-h100").engine_config(), "block_size": spec.block_size,
@@ -115,6 +112,18 @@ def _estimate_micro(packed: bytes, names: list[int], spec: HashSpec, reps: int) 
                                       prefix_cache=PrefixCacheInfo(block_size=spec.block_size, events=True)))
         st.prefix = _mirror(names if k == 0 else [], inst)
         store.offer(inst, encode(e.snapshot(inst, "m", t0)), t0)
+    return store, t0
+
+
+def _estimate_micro(packed: bytes, names: list[int], spec: HashSpec, reps: int) -> dict[str, Any]:
+    """The estimator's answer (``bear.estimator.estimate``: plan + replays) for three candidates
+    (``candidate_store``: the first holds the whole prompt) with the prompt's ids (hits 8k, 0, 0:
+    two distinct hits) and without (the estimated length at all three); and the replays alone
+    (``run_jobs``) of each plan."""
+    from bear.estimator.estimate import EstimatorConfig, estimate, plan, run_jobs
+    from bear.protocol.messages import EstimateCandidate
+
+    store, t0 = candidate_store(names, spec)
     cfg, now = EstimatorConfig(), t0 + 0.005
     q = EstimateQuery(id="q", prompt_tokens=len(packed) // 4, max_tokens=1)
     exact = [EstimateCandidate(instance=i, tokenizer="tok-bench") for i in ("a", "b", "c")]
