@@ -155,3 +155,48 @@ def test_chunking_turns_itself_off_for_a_tokenizer_it_would_get_wrong() -> None:
     assert ce.disabled is not None
     text = "ab " * 1000
     assert ce.encode(text, False) == Merging().encode(text).ids
+
+
+def _python_walk(text: str, stride: int) -> tuple[list[int], list[bytes]]:
+    """The chunk walk as the Python path does it: regex boundaries, a blake2b chain."""
+    import hashlib
+
+    from bear.tokenizer.chunks import ChunkedEncoder
+
+    walker = ChunkedEncoder.__new__(ChunkedEncoder)
+    walker.stride = stride
+    cuts = walker._boundaries(text)
+    return cuts, ChunkedEncoder._names(text, cuts, 0, hashlib.blake2b(digest_size=16))
+
+
+def test_native_chunk_walk_equals_the_python_walk() -> None:
+    import random
+
+    from bear import libbea
+
+    rng = random.Random(7)
+    alphabet = "ab Z  ,.9_\n\t-'x"
+    texts = ["", "a", "a b", " a b ", "ab " * 700, "x" * 3000, "a_b c1 d e\tf g" * 200]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 4000))) for _ in range(200)]
+    for k, text in enumerate(texts):
+        stride = (1, 2, 7, 64, 512)[k % 5]
+        assert libbea.chunk_walk(text.encode(), stride) == _python_walk(text, stride), (k, stride)
+    assert libbea.chunk_walk("ab é cd".encode() * 300, 16) is None  # not ASCII: the Python walk applies
+    with pytest.raises((ValueError, TypeError)):
+        libbea.chunk_walk(b"ab cd", 0)
+
+
+def test_ascii_and_unicode_prompts_share_chunks(tmp_path: Path) -> None:
+    """The native (ASCII) walk and the Python walk name chunks alike: a Unicode prompt reuses the
+    chunks an ASCII one stored and the other way round; ids equal a full encoding every time."""
+    from bear.stack.prefix_bench import write_bench_tokenizer
+    from bear.tokenizer.chunks import ChunkedEncoder
+
+    tok, vocab = write_bench_tokenizer(tmp_path / "bpe")
+    doc = " ".join(vocab[:3000])
+    for first, second in ((doc + " plain tail", doc + " tail with é"), (doc + " tail with ü", doc + " plain")):
+        ce = ChunkedEncoder(tok)
+        assert ce.encode(first, False) == tok.encode(first, add_special_tokens=False).ids
+        h0 = ce.hit_chars
+        assert ce.encode(second, False) == tok.encode(second, add_special_tokens=False).ids
+        assert ce.hit_chars - h0 > 0.9 * len(doc)
