@@ -15,9 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "bea/prefix/blake2b.h"
 #include "bea/prefix/block_hash.h"
-#include "bea/prefix/chunk_walk.h"
 
 namespace py = pybind11;
 using bea::prefix::BlockHasher;
@@ -170,38 +168,5 @@ void bind_prefix(py::module_& m) {
         return as_bytes(bea::prefix::sha256(reinterpret_cast<const uint8_t*>(s.data()), s.size()));
       },
       py::arg("data"), "SHA-256 of ``data`` (libbea's own implementation).");
-  m.def(
-      "chunk_walk",
-      [](const py::bytes& text, size_t stride) -> py::object {
-        char* buf = nullptr;
-        Py_ssize_t len = 0;
-        if (PyBytes_AsStringAndSize(text.ptr(), &buf, &len) != 0) throw py::error_already_set();
-        const auto* s = reinterpret_cast<const uint8_t*>(buf);
-        std::vector<size_t> cuts;
-        if (!bea::prefix::safe_cuts(s, static_cast<size_t>(len), stride, cuts)) return py::none();
-        std::vector<uint8_t> digests;
-        bea::prefix::prefix_digests(s, static_cast<size_t>(len), cuts, digests);
-        py::list names(cuts.size());
-        for (size_t k = 0; k < cuts.size(); ++k)
-          names[k] = py::bytes(reinterpret_cast<const char*>(digests.data() + k * bea::prefix::kChunkDigestBytes),
-                               bea::prefix::kChunkDigestBytes);
-        return py::make_tuple(py::cast(cuts), names);
-      },
-      py::arg("text"), py::arg("stride"),
-      "The router's chunk walk over ASCII ``text`` (bytes) in one pass: (cuts, names) — the safe\n"
-      "boundaries (one space between two letters, the first at or after ``stride``, each next one\n"
-      "at or after the last + ``stride``) and, per cut, ``hashlib.blake2b(text[:cut], digest_size=16)``.\n"
-      "None when ``text`` is not ASCII.");
-  m.def(
-      "prefix_blake2b",
-      [](const py::bytes& data, size_t digest_size) {
-        std::string s = data;
-        bea::prefix::Blake2b h(digest_size);
-        h.update(reinterpret_cast<const uint8_t*>(s.data()), s.size());
-        std::string out(digest_size, '\0');
-        h.digest(reinterpret_cast<uint8_t*>(out.data()));
-        return py::bytes(out);
-      },
-      py::arg("data"), py::arg("digest_size") = 64, "BLAKE2b of ``data`` (libbea's own implementation).");
   m.attr("PREFIX_MAX_BLOCK_SIZE") = bea::prefix::kMaxBlockSize;
 }

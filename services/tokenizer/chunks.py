@@ -6,9 +6,7 @@ router that did it in full for every query would spend more on tokenising than o
 the text is cut into chunks at *safe boundaries* — a single space between two letters, where
 every pre-tokenizer in use (byte-level BPE regexes, metaspace, whitespace) splits, so no token
 crosses it — about every ``stride`` characters, each chunk named by the digest of the text up to its
-end (two prompts share a chunk name only if they share everything up to its end). For ASCII text
-the cuts and names come from one native pass (``libbea.chunk_walk``: a Python loop per chunk cost
-more than the new text's encoding); other text is walked here, with the same names.
+end (two prompts share a chunk name only if they share everything up to its end).
 A chunk's token ids are cached by name, packed (``bear.protocol.token_ids``: the estimate
 request's wire form, so a prompt's ids are one ``bytes.join`` of its chunks, never a list of 8k
 ints); a prompt is the cached ids of its leading chunks plus one encoding of the rest, whose
@@ -30,7 +28,6 @@ from typing import Any
 
 import structlog
 
-from bear import libbea
 from bear.protocol.token_ids import pack, unpack
 
 log = structlog.get_logger("bear.tokenizer")
@@ -97,41 +94,26 @@ class ChunkedEncoder:
             if max_new_chars is not None and len(text) > max_new_chars:
                 raise Deferred
             return self._full(text, specials)
-        walked = libbea.chunk_walk(text.encode(), self.stride) if text.isascii() else None
+        cuts = self._boundaries(text)
         parts: list[bytes] = []
-        start, k = 0, 0
-        if walked is not None:  # ASCII: cuts and names in one native pass, one dict lookup per chunk
-            cuts, names = walked
-            for name in names:
-                got = self.cache.get(name)
-                if got is None:
-                    break
-                parts.append(got)
-                k += 1
-            start = cuts[k - 1] if k else 0
-            state = None
-        else:
-            cuts, names = self._boundaries(text), None
-            state = hashlib.blake2b(digest_size=16)  # the digest of text[:start]
-            while k < len(cuts):
-                nxt = state.copy()
-                nxt.update(text[start:cuts[k]].encode())
-                got = self.cache.get(nxt.digest())
-                if got is None:
-                    break
-                parts.append(got)
-                state, start, k = nxt, cuts[k], k + 1
+        state, start, k = hashlib.blake2b(digest_size=16), 0, 0  # the digest of text[:start]
+        raw = text.encode() if text.isascii() else None  # ASCII: char cuts are byte cuts, no slice copies
+        view = memoryview(raw) if raw is not None else None
+        while k < len(cuts):
+            nxt = state.copy()
+            nxt.update(view[start:cuts[k]] if view is not None else text[start:cuts[k]].encode())
+            got = self.cache.get(nxt.digest())
+            if got is None:
+                break
+            parts.append(got)
+            state, start, k = nxt, cuts[k], k + 1
         if max_new_chars is not None and len(text) - start > max_new_chars:
             raise Deferred
         self.total_chars += len(text)
         self.hit_chars += start
         enc = self.tok.encode(text[start:], add_special_tokens=False)
         rest = pack(enc.ids)
-        if names is None:
-            names = self._names(text, cuts[k:], start, state)
-        else:
-            names = names[k:]
-        self._store(cuts[k:], names, start, rest, enc.offsets)
+        self._store(text, cuts[k:], start, state, rest, enc.offsets)
         parts.append(rest)
         ids = b"".join(parts)
         self.encodings += 1
@@ -139,32 +121,22 @@ class ChunkedEncoder:
             verify(lambda: self._verify(text, specials, ids))
         return ids
 
-    @staticmethod
-    def _names(text: str, cuts: list[int], start: int, state: Any) -> list[bytes]:
-        """The names of the chunks of ``text[start:]`` that end at ``cuts`` (``state``: the
-        digest of ``text[:start]``), as ``libbea.chunk_walk`` names them."""
-        out = []
-        s = start
-        for end in cuts:
-            state.update(text[s:end].encode())
-            out.append(state.digest())
-            s = end
-        return out
-
-    def _store(self, cuts: list[int], names: list[bytes], start: int, ids: bytes,
+    def _store(self, text: str, cuts: list[int], start: int, state: Any, ids: bytes,
                offsets: list[tuple[int, int]]) -> None:
-        """Cache the chunks of the text from ``start`` that end at ``cuts``, by ``names`` (their
-        ids: ``ids``, packed, with their character offsets from ``start``)."""
+        """Cache the chunks of ``text[start:]`` that end at ``cuts`` (its ids: ``ids``, packed,
+        with their character offsets from ``start``)."""
         if not cuts:
             return
         if len(self.cache) + len(cuts) > self.max_chunks:
             self.cache.clear()  # a bounded cache; the next prompts fill it again
-        j, n = 0, len(offsets)
-        for end, name in zip(cuts, names, strict=True):
+        j, s, n = 0, start, len(offsets)
+        for end in cuts:
             first = j
             while j < n and offsets[j][0] < end - start:  # the first token starting at or past the cut
                 j += 1
-            self.cache[name] = ids[4 * first:4 * j]
+            state.update(text[s:end].encode())
+            self.cache[state.digest()] = ids[4 * first:4 * j]
+            s = end
 
     def _verify(self, text: str, specials: bool, got: bytes) -> None:
         if self.disabled is None and got != self._full(text, specials):

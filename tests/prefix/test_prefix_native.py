@@ -99,7 +99,7 @@ def test_block_size_past_libbea_falls_back() -> None:
 @pytest.mark.slow
 def test_sanitized_prefix_fuzz(tmp_path: Path, sanitized_tool: Callable[[str], Path]) -> None:
     """libbea/fuzz/prefix_check.cpp under ASan+UBSan: random token streams, block sizes 1–64, both
-    algorithms, edge-value ids; BLAKE2b and the router's chunk walk over the same bytes."""
+    algorithms, edge-value ids."""
     check = sanitized_tool("bea_prefix_check")
     rng = random.Random(5)
     corpus = tmp_path / "corpus"
@@ -109,16 +109,12 @@ def test_sanitized_prefix_fuzz(tmp_path: Path, sanitized_tool: Callable[[str], P
         ids = [rng.choice(EDGES) for _ in range(n // 4)]
         data = bytes(rng.getrandbits(8) for _ in range(3)) + pack(ids) + bytes(rng.getrandbits(8) for _ in range(n % 4))
         (corpus / f"{k:05d}").write_bytes(data)
-    for k in range(400, 500):  # random bytes: text for the chunk walk (half of it ASCII)
-        top = 128 if k % 2 else 256
-        (corpus / f"{k:05d}").write_bytes(bytes(rng.randrange(top) for _ in range(rng.choice([5, 600, 5000]))))
     files = sorted(str(p) for p in corpus.iterdir())
-    blocks = cuts = 0
+    blocks = 0
     for k in range(0, len(files), 200):
         out = subprocess.run([str(check), *files[k : k + 200]], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr[-4000:]
-        m = re.search(r"checked (\d+) inputs, (\d+) blocks, (\d+) chunk cuts", out.stdout)
+        m = re.search(r"checked (\d+) inputs, (\d+) blocks", out.stdout)
         assert m is not None, out.stdout
         blocks += int(m.group(2))
-        cuts += int(m.group(3))
-    assert blocks > 1000 and cuts > 1000
+    assert blocks > 1000
