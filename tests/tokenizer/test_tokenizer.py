@@ -155,3 +155,44 @@ def test_chunking_turns_itself_off_for_a_tokenizer_it_would_get_wrong() -> None:
     assert ce.disabled is not None
     text = "ab " * 1000
     assert ce.encode(text, False) == Merging().encode(text).ids
+
+
+def test_shared_cuts_are_the_walks_own_cuts() -> None:
+    """The lookup's rule: the leading cuts of an earlier prompt that a new one repeats (text up to
+    just past each) are exactly the new prompt's own first cuts — checked against the walk."""
+    import random
+
+    from bear.tokenizer.chunks import ChunkedEncoder, Seen
+
+    rng = random.Random(11)
+    walker = ChunkedEncoder.__new__(ChunkedEncoder)
+    alphabet = "ab Z  ,.9_\n-é"
+    for trial in range(300):
+        walker.stride = (1, 3, 16, 64)[trial % 4]
+        old = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 1500)))
+        keep = rng.randrange(0, len(old) + 1)
+        new = old[:keep] + "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 300)))
+        seen = Seen(old, walker._boundaries(old), [], b"")
+        want = max([k for k in range(len(seen.cuts) + 1)
+                    if k == 0 or new[:seen.cuts[k - 1] + 2] == old[:seen.cuts[k - 1] + 2]])
+        for beat in range(want + 1):
+            assert walker._shared(new, seen, beat) == want, (trial, beat)
+        assert walker._shared(new, seen, want + 1) == want + 1  # nothing better than the best so far
+        assert walker._boundaries(new)[:want] == seen.cuts[:want]
+        if want:
+            start = seen.cuts[want - 1]
+            assert seen.cuts[:want] + walker._boundaries(new, start) == walker._boundaries(new)
+
+
+def test_chunked_encoder_memory_is_bounded(tmp_path: Path) -> None:
+    from bear.stack.prefix_bench import _prompts, write_bench_tokenizer
+    from bear.tokenizer.chunks import ChunkedEncoder
+
+    tok, vocab = write_bench_tokenizer(tmp_path / "bpe")
+    ce = ChunkedEncoder(tok, max_chars=80_000, per_key=1)
+    prompts = _prompts(tok, vocab, 12, 2048, 4, seed=3)
+    for p in prompts:
+        assert ce.encode(p, False) == tok.encode(p, add_special_tokens=False).ids
+        assert ce.held_chars == sum(len(s.text) for g in ce.seen.values() for s in g) <= 80_000 + len(p)
+        assert all(len(g) == 1 for g in ce.seen.values())
+    assert ce.hit_chars > 0.5 * ce.total_chars  # the four documents still shared within the bound
