@@ -9,14 +9,19 @@ it — about every ``stride`` characters, and the ids of the text before a bound
 an earlier prompt that had the same text there.
 
 The encoder remembers recent prompts (text, cuts, how many tokens precede each cut, the ids
-packed as the estimate request carries them: ``bear.protocol.token_ids``), filed by their first
-``stride`` characters. A new prompt is compared with the few filed under its own first
-characters: the longest run of an earlier prompt's cuts whose text it repeats (a binary search
-over the cuts, each step one string comparison — memcmp, no hashing and no Python work per
-chunk) gives the ids up to the last shared cut as one slice; the rest is encoded once, walked
-for its own cuts, and the prompt is filed in turn. A cut ``c`` of an earlier prompt is a cut of
-the new one when they agree on ``text[:c + 2]``: the walk's every decision up to ``c`` reads no
-further.
+packed as the estimate request carries them: ``bear.protocol.token_ids``), each filed where it
+left the earlier prompt it was encoded from: under (that cut, its text from there to just past
+its next cut — where the two differ, else that would be a shared cut too), or under (0, its text
+to just past its first cut) when it had none. A new prompt starts at (0, its first chunk):
+among the few prompts filed there, the longest run of cuts whose text it repeats (a binary search
+over the cuts, each step one string comparison from the start — memcmp, no hashing, no Python
+work per chunk) takes it to a cut ``c``; it then looks under (``c``, its next characters) for
+prompts that left there its way, and so on — a conversation's turns are found turn by turn even
+when many conversations share a system prompt. The ids up to the last shared cut are one slice;
+the rest is encoded once, walked for its own cuts, and the prompt is filed in turn. A cut ``c`` of
+an earlier prompt is a cut of the new one when they agree on ``text[:c + 2]``: the walk's every
+decision up to ``c`` reads no further (the comparison is always from the start: a key only
+says where to look).
 
 The rule is checked, not assumed: at load the chunked and the full encoding are compared on
 probe texts, and every ``verify_every``-th encoding is compared again in full; a tokenizer that
@@ -64,9 +69,9 @@ class ChunkedEncoder:
         self.tok = tokenizer
         self.stride = stride
         self.max_chars = max_chars  # prompt text held in all (the texts are the callers' strings, not copies)
-        self.per_key = per_key  # recent prompts kept per first ``stride`` characters
+        self.per_key = per_key  # recent prompts kept per key
         self.verify_every = verify_every
-        self.seen: OrderedDict[str, list[Seen]] = OrderedDict()  # first ``stride`` chars → newest first
+        self.seen: OrderedDict[tuple[int, str], list[Seen]] = OrderedDict()  # (cut, next chars) → newest first
         self.held_chars = 0
         self._lock = threading.Lock()  # the loop and the tokenizer pool share the encoder
         self.disabled: str | None = None
@@ -147,13 +152,7 @@ class ChunkedEncoder:
             if max_new_chars is not None and len(text) > max_new_chars:
                 raise Deferred
             return self._full(text, specials)
-        key = text[:self.stride]
-        base, k = None, 0
-        with self._lock:
-            for old in self.seen.get(key, ()):
-                j = self._shared(text, old, k)
-                if j > k:
-                    base, k = old, j
+        base, k = self._lookup(text)
         start = base.cuts[k - 1] if base is not None else 0
         if max_new_chars is not None and len(text) - start > max_new_chars:
             raise Deferred
@@ -170,13 +169,37 @@ class ChunkedEncoder:
                 j += 1
             ends.append(n0 + j)
         ids = head + pack(enc.ids)
-        self._file(key, Seen(text, cuts + new, ends, ids))
+        self._file(self._key(text, start), Seen(text, cuts + new, ends, ids))
         self.encodings += 1
         if check and verify is not None and self.verify_every and self.encodings % self.verify_every == 0:
             verify(lambda: self._verify(text, specials, ids))
         return ids
 
-    def _file(self, key: str, seen: Seen) -> None:
+    def _key(self, text: str, cut: int) -> tuple[int, str]:
+        """Where prompts that leave an earlier one at ``cut`` the way ``text`` does are filed."""
+        m = _SAFE.search(text, cut + self.stride)
+        return cut, text[cut:m.start() + 2 if m is not None else len(text)]
+
+    def _lookup(self, text: str) -> tuple[Seen | None, int]:
+        """The earlier prompt sharing the most leading cuts with ``text``, and how many (module doc)."""
+        base, k, pos = None, 0, 0
+        with self._lock:
+            while True:
+                key = self._key(text, pos)
+                group = self.seen.get(key)
+                if group is None:
+                    return base, k
+                self.seen.move_to_end(key)
+                found = k
+                for old in group:
+                    j = self._shared(text, old, k)
+                    if j > k:
+                        base, k = old, j
+                if k == found:
+                    return base, k
+                pos = base.cuts[k - 1]  # type: ignore[union-attr]
+
+    def _file(self, key: tuple[int, str], seen: Seen) -> None:
         """Remember ``seen`` (newest first under its key; the oldest keys go past ``max_chars``)."""
         with self._lock:
             group = self.seen.get(key)

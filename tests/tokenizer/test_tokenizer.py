@@ -185,14 +185,37 @@ def test_shared_cuts_are_the_walks_own_cuts() -> None:
 
 
 def test_chunked_encoder_memory_is_bounded(tmp_path: Path) -> None:
+    """Past ``max_chars`` the least recently used keys go; the documents' own entries, used by
+    every lookup, stay, so their text is still shared."""
     from bear.stack.prefix_bench import _prompts, write_bench_tokenizer
     from bear.tokenizer.chunks import ChunkedEncoder
 
     tok, vocab = write_bench_tokenizer(tmp_path / "bpe")
-    ce = ChunkedEncoder(tok, max_chars=80_000, per_key=1)
+    ce = ChunkedEncoder(tok, max_chars=150_000, per_key=1)
     prompts = _prompts(tok, vocab, 12, 2048, 4, seed=3)
     for p in prompts:
         assert ce.encode(p, False) == tok.encode(p, add_special_tokens=False).ids
-        assert ce.held_chars == sum(len(s.text) for g in ce.seen.values() for s in g) <= 80_000 + len(p)
+        assert ce.held_chars == sum(len(s.text) for g in ce.seen.values() for s in g) <= 150_000
         assert all(len(g) == 1 for g in ce.seen.values())
+    assert sum(len(p) for p in prompts) > 150_000 > ce.held_chars  # some were let go
     assert ce.hit_chars > 0.5 * ce.total_chars  # the four documents still shared within the bound
+
+
+def test_conversations_sharing_a_system_prompt_find_their_own_last_turn(tmp_path: Path) -> None:
+    """Many conversations under one long system prompt (more than the prompts kept per key): each
+    new turn reuses its own conversation's last turn, not only the system prompt."""
+    from bear.stack.prefix_bench import write_bench_tokenizer
+    from bear.tokenizer.chunks import ChunkedEncoder
+
+    tok, vocab = write_bench_tokenizer(tmp_path / "bpe")
+    ce = ChunkedEncoder(tok, per_key=2)
+    system = "system: " + " ".join(vocab[:600])
+    convs = [system + f" user {c}: " + " ".join(vocab[700 + 97 * c:1000 + 97 * c]) for c in range(10)]
+    for c in range(10):
+        ce.encode(convs[c], False)
+    for turn in range(3):
+        for c in range(10):
+            convs[c] += f" reply {turn}: " + " ".join(vocab[2000 + 31 * c + turn:2060 + 31 * c + turn])
+            h0 = ce.hit_chars
+            assert ce.encode(convs[c], False) == tok.encode(convs[c], add_special_tokens=False).ids
+            assert len(convs[c]) - (ce.hit_chars - h0) < 1500, (turn, c)  # only the new reply was encoded
