@@ -171,6 +171,13 @@ class BlockHasher:
             from bear import libbea
 
             return list(libbea.prefix_held_run(self._nat, _u32(token_ids), max(0, max_blocks), list(holders)))
+        if len(holders) == 1:  # the common case: one instance holds the prompt
+            held, n = holders[0], 0
+            for h in self.names(token_ids, max_blocks):
+                if h not in held:
+                    break
+                n += 1
+            return [n]
         run, alive = [0] * len(holders), list(range(len(holders)))
         for h in self.names(token_ids, max_blocks):
             alive = [i for i in alive if h in holders[i]]
