@@ -4,10 +4,13 @@
 //   - SHA-256 fed in pieces (sizes from the input) equals SHA-256 in one go;
 //   - the chain of all blocks equals the chain computed in two parts (the second from the first
 //     part's last digest), with a memo and without one, and a second memoised pass;
+//   - the hit walk (BlockHasher::walk, which reuses recent walks' links) gives the chain's names
+//     for the prompt, a stopped walk, variants changed at one block, and the prompt again;
 //   - each block's serialisation is well formed (pickle: its FRAME length, STOP; CBOR: array(3)
 //     head, the null at its end) and hashes to the chain's digest.
 // Known-answer SHA-256 vectors (FIPS 180-4 examples) are checked first. Any mismatch aborts; any
 // memory error or undefined behaviour aborts under -fsanitize=address,undefined.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -53,6 +56,39 @@ void known_answers() {
           "sha256(two-block message)");
   require(hex(bea::prefix::sha256(nullptr, 0)) == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
           "sha256(empty)");
+}
+
+// BlockHasher::walk: the whole chain; a stop after `stop` blocks; then more variants of the
+// prompt (each changed at one block) than the recent walks kept, and the prompt again — every
+// walk's names equal the plain chain's.
+void check_walks(BlockHasher& memo, BlockHasher& plain, const std::vector<uint32_t>& toks, int bs, size_t full,
+                 uint8_t seed) {
+  auto names_of = [&](const std::vector<uint32_t>& t) {
+    std::vector<uint64_t> n;
+    plain.chain(t.data(), t.size(), 0, full, plain.none_hash(), nullptr, &n);
+    return n;
+  };
+  auto walked = [&](const std::vector<uint32_t>& t, size_t stop) {
+    std::vector<uint64_t> n;
+    const size_t k = memo.walk(t.data(), t.size(), full + 3, [&](uint64_t name) {
+      n.push_back(name);
+      return n.size() < stop;
+    });
+    require(k == n.size(), "walk count");
+    return n;
+  };
+  const std::vector<uint64_t> want = names_of(toks);
+  require(walked(toks, full + 3) == want, "walk differs from the chain");
+  const size_t stop = full ? 1 + seed % full : 0;
+  const std::vector<uint64_t> part = walked(toks, stop);
+  require(part.size() == stop && std::equal(part.begin(), part.end(), want.begin()), "stopped walk");
+  const size_t b = static_cast<size_t>(bs);
+  for (size_t v = 0; full && v < BlockHasher::kRecentWalks + 3; ++v) {
+    std::vector<uint32_t> alt = toks;
+    alt[((seed + 7 * v) % full) * b] ^= static_cast<uint32_t>(1 + v);
+    require(walked(alt, full + 3) == names_of(alt), "walk of a variant differs from its chain");
+  }
+  require(walked(toks, full + 3) == want, "walk after the variants differs");
 }
 
 int run_one(const std::vector<uint8_t>& buf) {
@@ -109,6 +145,7 @@ int run_one(const std::vector<uint8_t>& buf) {
     parent = d_all[b];
     ++g_blocks;
   }
+  check_walks(memo, plain, toks, bs, full, buf[2]);
   return 0;
 }
 

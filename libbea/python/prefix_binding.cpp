@@ -153,6 +153,44 @@ void bind_prefix(py::module_& m) {
       .def_property_readonly("memo_size", &BlockHasher::memo_size)
       .def_property_readonly("memo_hits", &BlockHasher::memo_hits);
   m.def(
+      "prefix_held_run",
+      [](BlockHasher& h, const py::object& tokens, size_t max_blocks, const py::list& holders) {
+        Tokens t = tokens_of(tokens);
+        std::vector<PyObject*> hs;
+        for (const auto& x : holders) hs.push_back(x.ptr());
+        std::vector<size_t> run(hs.size(), 0), alive(hs.size());
+        for (size_t i = 0; i < alive.size(); ++i) alive[i] = i;
+        bool failed = false;
+        if (!hs.empty()) {
+          h.walk(t.data, t.size, max_blocks, [&](uint64_t name) {
+            PyObject* key = PyLong_FromUnsignedLongLong(name);
+            if (key == nullptr) {
+              failed = true;
+              return false;
+            }
+            size_t kept = 0;
+            for (size_t j = 0; j < alive.size() && !failed; ++j) {
+              PyObject* c = hs[alive[j]];
+              const int in = PyDict_CheckExact(c) ? PyDict_Contains(c, key) : PySequence_Contains(c, key);
+              if (in < 0) failed = true;
+              if (in > 0) {
+                ++run[alive[j]];
+                alive[kept++] = alive[j];
+              }
+            }
+            Py_DECREF(key);
+            alive.resize(kept);
+            return !failed && !alive.empty();
+          });
+        }
+        if (failed) throw py::error_already_set();
+        return run;
+      },
+      py::arg("hasher"), py::arg("tokens"), py::arg("max_blocks"), py::arg("holders"),
+      "How many leading blocks of `tokens` (at most `max_blocks`) each holder (a dict or set of block\n"
+      "names) holds: the chain walked block by block, from a recent walk's links where the prompt repeats\n"
+      "one, until no holder holds the block (one call instead of a Python loop per block).");
+  m.def(
       "prefix_serialize_block",
       [](const std::string& algo, const py::bytes& parent, const py::object& tokens) {
         Tokens t = tokens_of(tokens);

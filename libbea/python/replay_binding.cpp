@@ -216,7 +216,13 @@ void bind_replay(py::module_& m) {
         if (!ages.empty() && ages.size() != snaps.size()) throw std::invalid_argument("one age per snapshot");
         for (double a : ages)
           if (!std::isfinite(a) || a < 0.0) throw std::invalid_argument("ages must be finite and >= 0");
-        const Query q = query_from(request);
+        std::vector<Query> qs;  // one for all, or one per snapshot (each its own prompt and hit)
+        if (py::isinstance<py::list>(request) || py::isinstance<py::tuple>(request)) {
+          qs = queries_from(request);
+          if (qs.size() != snaps.size()) throw std::invalid_argument("one request per snapshot");
+        } else {
+          qs.assign(snaps.size(), query_from(request));
+        }
         std::vector<ReplayOptions> opts;
         std::vector<std::shared_ptr<const Prepared>> preps;  // kept alive while the GIL is released
         opts.reserve(snaps.size());
@@ -239,8 +245,8 @@ void bind_replay(py::module_& m) {
           for (size_t k = 0; k < snaps.size(); ++k) {
             try {
               const double age = ages.empty() ? 0.0 : ages[k];
-              out[k] = age > 0.0 ? estimate_at_age(*preps[k], q, opts[k], age, before[k])
-                                 : estimate(*preps[k], q, opts[k], before[k]);
+              out[k] = age > 0.0 ? estimate_at_age(*preps[k], qs[k], opts[k], age, before[k])
+                                 : estimate(*preps[k], qs[k], opts[k], before[k]);
             } catch (const std::exception& ex) {
               errors[k] = ex.what();
             }
@@ -256,7 +262,9 @@ void bind_replay(py::module_& m) {
       py::arg("snapshots"), py::arg("request"), py::arg("betas"), py::arg("default_output_tokens") = -1,
       py::arg("overrun_fraction") = 0.5, py::arg("ages") = std::vector<double>{}, py::arg("aheads") = py::none(),
       py::arg("arrival_rates") = std::vector<double>{},
-      "Estimate one request against several instances in one call: [(ttft_s, n_batches, status), ...].");
+      "Estimate one request against several instances in one call: [(ttft_s, n_batches, status), ...].\n"
+      "`request`: one request for every snapshot, or a list with one per snapshot (a prompt length and\n"
+      "prefix hit of its own at each instance).");
 
   m.def(
       "batch_features",

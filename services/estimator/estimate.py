@@ -185,27 +185,22 @@ def plan(query: EstimateQuery, candidates: list[EstimateCandidate], store: State
 
 
 def run_jobs(p: Plan, cfg: EstimatorConfig) -> list[tuple[float, int, str]]:
-    """The BEA replays of a plan (libbea only: safe off the event loop while ``in_use`` is held)."""
-    groups: dict[tuple[int, int], list[int]] = {}  # one libbea call per distinct (prompt, hit)
-    for k, j in enumerate(p.jobs):
-        groups.setdefault((j.prompt_tokens, j.hit), []).append(k)
-    out: list[tuple[float, int, str]] = [(math.inf, 0, "error")] * len(p.jobs)
+    """The BEA replays of a plan in one libbea call, each candidate with its own prompt length and
+    hit (libbea only: safe off the event loop while ``in_use`` is held)."""
+    if not p.jobs:
+        return []
     q = p.query
-    for (ptoks, hit), ks in groups.items():
-        qd = {"id": q.id, "prompt_tokens": max(1, ptoks), "max_tokens": q.max_tokens,
-              "prefix_hit_tokens": hit, "priority": q.priority}
-        jobs = [p.jobs[k] for k in ks]
-        try:
-            res = libbea.estimate_many(
-                [j.snap for j in jobs], qd, [j.inputs.beta for j in jobs],
-                default_output_tokens=cfg.default_output_tokens, overrun_fraction=cfg.overrun_fraction,
-                ages=[j.inputs.age_s for j in jobs], aheads=[j.inputs.ahead for j in jobs],
-                arrival_rates=[j.inputs.arrival_tokens_per_s for j in jobs])
-        except ValueError:  # one bad instance must not sink the others: one at a time
-            res = [_one(j, qd, cfg) for j in jobs]
-        for k, r in zip(ks, res, strict=True):
-            out[k] = r
-    return out
+    qds = [{"id": q.id, "prompt_tokens": max(1, j.prompt_tokens), "max_tokens": q.max_tokens,
+            "prefix_hit_tokens": j.hit, "priority": q.priority} for j in p.jobs]
+    try:
+        res = libbea.estimate_many(
+            [j.snap for j in p.jobs], qds, [j.inputs.beta for j in p.jobs],
+            default_output_tokens=cfg.default_output_tokens, overrun_fraction=cfg.overrun_fraction,
+            ages=[j.inputs.age_s for j in p.jobs], aheads=[j.inputs.ahead for j in p.jobs],
+            arrival_rates=[j.inputs.arrival_tokens_per_s for j in p.jobs])
+    except ValueError:  # one bad instance must not sink the others: one at a time
+        res = [_one(j, qd, cfg) for j, qd in zip(p.jobs, qds, strict=True)]
+    return list(res)
 
 
 def _one(j: Job, qd: dict[str, Any], cfg: EstimatorConfig) -> tuple[float, int, str]:

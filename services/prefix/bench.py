@@ -2,8 +2,9 @@
 process (no stack), each against the form it replaced — vLLM's block-hash chain of an 8k-token
 prompt in Python and in libbea (cold: a new hasher; warm: the prompt seen before), the estimate
 request with token ids as msgpack ints and as packed bytes, the whole hit lookup at a mirror
-that holds the prompt, and the router's chunked encoding of a prompt whose document it has seen.
-Medians and p99 over ``reps`` runs."""
+that holds the prompt, the estimator's whole answer for three candidates with and without the
+prompt's ids (one of them holding the prompt: two distinct hits), and the router's chunked
+encoding of a prompt whose document it has seen. Medians and p99 over ``reps`` runs."""
 
 from __future__ import annotations
 
@@ -30,10 +31,11 @@ def _time(fn: Callable[[], Any], reps: int) -> dict[str, float]:
     return {"p50_ms": float(np.median(a)), "p99_ms": float(np.percentile(a, 99)), "n": reps}
 
 
-def _mirror(names: list[int]) -> PrefixMirror:
-    m = PrefixMirror("bench")
-    m.install(KvState(instance="bench", epoch="e", seq=-1, t=0.0))
-    m.apply(KvEvents(instance="bench", epoch="e", seq=0, t=0.0, ops=[KvOp("stored", names)]))
+def _mirror(names: list[int], instance: str = "bench") -> PrefixMirror:
+    m = PrefixMirror(instance)
+    m.install(KvState(instance=instance, epoch="e", seq=-1, t=0.0))
+    if names:
+        m.apply(KvEvents(instance=instance, epoch="e", seq=0, t=0.0, ops=[KvOp("stored", names)]))
     return m
 
 
@@ -79,9 +81,64 @@ def run_micro(prompt_tokens: int = 8192, block_size: int = 16, reps: int = 200, 
         "python_list": _time(lambda: prefix_hits(ids, targets, py_hashers), reps),
         "libbea_packed": _time(lambda: prefix_hits(view, targets, nat_hashers), reps),
     }
+    out["estimate"] = _estimate_micro(packed, names, spec, reps)
     if tokenizer:
         out["tokenize"] = _tokenize_micro(prompt_tokens, reps, seed)
     return out
+
+
+def candidate_store(names: list[int], spec: HashSpec) -> tuple[Any, float]:
+    """Three synced candidates a, b, c (sim-engine snapshots, four residents each) whose prefix
+    mirrors are a: ``names``, b and c: empty; and the capture time."""
+    import time as _t
+
+    from bear import libbea
+    from bear.estimator.state import StateStore
+    from bear.protocol.messages import InstanceRecord, PrefixCacheInfo
+    from bear.sim.profile import load_profile
+
+    engine = {**load_profile("qwen3-8b-h100").engine_config(), "block_size": spec.block_size,
+              "num_gpu_blocks": 8000, "enable_prefix_caching": True}
+    store, t0 = StateStore(), _t.time()
+    for k, inst in enumerate(("a", "b", "c")):
+        e = libbea.Engine(engine)
+        for r in range(4):
+            e.add(f"{inst}-{r}", 2000, 256, 100)
+        e.step()
+        e.finish_step()
+        st = store.get(inst)
+        st.on_registry(InstanceRecord(id=inst, model="m", base_url="http://x/v1", heartbeat=t0, config=engine,
+                                      tokenizer="tok-bench",
+                                      prefix_cache=PrefixCacheInfo(block_size=spec.block_size, events=True)))
+        st.prefix = _mirror(names if k == 0 else [], inst)
+        store.offer(inst, encode(e.snapshot(inst, "m", t0)), t0)
+    return store, t0
+
+
+def _estimate_micro(packed: bytes, names: list[int], spec: HashSpec, reps: int) -> dict[str, Any]:
+    """The estimator's answer (``bear.estimator.estimate``: plan + replays) for three candidates
+    (``candidate_store``: the first holds the whole prompt) with the prompt's ids (hits 8k, 0, 0:
+    two distinct hits) and without (the estimated length at all three); and the replays alone
+    (``run_jobs``) of each plan."""
+    from bear.estimator.estimate import EstimatorConfig, estimate, plan, run_jobs
+    from bear.protocol.messages import EstimateCandidate
+
+    store, t0 = candidate_store(names, spec)
+    cfg, now = EstimatorConfig(), t0 + 0.005
+    q = EstimateQuery(id="q", prompt_tokens=len(packed) // 4, max_tokens=1)
+    exact = [EstimateCandidate(instance=i, tokenizer="tok-bench") for i in ("a", "b", "c")]
+    guessed = [EstimateCandidate(instance=i) for i in ("a", "b", "c")]
+    tokens = {"tok-bench": packed}
+    rows = estimate(q, exact, store, now, cfg, tokens=tokens)
+    with_hits, without = plan(q, exact, store, now, cfg, tokens=tokens), plan(q, guessed, store, now, cfg)
+    return {
+        "hits": [r.prefix_hit_tokens for r in rows],
+        "distinct_prompt_hits": len({(j.prompt_tokens, j.hit) for j in with_hits.jobs}),
+        "with_ids_and_hits": _time(lambda: estimate(q, exact, store, now, cfg, tokens=tokens), reps),
+        "without_ids": _time(lambda: estimate(q, guessed, store, now, cfg), reps),
+        "replays_with_hits": _time(lambda: run_jobs(with_hits, cfg), reps),
+        "replays_without": _time(lambda: run_jobs(without, cfg), reps),
+    }
 
 
 def _tokenize_micro(prompt_tokens: int, reps: int, seed: int) -> dict[str, Any]:

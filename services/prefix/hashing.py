@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,6 +159,33 @@ class BlockHasher:
         if self._nat is not None:
             return (h for names, _ in self._batches(token_ids, max_blocks, False) for h in names)
         return (h for _, h in self._py_links(_u32(token_ids), max_blocks))
+
+    def held_run(self, token_ids: Sequence[int], max_blocks: int, holders: Sequence[Container[int]]) -> list[int]:
+        """How many leading blocks of ``token_ids`` (at most ``max_blocks``) each holder (a set of
+        block names) holds. libbea walks the chain in one call, copying the links of the
+        longest recent prompt this one repeats (token ids compared, not hashed) and checking each
+        holder per block; the reference walks ``names`` here."""
+        if not holders:
+            return []
+        if self._nat is not None:
+            from bear import libbea
+
+            return list(libbea.prefix_held_run(self._nat, _u32(token_ids), max(0, max_blocks), list(holders)))
+        if len(holders) == 1:  # the common case: one instance holds the prompt
+            held, n = holders[0], 0
+            for h in self.names(token_ids, max_blocks):
+                if h not in held:
+                    break
+                n += 1
+            return [n]
+        run, alive = [0] * len(holders), list(range(len(holders)))
+        for h in self.names(token_ids, max_blocks):
+            alive = [i for i in alive if h in holders[i]]
+            if not alive:
+                break
+            for i in alive:
+                run[i] += 1
+        return run
 
     def hashes(self, token_ids: Sequence[int], max_blocks: int | None = None) -> list[int]:
         """The blocks' names as KV events carry them (``external``), all at once."""

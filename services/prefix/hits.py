@@ -3,7 +3,8 @@ instance's mirror: what vLLM's ``find_longest_cache_hit`` would find there now.
 
 The prompt is hashed once per distinct ``HashSpec`` (instances of one model family share the
 chain), block by block, and only as far as some instance still holds the blocks: a prompt that
-no instance has seen costs one block hash. The hit is capped as vLLM caps it: at least the last
+no instance has seen costs one block hash; one that repeats a recent prompt copies its links
+(``BlockHasher.held_run``: one libbea call per spec, the mirrors checked there per block). The hit is capped as vLLM caps it: at least the last
 prompt token is recomputed (``max_cache_hit_length = num_tokens − 1``), so a fully cached
 prompt hits ``(P − 1) // block_size`` blocks.
 """
@@ -50,21 +51,7 @@ def prefix_hits(tokens: Sequence[int], targets: Sequence[Target], hashers: Hashe
         alive = [k for k in ks if len(targets[k].mirror)]
         if not alive or cap == 0:
             continue
-        held = [targets[k].mirror.counts for k in alive]
-        matched = 0
-        for h in hashers.get(spec).names(tokens, cap):
-            if len(held) == 1:  # the common case: one instance holds the prefix
-                if h not in held[0]:
-                    break
-            else:
-                keep = [i for i, c in enumerate(held) if h in c]
-                if len(keep) < len(held):
-                    for i in set(range(len(held))) - set(keep):
-                        out[alive[i]] = matched * spec.block_size
-                    alive, held = [alive[i] for i in keep], [held[i] for i in keep]
-                    if not alive:
-                        break
-            matched += 1
-        for k in alive:
-            out[k] = matched * spec.block_size
+        runs = hashers.get(spec).held_run(tokens, cap, [targets[k].mirror.counts for k in alive])
+        for k, r in zip(alive, runs, strict=True):
+            out[k] = r * spec.block_size
     return out

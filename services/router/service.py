@@ -59,6 +59,7 @@ RESEND_S = 3.0  # terminal messages sent this long before a reconnect are sent a
 RESEND_MAX = 20_000
 CANCEL_MEMORY = 4096  # ids of cancelled queries remembered (a cancel may overtake its submission)
 CANCEL_MEMORY_S = 60.0
+WRITE_YIELDS = 4  # loop turns given to nats-py's flusher before tokenising (one suffices: it is next in line)
 
 
 @dataclass
@@ -432,11 +433,21 @@ class RouterService:
         if not ids:
             return {}
         self.tokenizers.want(ids)
+        await self._requests_written()
         try:
             return await self.tokenizers.encode(ids, q.prompt, q.messages)
         except Exception as exc:  # a tokenizer that fails on this input: lengths are estimated
             log.warning("tokenize failed", query_id=q.query_id, error=repr(exc))
             return {}
+
+    async def _requests_written(self) -> None:
+        """Let the claim and predictor requests just published reach the socket before the loop
+        is busy tokenising (nats-py writes them from its flusher task, which runs only when the
+        loop is free): so the predictor works while the router tokenises, not after."""
+        for _ in range(WRITE_YIELDS):
+            if not getattr(self.nc, "pending_data_size", 0):
+                return
+            await asyncio.sleep(0)
 
     async def _ask(self, q: Query, insts: list[InstanceInfo], ptoks: int) -> Asked:
         """The dedup claim, the predictor and the estimator, concurrently (three tasks, no nesting),

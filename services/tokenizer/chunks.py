@@ -3,14 +3,25 @@
 Prompts that prefix caching helps are the ones that repeat: every turn of a conversation resends
 the last, documents and system prompts recur. Encoding an 8k-token prompt costs milliseconds; a
 router that did it in full for every query would spend more on tokenising than on deciding. So
-the text is cut into chunks at *safe boundaries* — a single space between two letters, where
-every pre-tokenizer in use (byte-level BPE regexes, metaspace, whitespace) splits, so no token
-crosses it — about every ``stride`` characters, each chunk named by the digest of the text up to its
-end (two prompts share a chunk name only if they share everything up to its end).
-A chunk's token ids are cached by name, packed (``bear.protocol.token_ids``: the estimate
-request's wire form, so a prompt's ids are one ``bytes.join`` of its chunks, never a list of 8k
-ints); a prompt is the cached ids of its leading chunks plus one encoding of the rest, whose
-tokens are then split at the boundaries (by their character offsets) and cached in turn.
+a prompt is cut at *safe boundaries* — a single space between two letters, where every
+pre-tokenizer in use (byte-level BPE regexes, metaspace, whitespace) splits, so no token crosses
+it — about every ``stride`` characters, and the ids of the text before a boundary are the ids of
+an earlier prompt that had the same text there.
+
+The encoder remembers recent prompts (text, cuts, how many tokens precede each cut, the ids
+packed as the estimate request carries them: ``bear.protocol.token_ids``), each filed where it
+left the earlier prompt it was encoded from: under (that cut, its text from there to just past
+its next cut — where the two differ, else that would be a shared cut too), or under (0, its text
+to just past its first cut) when it had none. A new prompt starts at (0, its first chunk):
+among the few prompts filed there, the longest run of cuts whose text it repeats (a binary search
+over the cuts, each step one string comparison from the start — memcmp, no hashing, no Python
+work per chunk) takes it to a cut ``c``; it then looks under (``c``, its next characters) for
+prompts that left there its way, and so on — a conversation's turns are found turn by turn even
+when many conversations share a system prompt. The ids up to the last shared cut are one slice;
+the rest is encoded once, walked for its own cuts, and the prompt is filed in turn. A cut ``c`` of
+an earlier prompt is a cut of the new one when they agree on ``text[:c + 2]``: the walk's every
+decision up to ``c`` reads no further (the comparison is always from the start: a key only
+says where to look).
 
 The rule is checked, not assumed: at load the chunked and the full encoding are compared on
 probe texts, and every ``verify_every``-th encoding is compared again in full; a tokenizer that
@@ -20,10 +31,12 @@ post-processor adds tokens (a BOS) are encoded in full when special tokens are w
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -35,17 +48,32 @@ log = structlog.get_logger("bear.tokenizer")
 _SAFE = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")  # one space between two letters
 
 
+@dataclass(eq=False)
+class Seen:
+    """A prompt encoded before: its text, its cuts, the number of its tokens before each cut,
+    its ids (packed)."""
+
+    text: str
+    cuts: list[int]
+    ends: list[int]
+    ids: bytes
+
+
 class Deferred(Exception):
     """More new text than the caller's inline budget: encode it where blocking is allowed."""
 
 
 class ChunkedEncoder:
-    def __init__(self, tokenizer: Any, *, stride: int = 512, max_chunks: int = 65_536, verify_every: int = 256) -> None:
+    def __init__(self, tokenizer: Any, *, stride: int = 512, max_chars: int = 32 << 20, per_key: int = 4,
+                 verify_every: int = 256) -> None:
         self.tok = tokenizer
         self.stride = stride
-        self.max_chunks = max_chunks
+        self.max_chars = max_chars  # prompt text held in all (the texts are the callers' strings, not copies)
+        self.per_key = per_key  # recent prompts kept per key
         self.verify_every = verify_every
-        self.cache: dict[bytes, bytes] = {}  # chunk name → its ids, packed
+        self.seen: OrderedDict[tuple[int, str], list[Seen]] = OrderedDict()  # (cut, next chars) → newest first
+        self.held_chars = 0
+        self._lock = threading.Lock()  # the loop and the tokenizer pool share the encoder
         self.disabled: str | None = None
         self.encodings = 0
         self.hit_chars = 0
@@ -57,21 +85,27 @@ class ChunkedEncoder:
     def _full(self, text: str, specials: bool) -> bytes:
         return pack(self.tok.encode(text, add_special_tokens=specials).ids)
 
+    def clear(self) -> None:
+        with self._lock:
+            self.seen.clear()
+            self.held_chars = 0
+
     def _probe(self) -> None:
         rng = random.Random(0)
         words = ["alpha", "beta", "Ünïcode", "chat", "user", "<|im_start|>", "x1", "don't", "résumé"]
         for _ in range(8):
             text = " ".join(rng.choice(words) for _ in range(400)) + "\n\n  tail"
-            self.cache.clear()
-            self.encode(text[: rng.randrange(100, len(text))], False, check=False)  # caches a prefix
+            self.clear()
+            self.encode(text[: rng.randrange(100, len(text))], False, check=False)  # files a prefix
             if self.encode_packed(text, False, check=False) != self._full(text, False):
                 self.disabled = "chunked encoding differs from the full encoding on probe texts"
                 log.warning("tokenizer_chunking_off", reason=self.disabled)
                 break
-        self.cache.clear()
+        self.clear()
 
-    def _boundaries(self, text: str) -> list[int]:
-        out, pos, n = [], self.stride, len(text)
+    def _boundaries(self, text: str, start: int = 0) -> list[int]:
+        """The walk's cuts after ``start`` (0 or a cut)."""
+        out, pos, n = [], start + self.stride, len(text)
         while pos < n:
             m = _SAFE.search(text, pos)
             if m is None:
@@ -79,6 +113,30 @@ class ChunkedEncoder:
             out.append(m.start())
             pos = m.start() + self.stride
         return out
+
+    @staticmethod
+    def _shared(text: str, seen: Seen, beat: int) -> int:
+        """How many of ``seen``'s leading cuts are cuts of ``text`` with the same text before them
+        (module doc); ``beat`` or less when it is not more than ``beat``."""
+        cuts, old = seen.cuts, seen.text
+
+        def same(k: int) -> bool:  # text and old agree up to just past their k-th cut
+            end = cuts[k - 1] + 2
+            return text.startswith(old if end >= len(old) else old[:end])
+
+        hi = len(cuts)
+        if hi <= beat or not same(beat + 1):
+            return beat
+        if same(hi):
+            return hi
+        lo = beat + 1  # same(lo), not same(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if same(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def encode(self, text: str, specials: bool, *, check: bool = True,
                verify: Callable[[Callable[[], None]], None] | None = None) -> list[int]:
@@ -94,52 +152,71 @@ class ChunkedEncoder:
             if max_new_chars is not None and len(text) > max_new_chars:
                 raise Deferred
             return self._full(text, specials)
-        cuts = self._boundaries(text)
-        parts: list[bytes] = []
-        state, start, k = hashlib.blake2b(digest_size=16), 0, 0  # the digest of text[:start]
-        raw = text.encode() if text.isascii() else None  # ASCII: char cuts are byte cuts, no slice copies
-        view = memoryview(raw) if raw is not None else None
-        while k < len(cuts):
-            nxt = state.copy()
-            nxt.update(view[start:cuts[k]] if view is not None else text[start:cuts[k]].encode())
-            got = self.cache.get(nxt.digest())
-            if got is None:
-                break
-            parts.append(got)
-            state, start, k = nxt, cuts[k], k + 1
+        base, k = self._lookup(text)
+        start = base.cuts[k - 1] if base is not None else 0
         if max_new_chars is not None and len(text) - start > max_new_chars:
             raise Deferred
         self.total_chars += len(text)
         self.hit_chars += start
+        head = base.ids[:4 * base.ends[k - 1]] if base is not None else b""
+        cuts = base.cuts[:k] if base is not None else []
+        ends = base.ends[:k] if base is not None else []
         enc = self.tok.encode(text[start:], add_special_tokens=False)
-        rest = pack(enc.ids)
-        self._store(text, cuts[k:], start, state, rest, enc.offsets)
-        parts.append(rest)
-        ids = b"".join(parts)
+        new = self._boundaries(text, start)
+        offsets, j, n0 = enc.offsets, 0, len(head) // 4
+        for c in new:  # the tokens before each new cut: those starting before it
+            while j < len(offsets) and offsets[j][0] < c - start:
+                j += 1
+            ends.append(n0 + j)
+        ids = head + pack(enc.ids)
+        self._file(self._key(text, start), Seen(text, cuts + new, ends, ids))
         self.encodings += 1
         if check and verify is not None and self.verify_every and self.encodings % self.verify_every == 0:
             verify(lambda: self._verify(text, specials, ids))
         return ids
 
-    def _store(self, text: str, cuts: list[int], start: int, state: Any, ids: bytes,
-               offsets: list[tuple[int, int]]) -> None:
-        """Cache the chunks of ``text[start:]`` that end at ``cuts`` (its ids: ``ids``, packed,
-        with their character offsets from ``start``)."""
-        if not cuts:
-            return
-        if len(self.cache) + len(cuts) > self.max_chunks:
-            self.cache.clear()  # a bounded cache; the next prompts fill it again
-        j, s, n = 0, start, len(offsets)
-        for end in cuts:
-            first = j
-            while j < n and offsets[j][0] < end - start:  # the first token starting at or past the cut
-                j += 1
-            state.update(text[s:end].encode())
-            self.cache[state.digest()] = ids[4 * first:4 * j]
-            s = end
+    def _key(self, text: str, cut: int) -> tuple[int, str]:
+        """Where prompts that leave an earlier one at ``cut`` the way ``text`` does are filed."""
+        m = _SAFE.search(text, cut + self.stride)
+        return cut, text[cut:m.start() + 2 if m is not None else len(text)]
+
+    def _lookup(self, text: str) -> tuple[Seen | None, int]:
+        """The earlier prompt sharing the most leading cuts with ``text``, and how many (module doc)."""
+        base, k, pos = None, 0, 0
+        with self._lock:
+            while True:
+                key = self._key(text, pos)
+                group = self.seen.get(key)
+                if group is None:
+                    return base, k
+                self.seen.move_to_end(key)
+                found = k
+                for old in group:
+                    j = self._shared(text, old, k)
+                    if j > k:
+                        base, k = old, j
+                if k == found:
+                    return base, k
+                pos = base.cuts[k - 1]  # type: ignore[union-attr]
+
+    def _file(self, key: tuple[int, str], seen: Seen) -> None:
+        """Remember ``seen`` (newest first under its key; the oldest keys go past ``max_chars``)."""
+        with self._lock:
+            group = self.seen.get(key)
+            if group is None:
+                group = self.seen[key] = []
+            else:
+                self.seen.move_to_end(key)
+            group.insert(0, seen)
+            self.held_chars += len(seen.text)
+            while len(group) > self.per_key:
+                self.held_chars -= len(group.pop().text)
+            while self.held_chars > self.max_chars and len(self.seen) > 1:
+                _, old = self.seen.popitem(last=False)
+                self.held_chars -= sum(len(s.text) for s in old)
 
     def _verify(self, text: str, specials: bool, got: bytes) -> None:
         if self.disabled is None and got != self._full(text, specials):
             self.disabled = "a chunked encoding differed from the full one"
-            self.cache.clear()
+            self.clear()
             log.warning("tokenizer_chunking_off", reason=self.disabled)

@@ -222,6 +222,25 @@ def test_estimate_many_matches_single_estimates() -> None:
     assert many[1][0] == pytest.approx(libbea.estimate(b, query, beta=[0.1, 0.0, 0.0, 0.0])["ttft_s"])
 
 
+def test_estimate_many_takes_one_request_per_snapshot() -> None:
+    """One call for candidates with different prompt lengths and prefix hits (the estimator's
+    exact tokens and mirrored hits): each result is that snapshot's single estimate."""
+    a = libbea.Snapshot.from_dict(snapshot([decoding("A", 100, 3)]))
+    b = libbea.Snapshot.from_dict(snapshot([req("X", 5000, c=100, blocks=7)]))
+    for s in (a, b):
+        s.set_output_lengths({"A": 10, "X": 10})
+    beta = [0.01, 0.0001, 0.0, 0.0]  # step time grows with its tokens: a hit shortens the prefill
+    qs = [{"id": "q", "prompt_tokens": 3000, "max_tokens": 20, "prefix_hit_tokens": 2800},
+          {"id": "q", "prompt_tokens": 6000, "max_tokens": 20, "prefix_hit_tokens": 0}]
+    many = libbea.estimate_many([a, b], qs, [beta, beta], ages=[0.0, 0.01])
+    single = [libbea.estimate(s, q, beta=beta, age_s=age) for s, q, age in ((a, qs[0], 0.0), (b, qs[1], 0.01))]
+    assert [m[0] for m in many] == [r["ttft_s"] for r in single]
+    assert many[0][0] != libbea.estimate(a, qs[1], beta=beta)["ttft_s"]  # not one request for both
+    assert libbea.estimate_many([a, b], tuple(qs), [beta, beta], ages=[0.0, 0.01]) == many
+    with pytest.raises(ValueError, match="one request per snapshot"):
+        libbea.estimate_many([a, b], qs[:1], [beta, beta])
+
+
 def test_analytic_estimators() -> None:
     assert libbea.prefill_throughput_ttft(1000, 500, 1500) == pytest.approx(1.0)
     # eq. 13 with k=1 is M/M/1's waiting time rho / (mu - alpha).

@@ -305,3 +305,24 @@ async def test_streamed_answers_reuse_one_keep_alive_connection() -> None:
         assert opened == 1
     finally:
         await inst.stop()
+
+
+async def test_requests_are_on_the_wire_before_the_router_tokenises(router_env, monkeypatch) -> None:
+    """The claim and predictor requests reach the socket before the (inline, loop-blocking)
+    tokenisation starts, so the predictor works while the router tokenises."""
+    import dataclasses
+
+    _nc, router, _good, _log = router_env
+    q = parse_submit(pack({"v": "bear.submit/1", "query_id": "w1", "prompt": "hello there"}), router.cfg)
+    insts = [dataclasses.replace(i, tokenizer="tok-x") for i in router.registry.healthy()]
+    seen: list[int] = []
+
+    async def encode(ids, prompt, messages):
+        seen.append(router.nc.pending_data_size)
+        return {}
+
+    monkeypatch.setattr(router.tokenizers, "want", lambda ids: None)
+    monkeypatch.setattr(router.tokenizers, "encode", encode)
+    before = router.nc.stats["out_msgs"]
+    await router._ask(q, insts, 2)
+    assert seen == [0] and router.nc.stats["out_msgs"] - before >= 2  # claim and predictor, written

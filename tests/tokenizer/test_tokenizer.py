@@ -155,3 +155,67 @@ def test_chunking_turns_itself_off_for_a_tokenizer_it_would_get_wrong() -> None:
     assert ce.disabled is not None
     text = "ab " * 1000
     assert ce.encode(text, False) == Merging().encode(text).ids
+
+
+def test_shared_cuts_are_the_walks_own_cuts() -> None:
+    """The lookup's rule: the leading cuts of an earlier prompt that a new one repeats (text up to
+    just past each) are exactly the new prompt's own first cuts — checked against the walk."""
+    import random
+
+    from bear.tokenizer.chunks import ChunkedEncoder, Seen
+
+    rng = random.Random(11)
+    walker = ChunkedEncoder.__new__(ChunkedEncoder)
+    alphabet = "ab Z  ,.9_\n-é"
+    for trial in range(300):
+        walker.stride = (1, 3, 16, 64)[trial % 4]
+        old = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 1500)))
+        keep = rng.randrange(0, len(old) + 1)
+        new = old[:keep] + "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 300)))
+        seen = Seen(old, walker._boundaries(old), [], b"")
+        want = max([k for k in range(len(seen.cuts) + 1)
+                    if k == 0 or new[:seen.cuts[k - 1] + 2] == old[:seen.cuts[k - 1] + 2]])
+        for beat in range(want + 1):
+            assert walker._shared(new, seen, beat) == want, (trial, beat)
+        assert walker._shared(new, seen, want + 1) == want + 1  # nothing better than the best so far
+        assert walker._boundaries(new)[:want] == seen.cuts[:want]
+        if want:
+            start = seen.cuts[want - 1]
+            assert seen.cuts[:want] + walker._boundaries(new, start) == walker._boundaries(new)
+
+
+def test_chunked_encoder_memory_is_bounded(tmp_path: Path) -> None:
+    """Past ``max_chars`` the least recently used keys go; the documents' own entries, used by
+    every lookup, stay, so their text is still shared."""
+    from bear.stack.prefix_bench import _prompts, write_bench_tokenizer
+    from bear.tokenizer.chunks import ChunkedEncoder
+
+    tok, vocab = write_bench_tokenizer(tmp_path / "bpe")
+    ce = ChunkedEncoder(tok, max_chars=150_000, per_key=1)
+    prompts = _prompts(tok, vocab, 12, 2048, 4, seed=3)
+    for p in prompts:
+        assert ce.encode(p, False) == tok.encode(p, add_special_tokens=False).ids
+        assert ce.held_chars == sum(len(s.text) for g in ce.seen.values() for s in g) <= 150_000
+        assert all(len(g) == 1 for g in ce.seen.values())
+    assert sum(len(p) for p in prompts) > 150_000 > ce.held_chars  # some were let go
+    assert ce.hit_chars > 0.5 * ce.total_chars  # the four documents still shared within the bound
+
+
+def test_conversations_sharing_a_system_prompt_find_their_own_last_turn(tmp_path: Path) -> None:
+    """Many conversations under one long system prompt (more than the prompts kept per key): each
+    new turn reuses its own conversation's last turn, not only the system prompt."""
+    from bear.stack.prefix_bench import write_bench_tokenizer
+    from bear.tokenizer.chunks import ChunkedEncoder
+
+    tok, vocab = write_bench_tokenizer(tmp_path / "bpe")
+    ce = ChunkedEncoder(tok, per_key=2)
+    system = "system: " + " ".join(vocab[:600])
+    convs = [system + f" user {c}: " + " ".join(vocab[700 + 97 * c:1000 + 97 * c]) for c in range(10)]
+    for c in range(10):
+        ce.encode(convs[c], False)
+    for turn in range(3):
+        for c in range(10):
+            convs[c] += f" reply {turn}: " + " ".join(vocab[2000 + 31 * c + turn:2060 + 31 * c + turn])
+            h0 = ce.hit_chars
+            assert ce.encode(convs[c], False) == tok.encode(convs[c], add_special_tokens=False).ids
+            assert len(convs[c]) - (ce.hit_chars - h0) < 1500, (turn, c)  # only the new reply was encoded

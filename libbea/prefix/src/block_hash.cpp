@@ -5,6 +5,7 @@
 //   canonical CBOR: array(3) [bytes(32), array(n) of unsigned ints in their shortest form, null].
 #include "bea/prefix/block_hash.h"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 
@@ -132,6 +133,28 @@ size_t BlockHasher::memo_size() const {
   return memo_.size();
 }
 
+BlockHasher::Link BlockHasher::link_of(const Digest& parent, const uint32_t* block, std::string& key,
+                                       std::vector<uint8_t>& buf) {
+  const size_t b = static_cast<size_t>(block_size_);
+  std::memcpy(key.data(), parent.data(), 32);
+  std::memcpy(key.data() + 32, block, 4 * b);  // host order: a key, never compared across hosts
+  auto it = memo_.find(key);
+  if (it != memo_.end()) {
+    ++memo_hits_;
+    return it->second;
+  }
+  buf.clear();
+  serialize_block(algo_, parent, block, b, buf);
+  Link link;
+  link.digest = sha256(buf.data(), buf.size());
+  link.name = external_name(link.digest);
+  if (capacity_ > 0) {
+    if (memo_.size() >= capacity_) memo_.clear();  // bounded; the next prompts fill it again
+    memo_.emplace(key, link);
+  }
+  return link;
+}
+
 size_t BlockHasher::chain(const uint32_t* tokens, size_t n_tokens, size_t first, size_t count, const Digest& parent,
                           std::vector<Digest>* digests, std::vector<uint64_t>* names) {
   const size_t b = static_cast<size_t>(block_size_);
@@ -144,29 +167,44 @@ size_t BlockHasher::chain(const uint32_t* tokens, size_t n_tokens, size_t first,
   Digest cur = parent;
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t k = first; k < first + count; ++k) {
-    const uint32_t* blk = tokens + k * b;
-    std::memcpy(key.data(), cur.data(), 32);
-    std::memcpy(key.data() + 32, blk, 4 * b);  // host order: a key, never compared across hosts
-    auto it = memo_.find(key);
-    Link link;
-    if (it != memo_.end()) {
-      link = it->second;
-      ++memo_hits_;
-    } else {
-      buf.clear();
-      serialize_block(algo_, cur, blk, b, buf);
-      link.digest = sha256(buf.data(), buf.size());
-      link.name = external_name(link.digest);
-      if (capacity_ > 0) {
-        if (memo_.size() >= capacity_) memo_.clear();  // bounded; the next prompts fill it again
-        memo_.emplace(key, link);
-      }
-    }
+    const Link link = link_of(cur, tokens + k * b, key, buf);
     if (digests != nullptr) digests->push_back(link.digest);
     if (names != nullptr) names->push_back(link.name);
     cur = link.digest;
   }
   return count;
+}
+
+size_t BlockHasher::shared_blocks(const uint32_t* tokens, size_t blocks, size_t* which) const {
+  // Every chain starts at NONE_HASH: equal leading token ids give equal leading links.
+  const size_t b = static_cast<size_t>(block_size_);
+  size_t best = 0;
+  for (size_t r = 0; r < recent_.size(); ++r) {
+    const Recent& w = recent_[r];
+    const size_t n = std::min(blocks, w.links.size()) * b;
+    const size_t same = static_cast<size_t>(std::mismatch(tokens, tokens + n, w.tokens.data()).first - tokens) / b;
+    if (same > best) {
+      best = same;
+      *which = r;
+    }
+  }
+  return best;
+}
+
+void BlockHasher::keep_recent(const uint32_t* tokens, size_t blocks, std::vector<Link>&& links, size_t from,
+                              size_t shared) {
+  const size_t b = static_cast<size_t>(block_size_);
+  if (capacity_ == 0 || blocks == 0) return;
+  if (shared == blocks && shared > 0) {  // nothing new: the recent walk it followed moves to the front
+    std::rotate(recent_.begin(), recent_.begin() + static_cast<std::ptrdiff_t>(from),
+                recent_.begin() + static_cast<std::ptrdiff_t>(from) + 1);
+    return;
+  }
+  Recent w;
+  w.tokens.assign(tokens, tokens + blocks * b);
+  w.links = std::move(links);
+  recent_.insert(recent_.begin(), std::move(w));
+  if (recent_.size() > kRecentWalks) recent_.pop_back();
 }
 
 }  // namespace bea::prefix

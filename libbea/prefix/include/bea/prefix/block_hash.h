@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -41,6 +42,14 @@ class BlockHasher {
   size_t chain(const uint32_t* tokens, size_t n_tokens, size_t first, size_t count, const Digest& parent,
                std::vector<Digest>* digests, std::vector<uint64_t>* names);
 
+  // The chain of `tokens` from NONE_HASH, block by block, for at most `max_blocks` blocks, until
+  // `more(name)` returns false (that block counted): how many blocks were visited. The blocks a
+  // recent walk shared are copied from it (the longest common run of token ids with one of the
+  // kRecentWalks last prompts, compared directly), the rest come from the memo or are hashed;
+  // the walk is then kept as a recent one. `more` runs with the hasher's mutex held.
+  template <class More>
+  size_t walk(const uint32_t* tokens, size_t n_tokens, size_t max_blocks, More&& more);
+  static constexpr size_t kRecentWalks = 8;
   int block_size() const { return block_size_; }
   const Digest& none_hash() const { return none_hash_; }
   size_t memo_size() const;
@@ -51,6 +60,14 @@ class BlockHasher {
     Digest digest;
     uint64_t name;
   };
+  struct Recent {  // a walk: its prompt's leading token ids, one link per block visited
+    std::vector<uint32_t> tokens;
+    std::vector<Link> links;
+  };
+  Link link_of(const Digest& parent, const uint32_t* block, std::string& key, std::vector<uint8_t>& buf);  // mu_ held
+  size_t shared_blocks(const uint32_t* tokens, size_t blocks, size_t* which) const;  // mu_ held
+  void keep_recent(const uint32_t* tokens, size_t blocks, std::vector<Link>&& links, size_t from, size_t shared);
+  std::vector<Recent> recent_;  // newest first
   Algo algo_;
   int block_size_;
   Digest none_hash_;
@@ -60,5 +77,29 @@ class BlockHasher {
   std::unordered_map<std::string, Link> memo_;
   uint64_t memo_hits_ = 0;
 };
+
+template <class More>
+size_t BlockHasher::walk(const uint32_t* tokens, size_t n_tokens, size_t max_blocks, More&& more) {
+  const size_t b = static_cast<size_t>(block_size_);
+  const size_t full = std::min(n_tokens / b, max_blocks);
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t from = 0;
+  const size_t shared = shared_blocks(tokens, full, &from);
+  std::vector<Link> links;
+  links.reserve(full);
+  std::string key(32 + 4 * b, '\0');
+  std::vector<uint8_t> buf;
+  Digest cur = none_hash_;
+  size_t k = 0;
+  while (k < full) {
+    const Link link = k < shared ? recent_[from].links[k] : link_of(cur, tokens + k * b, key, buf);
+    links.push_back(link);
+    cur = link.digest;
+    ++k;
+    if (!more(link.name)) break;
+  }
+  keep_recent(tokens, k, std::move(links), from, std::min(shared, k));
+  return k;
+}
 
 }  // namespace bea::prefix
