@@ -149,3 +149,23 @@ async def test_nats_restart_mid_load(stack: Stack) -> None:
     assert len(res.outcomes) >= len(qs) // 2
     # New queries route again within 2 s of the restart.
     assert routed_again.get("s", math.inf) <= 2.0, routed_again
+
+
+def test_up_hands_policy_params_to_its_routers(tmp_path, monkeypatch) -> None:
+    """``bear up --param`` reaches every router's command line (``--param=NAME=VALUE``), checked
+    against the policy first; without it the routers get none (the policy's defaults)."""
+    from typer.testing import CliRunner
+
+    import bear.stack.commands as up
+    from bear.cli import app
+
+    seen: list = []
+    monkeypatch.setattr(up, "run_up", lambda cfg, *a: seen.append(cfg) or 0)
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["up", "--param", "overflow=0", "--gateway-port", "0"])
+    assert res.exit_code == 0, res.output
+    assert seen[-1].router_args == ["--param=overflow=0"]
+    res = CliRunner().invoke(app, ["up", "--gateway-port", "0"])
+    assert res.exit_code == 0 and seen[-1].router_args == []
+    res = CliRunner().invoke(app, ["up", "--policy", "score", "--param", "overflow=1"])
+    assert res.exit_code == 2 and len(seen) == 2  # refused before anything was built
