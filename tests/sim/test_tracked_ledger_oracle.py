@@ -28,6 +28,7 @@ class Outcome:
 
     exact_tracked: bool
     exact_counts: bool
+    exact_chains: bool  # the ledger without block keys (hit_blocks chains only)
     preempted: bool
     evicted: bool
     hit: bool
@@ -105,6 +106,8 @@ def run_case(seed: int) -> Outcome:
     counts = libbea.estimate(libbea.Snapshot.from_dict(untracked(snap)),
                              {**query, "prefix_hit_tokens": qtab["prefix_hit_tokens"]}, beta=BETA, lengths=lengths,
                              trace=True)
+    chains = libbea.estimate(libbea.Snapshot.from_dict(without(snap, ("block_keys",))),
+                             {**query, **qtab, "block_keys": []}, beta=BETA, lengths=lengths, trace=True)
     e.add("Q", len(prompt), 64, len(answer), 0.0, 0, block_hashes=qhashes)
     seen: list[dict[str, int]] = []
     free_after: list[int] = []  # the engine's free blocks right after each schedule()
@@ -121,17 +124,22 @@ def run_case(seed: int) -> Outcome:
         evicted |= any(kind == "removed" for kind, _ in e.take_kv_events())
         if any(rid == "Q" for rid, _, _ in outs):
             break
-    return Outcome(seen == tracked["batches"], seen == counts["batches"], preempted, evicted,
+    return Outcome(seen == tracked["batches"], seen == counts["batches"], seen == chains["batches"], preempted, evicted,
                    e.prefix_hit_tokens("Q") > 0, seen, tracked["batches"], counts["batches"], snap,
                    (free_after, [st["free_blocks"] for st in tracked["steps"]]))
 
 
+def without(snap: dict, fields: tuple[str, ...]) -> dict:
+    """The snapshot without these request fields (and without its table with them all)."""
+    out = {k: v for k, v in snap.items() if k != "tracked_blocks" or "tracked" not in fields}
+    out["running"] = [{k: v for k, v in r.items() if k not in fields} for r in snap["running"]]
+    out["waiting"] = [{k: v for k, v in r.items() if k not in fields} for r in snap["waiting"]]
+    return out
+
+
 def untracked(snap: dict) -> dict:
     """The snapshot as today's count model sees it: hits as prefix_hit_tokens only."""
-    out = {k: v for k, v in snap.items() if k != "tracked_blocks"}
-    out["running"] = [{k: v for k, v in r.items() if k != "tracked"} for r in snap["running"]]
-    out["waiting"] = [{k: v for k, v in r.items() if k != "hit_blocks"} for r in snap["waiting"]]
-    return out
+    return without(snap, ("tracked", "hit_blocks", "block_keys"))
 
 
 def summary(n: int, seed: int = 0) -> dict[str, float]:
@@ -140,6 +148,7 @@ def summary(n: int, seed: int = 0) -> dict[str, float]:
     frac = lambda xs, f: sum(f(x) for x in xs) / max(1, len(xs))  # noqa: E731
     return {"cases": n, "exact_tracked": frac(res, lambda r: r.exact_tracked),
             "exact_counts": frac(res, lambda r: r.exact_counts),
+            "exact_chains_without_keys": frac(res, lambda r: r.exact_chains),
             "pressure_cases": len(pressure), "exact_tracked_under_pressure": frac(pressure, lambda r: r.exact_tracked),
             "exact_counts_under_pressure": frac(pressure, lambda r: r.exact_counts),
             "preempted": frac(res, lambda r: r.preempted), "evicted": frac(res, lambda r: r.evicted),
@@ -148,8 +157,9 @@ def summary(n: int, seed: int = 0) -> dict[str, float]:
 
 def test_replay_with_tracked_blocks_is_exact_under_kv_pressure() -> None:
     s = summary(500, seed=1)
-    assert s["preempted"] > 0.2 and s["evicted"] > 0.3 and s["query_hit"] > 0.3, s  # the pressure is real
-    assert s["exact_counts_under_pressure"] < 0.8, s  # the count model misses these
+    assert s["preempted"] > 0.15 and s["evicted"] > 0.5 and s["query_hit"] > 0.5, s  # the pressure is real
+    assert s["exact_counts_under_pressure"] < 0.5, s  # the count model misses these
+    assert s["exact_chains_without_keys"] < 0.9, s  # hits on blocks computed during the replay need keys
     assert s["exact_tracked"] >= 0.99, s
 
 

@@ -58,7 +58,7 @@ class ArrivalFill {
 // Not with tracked blocks: the fast paths allocate outside the ledger's hooks.
 bool fast_path(const Prepared& p, const ReplayOptions& opt) {
   const Config& cfg = p.cfg;
-  return !cfg.async_scheduling && opt.collapse && !opt.trace && cfg.block_size <= 4096 && p.tracked_pos.empty();
+  return !cfg.async_scheduling && opt.collapse && !opt.trace && cfg.block_size <= 4096 && !p.tracked;
 }
 
 // The sync engine loop (§2) from `sched` as it stands, the query already queued; `now` is the
@@ -130,11 +130,11 @@ int32_t enqueue(Scheduler& sched, const Query& q, const std::vector<Query>& ahea
     const Query& a = ahead[k];
     if (a.prompt_tokens > max_model_len) throw std::invalid_argument("ahead.prompt_tokens exceeds max_model_len");
     const int32_t i = sched.add(query_req(a, t, opt));
-    if (ledger != nullptr) ledger->add_request(i, a.prefix_hit_tokens, a.hit_blocks, "ahead[" + std::to_string(k) + "].hit_blocks");
+    if (ledger != nullptr) ledger->add_request(i, a.prefix_hit_tokens, a.hit_blocks, a.block_keys, "ahead[" + std::to_string(k) + "].hit_blocks");
     else if (a.hit_blocks && !a.hit_blocks->empty()) throw std::invalid_argument("ahead.hit_blocks: the snapshot has no tracked_blocks");
   }
   const int32_t i = sched.add(query_req(q, t, opt));
-  if (ledger != nullptr) ledger->add_request(i, q.prefix_hit_tokens, q.hit_blocks, "request.hit_blocks");
+  if (ledger != nullptr) ledger->add_request(i, q.prefix_hit_tokens, q.hit_blocks, q.block_keys, "request.hit_blocks");
   else if (q.hit_blocks && !q.hit_blocks->empty()) throw std::invalid_argument("request.hit_blocks: the snapshot has no tracked_blocks");
   return i;
 }
@@ -153,7 +153,7 @@ Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt, c
   Scheduler sched(p.cfg);
   sched.load(p.reqs, p.n_running, p.free_blocks);
   std::optional<TrackedLedger> ledger;
-  if (!p.tracked_pos.empty()) {
+  if (p.tracked) {
     ledger.emplace(p);
     sched.set_ledger(&*ledger);
   }

@@ -26,6 +26,7 @@ Request request_from_value(const Value& r, const std::string& path, const Config
   q.arrival = opt_double(r, "arrival", p, 0.0);
   if (auto t = opt_index_list(r, "tracked", p, kMaxBlocks)) q.tracked = std::move(*t);  // checked against the table by the snapshot
   q.hit_blocks = opt_index_list(r, "hit_blocks", p, kMaxBlocks);
+  q.block_keys = opt_key_list(r, "block_keys", p);
   return q;
 }
 
@@ -41,6 +42,7 @@ Query query_from_value(const Value& v) {
   q.arrival = opt_double(v, "arrival", "request.", 0.0);
   q.predicted_output = opt_int(v, "predicted_output", "request.", -1, kMaxTokens, -1);
   q.hit_blocks = opt_index_list(v, "hit_blocks", "request.", kMaxBlocks);  // checked against the table by the estimate
+  q.block_keys = opt_key_list(v, "block_keys", "request.");
   return q;
 }
 
@@ -61,6 +63,7 @@ Value request_to_value(const Request& r) {
   if (r.placeholders > 0) d.map.emplace_back("placeholders", int_value(r.placeholders));
   if (!r.tracked.empty()) d.map.emplace_back("tracked", int_list_value(r.tracked));
   if (r.hit_blocks) d.map.emplace_back("hit_blocks", int_list_value(*r.hit_blocks));
+  if (!r.block_keys.empty()) d.map.emplace_back("block_keys", int_list_value(r.block_keys));
   return d;
 }
 

@@ -66,18 +66,22 @@ void tracked_from(const Value& v, Snapshot& s) {
       if (pos[k] >= 0 && pos[k] == pos[k - 1]) bad("tracked_blocks", "a free-queue position given twice");
   }
   const auto n = static_cast<int64_t>(s.tracked_blocks.size());
+  s.has_tracked = n > 0;
   for (const auto* list : {&s.running, &s.waiting})
     for (size_t k = 0; k < list->size(); ++k) {
       const Request& r = (*list)[k];
       const std::string p = (list == &s.running ? "running[" : "waiting[") + std::to_string(k) + "].";
       if (list == &s.waiting && !r.tracked.empty()) bad(p + "tracked", "a waiting request holds no blocks");
       if (list == &s.running && r.hit_blocks) bad(p + "hit_blocks", "only waiting requests have a hit chain");
+      if (!r.block_keys.empty() && !s.config.enable_prefix_caching)
+        bad(p + "block_keys", "needs config.enable_prefix_caching");
       if (static_cast<int64_t>(r.tracked.size()) > r.blocks) bad(p + "tracked", "more blocks than it holds");
       for (size_t j = 0; j < r.tracked.size(); ++j) {
         if (r.tracked[j] >= n) bad(p + "tracked[" + std::to_string(j) + "]", "not an index into tracked_blocks");
         if (s.tracked_blocks[static_cast<size_t>(r.tracked[j])] >= 0)
           bad(p + "tracked[" + std::to_string(j) + "]", "a block in the free queue is not held");
       }
+      if (!r.block_keys.empty()) s.has_tracked = true;
       if (r.hit_blocks)
         for (size_t j = 0; j < r.hit_blocks->size(); ++j)
           if ((*r.hit_blocks)[j] >= n) bad(p + "hit_blocks[" + std::to_string(j) + "]", "not an index into tracked_blocks");

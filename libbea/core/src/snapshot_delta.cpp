@@ -151,6 +151,7 @@ std::vector<std::string> apply_delta(Snapshot& s, ResidentIds& ids, const Value&
       if (predicted) r.predicted_output = predicted(r.id);
       r.tracked.clear();  // deltas do not carry the tracked-block table (a full snapshot does)
       r.hit_blocks.reset();
+      r.block_keys.clear();
       added_ids.push_back(r.id);
       added.push_back(std::move(r));
     }
@@ -297,13 +298,15 @@ std::vector<std::string> apply_delta(Snapshot& s, ResidentIds& ids, const Value&
     }
   }
   s.inflight = std::move(inflight);
-  if (!s.tracked_blocks.empty()) {  // the free queue moved: the table no longer describes it
+  if (s.has_tracked) {  // the free queue moved: the table no longer describes it
     s.tracked_blocks.clear();
     for (auto* list : {&s.running, &s.waiting})
       for (auto& r : *list) {
         r.tracked.clear();
         r.hit_blocks.reset();
+        r.block_keys.clear();
       }
+    s.has_tracked = false;
   }
   s.free_blocks = free_blocks;
   s.seq = h.seq;

@@ -21,24 +21,31 @@ TrackedLedger::TrackedLedger(const Prepared& p)
     }
   }
   reqs_.resize(p.reqs.size());
+  for (size_t k = 0; k < p.reqs.size(); ++k) {  // blocks learn their keys from whoever lists them
+    const auto& keys = p.keys[k];
+    const auto& list = p.chains[k];
+    for (size_t j = 0; j < list.size() && j < keys.size(); ++j) {
+      Block& b = blocks_[static_cast<size_t>(list[j])];
+      if (b.key < 0) b.key = keys[j];
+    }
+  }
+  for (size_t t = 0; t < blocks_.size(); ++t)
+    if (blocks_[t].cached && blocks_[t].key >= 0) by_key_[blocks_[t].key].push_back(static_cast<int32_t>(t));
   for (size_t k = 0; k < p.reqs.size(); ++k) {
     const Prepared::Req& r = p.reqs[k];
     Holder& h = reqs_[k];
     h.reported = r.hit;
+    h.keys = p.keys[k];
+    h.has_chain = p.has_chain[k] != 0;
     if (k >= p.n_running) {
-      h.has_chain = p.has_chain[k] != 0;
       if (h.has_chain) h.chain = p.chains[k];
       continue;
     }
     h.tracked = p.chains[k];
     h.held = r.kv.held;
     h.own = h.held - static_cast<int64_t>(h.tracked.size());
-    h.full = std::min(h.held, std::min(r.C, r.P + r.O) / block_size_);
-    for (size_t j = 0; j < h.tracked.size(); ++j) {
-      Block& b = blocks_[static_cast<size_t>(h.tracked[j])];
-      ++b.ref;
-      if (static_cast<int64_t>(j) < h.full) b.cached = true;
-    }
+    for (int32_t t : h.tracked) ++blocks_[static_cast<size_t>(t)].ref;
+    computed(static_cast<int32_t>(k), std::min(r.C, r.P + r.O));
   }
   for (Block& b : blocks_)
     if (!b.queued && b.ref == 0) b.ref = 1;  // held by a request the snapshot does not list: kept
@@ -51,33 +58,46 @@ TrackedLedger::Holder& TrackedLedger::at(int32_t req) {
 }
 
 void TrackedLedger::add_request(int32_t req, int64_t reported_hit_tokens,
-                                const std::optional<std::vector<int32_t>>& chain, const std::string& field) {
+                                const std::optional<std::vector<int32_t>>& chain, const std::vector<int64_t>& keys,
+                                const std::string& field) {
   Holder& h = at(req);
   h.reported = reported_hit_tokens;
+  h.keys = keys;
+  h.has_chain = chain.has_value() || !keys.empty();
   if (!chain) return;
   for (size_t j = 0; j < chain->size(); ++j)
     if ((*chain)[j] < 0 || static_cast<size_t>((*chain)[j]) >= table_size_)
       throw std::invalid_argument(field + "[" + std::to_string(j) + "]: not an index into the snapshot's tracked_blocks");
   h.chain = *chain;
-  h.has_chain = true;
+  for (size_t j = 0; j < h.chain.size() && j < keys.size(); ++j) {
+    const int32_t t = h.chain[j];
+    if (blocks_[static_cast<size_t>(t)].key >= 0) continue;
+    blocks_[static_cast<size_t>(t)].key = keys[j];
+    if (blocks_[static_cast<size_t>(t)].cached && blocks_[static_cast<size_t>(t)].alive) by_key_[keys[j]].push_back(t);
+  }
 }
 
-int64_t TrackedLedger::position(int32_t t) const {
-  const Block& b = blocks_[static_cast<size_t>(t)];
-  return b.queued ? b.abs - base_ : -1;
+int32_t TrackedLedger::lookup(int64_t key) const {
+  auto it = by_key_.find(key);
+  return it == by_key_.end() || it->second.empty() ? -1 : it->second.front();
 }
 
-PrefixHit TrackedLedger::chain_hit(const Holder& h, int64_t num_tokens, int64_t& phantom) const {
+PrefixHit TrackedLedger::walk(const Holder& h, int64_t num_tokens, int64_t& phantom,
+                              std::vector<int32_t>* blocks) const {
   PrefixHit out;
   const int64_t cap = num_tokens <= 0 ? 0 : (num_tokens - 1) / block_size_;
   phantom = std::min(h.has_chain ? h.phantom : h.reported / block_size_, cap);
   int64_t n = phantom;
-  for (int32_t t : h.chain) {
-    if (n >= cap) break;
-    const Block& b = blocks_[static_cast<size_t>(t)];
-    if (!b.alive || !b.cached) break;
-    ++n;
-    if (b.ref == 0) ++out.evictable;
+  for (; n < cap; ++n) {
+    int32_t t = n < static_cast<int64_t>(h.keys.size()) ? lookup(h.keys[static_cast<size_t>(n)]) : -1;
+    const auto j = static_cast<size_t>(n - phantom);
+    if (t < 0 && j < h.chain.size()) {
+      const Block& c = blocks_[static_cast<size_t>(h.chain[j])];
+      if (c.alive && c.cached) t = h.chain[j];
+    }
+    if (t < 0) break;
+    if (blocks_[static_cast<size_t>(t)].ref == 0) ++out.evictable;
+    if (blocks != nullptr) blocks->push_back(t);
   }
   out.blocks = n;
   out.tokens = n * block_size_;
@@ -88,21 +108,20 @@ PrefixHit TrackedLedger::hit(int32_t req, int64_t num_tokens) const {
   static const Holder none;
   const Holder& h = req >= 0 && static_cast<size_t>(req) < reqs_.size() ? reqs_[static_cast<size_t>(req)] : none;
   int64_t phantom = 0;
-  return chain_hit(h, num_tokens, phantom);
+  return walk(h, num_tokens, phantom, nullptr);
 }
 
 void TrackedLedger::admitted(int32_t req, int64_t num_tokens, int64_t total_blocks) {
   Holder& h = at(req);
   if (h.held != 0) throw std::logic_error("tracked ledger: admitted while holding blocks");
   int64_t phantom = 0;
-  const PrefixHit hit = chain_hit(h, num_tokens, phantom);
-  h.tracked.clear();
-  for (int64_t j = 0; j < hit.blocks - phantom; ++j) {  // touch: free hit blocks leave the queue
-    const int32_t t = h.chain[static_cast<size_t>(j)];
+  std::vector<int32_t> found;
+  const PrefixHit hit = walk(h, num_tokens, phantom, &found);
+  for (int32_t t : found) {  // touch: free hit blocks leave the queue
     if (blocks_[static_cast<size_t>(t)].ref == 0) unqueue(t);
     ++blocks_[static_cast<size_t>(t)].ref;
-    h.tracked.push_back(t);
   }
+  h.tracked = std::move(found);
   h.chain.clear();
   h.phantom = phantom;
   h.has_chain = true;  // a later hit is the chain its preemption leaves
@@ -125,8 +144,20 @@ void TrackedLedger::computed(int32_t req, int64_t tokens) {
   Holder& h = at(req);
   const int64_t full = std::min(h.held, std::max<int64_t>(0, tokens) / block_size_);
   if (full <= h.full) return;
-  for (size_t j = 0; j < h.tracked.size(); ++j)
-    if (h.phantom + static_cast<int64_t>(j) < full) blocks_[static_cast<size_t>(h.tracked[j])].cached = true;
+  const auto n_keys = static_cast<int64_t>(h.keys.size());
+  for (size_t j = 0; j < h.tracked.size(); ++j) {
+    const int64_t pos = h.phantom + static_cast<int64_t>(j);
+    if (pos >= h.full && pos < full) cache(h.tracked[j], pos < n_keys ? h.keys[static_cast<size_t>(pos)] : -1);
+  }
+  // Its own blocks computed under a key become tracked blocks: a later hit can name them.
+  for (int64_t pos = h.phantom + static_cast<int64_t>(h.tracked.size()); pos < std::min(full, n_keys) && h.own > 0;
+       ++pos) {
+    const int32_t t = add_block();
+    blocks_[static_cast<size_t>(t)].ref = 1;
+    cache(t, h.keys[static_cast<size_t>(pos)]);
+    h.tracked.push_back(t);
+    --h.own;
+  }
   h.full = full;
 }
 
@@ -139,7 +170,12 @@ void TrackedLedger::released(int32_t req, bool preempted) {
   std::vector<int32_t> fresh;  // a preempted request's cached own blocks, last first
   if (preempted) {
     fresh.reserve(static_cast<size_t>(own_cached));
-    for (int64_t k = 0; k < own_cached; ++k) fresh.push_back(append(-1));
+    for (int64_t k = 0; k < own_cached; ++k) {
+      const int32_t t = add_block();
+      blocks_[static_cast<size_t>(t)].cached = true;
+      append(t);
+      fresh.push_back(t);
+    }
   } else {
     free_ += own_cached;  // at the back, untracked: nobody's hit
   }
@@ -164,6 +200,25 @@ void TrackedLedger::released(int32_t req, bool preempted) {
   h.own = h.held = h.full = 0;
 }
 
+void TrackedLedger::cache(int32_t t, int64_t key) {
+  Block& b = blocks_[static_cast<size_t>(t)];
+  if (b.cached || !b.alive) return;
+  b.cached = true;
+  if (b.key < 0) b.key = key;
+  if (b.key >= 0) by_key_[b.key].push_back(t);
+}
+
+void TrackedLedger::forget(int32_t t) {
+  Block& b = blocks_[static_cast<size_t>(t)];
+  b.alive = false;
+  b.queued = false;
+  if (b.key < 0 || !b.cached) return;
+  auto it = by_key_.find(b.key);
+  if (it == by_key_.end()) return;
+  auto& v = it->second;
+  v.erase(std::remove(v.begin(), v.end(), t), v.end());
+}
+
 void TrackedLedger::unqueue(int32_t t) {
   Block& b = blocks_[static_cast<size_t>(t)];
   for (Block& u : blocks_)
@@ -178,14 +233,11 @@ void TrackedLedger::pop(int64_t n) {
   base_ += n;
   if (base_ <= low_) return;
   low_ = kNone;
-  for (Block& b : blocks_) {
+  for (size_t t = 0; t < blocks_.size(); ++t) {
+    const Block& b = blocks_[t];
     if (!b.queued) continue;
-    if (b.abs < base_) {
-      b.queued = false;
-      b.alive = false;  // popped: reused, its hash evicted
-    } else {
-      low_ = std::min(low_, b.abs);
-    }
+    if (b.abs < base_) forget(static_cast<int32_t>(t));  // popped: reused, its hash evicted
+    else low_ = std::min(low_, b.abs);
   }
 }
 
@@ -194,18 +246,17 @@ void TrackedLedger::prepend(int64_t n) {
   free_ += n;
 }
 
-int32_t TrackedLedger::append(int32_t t) {
-  if (t < 0) {
-    t = static_cast<int32_t>(blocks_.size());
-    blocks_.emplace_back();
-    blocks_.back().cached = true;
-  }
+int32_t TrackedLedger::add_block() {
+  blocks_.emplace_back();
+  return static_cast<int32_t>(blocks_.size() - 1);
+}
+
+void TrackedLedger::append(int32_t t) {
   Block& b = blocks_[static_cast<size_t>(t)];
   b.abs = base_ + free_;
   b.queued = true;
   low_ = std::min(low_, b.abs);
   ++free_;
-  return t;
 }
 
 }  // namespace bea

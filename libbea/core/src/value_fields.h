@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <climits>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -100,6 +101,18 @@ inline std::optional<std::vector<int32_t>> opt_index_list(const Value& m, const 
   const Value* v = m.get(key);
   if (v == nullptr || v->type == Value::Type::Nil) return std::nullopt;
   return index_list(*v, path + key, hi);
+}
+
+// A list of integers in [0, INT64_MAX] (block keys).
+inline std::vector<int64_t> opt_key_list(const Value& m, const char* key, const std::string& path) {
+  const Value* v = m.get(key);
+  if (v == nullptr || v->type == Value::Type::Nil) return {};
+  if (v->type != Value::Type::Arr) bad(path + key, "must be a list of integers");
+  std::vector<int64_t> out;
+  out.reserve(v->arr.size());
+  for (size_t k = 0; k < v->arr.size(); ++k)
+    out.push_back(as_int(v->arr[k], path + key + "[" + std::to_string(k) + "]", 0, INT64_MAX));
+  return out;
 }
 
 // Builders for the export direction.

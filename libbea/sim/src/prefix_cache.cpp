@@ -157,6 +157,26 @@ BlockTable PrefixCache::table(const std::vector<int32_t>& running, const std::ve
     out.chains[w] = std::move(c);
   }
   for (int32_t b : qblocks) out.query_chain.push_back(index.at(b));
+  // Keys: hashes cached now or in more than one request's list.
+  std::unordered_map<uint64_t, int32_t> users;
+  auto count = [&](const std::vector<uint64_t>& hs) {
+    for (uint64_t h : hs) ++users[h];
+  };
+  for (int32_t r : running) count(held(r).hashes);
+  for (int32_t w : waiting) count(held(w).hashes);
+  count(query_hashes);
+  std::unordered_map<uint64_t, int64_t> key_of;
+  auto keys = [&](const std::vector<uint64_t>& hs) {
+    std::vector<int64_t> ks;
+    for (uint64_t h : hs) {
+      if (users[h] < 2 && pool_.lookup(h) < 0) break;
+      ks.push_back(key_of.emplace(h, static_cast<int64_t>(key_of.size())).first->second);
+    }
+    return ks;
+  };
+  for (int32_t r : running) out.keys[r] = keys(held(r).hashes);
+  for (int32_t w : waiting) out.keys[w] = keys(held(w).hashes);
+  out.query_keys = keys(query_hashes);
   return out;
 }
 

@@ -59,8 +59,7 @@ class Engine {
   // The state as a snapshot model with its tracked-block table for a query whose full blocks
   // hash to `query_hashes` (prefix caching on): each waiting request's hit chain and current hit
   // (prefix_hit_tokens); `query_chain` / `query_hit_tokens` receive the query's.
-  Snapshot tracked_state(const std::vector<uint64_t>& query_hashes, std::vector<int32_t>& query_chain,
-                         int64_t& query_hit_tokens) const;
+  Snapshot tracked_state(const std::vector<uint64_t>& query_hashes, Query& query) const;
 
  private:
   void compact();

@@ -23,6 +23,10 @@ struct BlockTable {
   std::unordered_map<int32_t, int64_t> hit_tokens;            // waiting request -> its hit now
   std::vector<int32_t> query_chain;
   int64_t query_hit_tokens = 0;
+  // Block keys (a hash renamed to a small int) of every request's leading blocks whose hashes are
+  // cached now or shared with another of these requests (or the query): where a hit can form.
+  std::unordered_map<int32_t, std::vector<int64_t>> keys;
+  std::vector<int64_t> query_keys;
 };
 
 class PrefixCache : public BlockLedger {
