@@ -146,23 +146,19 @@ ReplayOptions tracked_options(const ReplayOptions& opt) {
   return o;
 }
 
-}  // namespace
-
-Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt, const std::vector<Query>& ahead) {
-  if (q.prompt_tokens > p.cfg.max_model_len) throw std::invalid_argument("request.prompt_tokens exceeds max_model_len");
+// The estimate from the snapshot itself; `ledger`: its tracked blocks (options already without
+// the fast paths), or nullptr. Inlined: as a call it cost the smallest estimates 8 % (bench a).
+inline __attribute__((always_inline)) Estimate estimate_from(const Prepared& p, const Query& q,
+                                                             const ReplayOptions& opt,
+                                                             const std::vector<Query>& ahead, TrackedLedger* ledger) {
   Scheduler sched(p.cfg);
   sched.load(p.reqs, p.n_running, p.free_blocks);
-  std::optional<TrackedLedger> ledger;
-  if (p.tracked) {
-    ledger.emplace(p);
-    sched.set_ledger(&*ledger);
-  }
-  const int32_t query = enqueue(sched, q, ahead, p.time, opt, p.cfg.max_model_len, ledger ? &*ledger : nullptr);
+  if (ledger != nullptr) sched.set_ledger(ledger);
+  const int32_t query = enqueue(sched, q, ahead, p.time, opt, p.cfg.max_model_len, ledger);
   if (!p.cfg.async_scheduling) {
     std::optional<SyncFastPath> fast;
     if (fast_path(p, opt)) fast.emplace(sched, p.decode_start);
-    Estimate e = ledger ? run_sync(sched, nullptr, query, tracked_options(opt), 0.0, 0.0)
-                        : run_sync(sched, fast ? &*fast : nullptr, query, opt, 0.0, 0.0);
+    Estimate e = run_sync(sched, fast ? &*fast : nullptr, query, opt, 0.0, 0.0);
     if (e.status != Status::Ok) e.ttft_s = std::numeric_limits<double>::infinity();
     return e;
   }
@@ -216,6 +212,15 @@ Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt, c
   est.status = Status::StepLimit;
   est.ttft_s = std::numeric_limits<double>::infinity();
   return est;
+}
+
+}  // namespace
+
+Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt, const std::vector<Query>& ahead) {
+  if (q.prompt_tokens > p.cfg.max_model_len) throw std::invalid_argument("request.prompt_tokens exceeds max_model_len");
+  if (!p.tracked) return estimate_from(p, q, opt, ahead, nullptr);
+  TrackedLedger ledger(p);
+  return estimate_from(p, q, tracked_options(opt), ahead, &ledger);
 }
 
 
