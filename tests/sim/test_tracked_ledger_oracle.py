@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bear import libbea
@@ -97,7 +98,7 @@ def run_case(seed: int) -> Outcome:
                 if fin:
                     w.finished(rid)
     e.take_kv_events()
-    qid, prompt, answer = w.request()
+    _, prompt, answer = w.request()
     qhashes = H.hashes(prompt + answer)
     snap, qtab = e.tracked_snapshot("i", "m", 0.0, qhashes)
     query = {"id": "Q", "prompt_tokens": len(prompt), "max_tokens": 64, "predicted_output": len(answer)}
@@ -145,7 +146,10 @@ def untracked(snap: dict) -> dict:
 def summary(n: int, seed: int = 0) -> dict[str, float]:
     res = [run_case(seed * 1_000_003 + k) for k in range(n)]
     pressure = [r for r in res if r.preempted or r.evicted]
-    frac = lambda xs, f: sum(f(x) for x in xs) / max(1, len(xs))  # noqa: E731
+
+    def frac(xs: list[Outcome], f: Callable[[Outcome], bool]) -> float:
+        return sum(f(x) for x in xs) / max(1, len(xs))
+
     return {"cases": n, "exact_tracked": frac(res, lambda r: r.exact_tracked),
             "exact_counts": frac(res, lambda r: r.exact_counts),
             "exact_chains_without_keys": frac(res, lambda r: r.exact_chains),
