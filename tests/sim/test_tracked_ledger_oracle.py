@@ -80,8 +80,9 @@ class Workload:
         self.history[conv] = hist
 
 
-def run_case(seed: int) -> Outcome:
-    rng = random.Random(seed)
+def loaded_engine(rng: random.Random) -> tuple[libbea.Engine, Workload, dict[str, int]]:
+    """A small engine (40-110 blocks) that has run a random workload for a random number of steps;
+    the workload and the true output lengths of what it sent."""
     cfg = {"max_num_batched_tokens": rng.choice([128, 256, 512]), "max_num_seqs": rng.choice([4, 6, 8]),
            "block_size": B, "num_gpu_blocks": rng.randint(40, 110), "max_model_len": 2048,
            "enable_prefix_caching": True, "watermark_blocks": rng.choice([0, 0, 1])}
@@ -97,6 +98,11 @@ def run_case(seed: int) -> Outcome:
             for rid, _, fin in e.finish_step():
                 if fin:
                     w.finished(rid)
+    return e, w, lengths
+
+
+def run_case(seed: int) -> Outcome:
+    e, w, lengths = loaded_engine(random.Random(seed))
     e.take_kv_events()
     _, prompt, answer = w.request()
     qhashes = H.hashes(prompt + answer)
@@ -163,23 +169,9 @@ def test_ageing_keeps_the_ledger() -> None:
     """Staleness compensation replays the residents alone through the steps before the query's
     arrival on the ledger too: aged by one step (batches of 1 s, age 0.5 s), the estimate is the one
     from the engine's own snapshot a step later, plus the half second it counts from the arrival."""
-    rng = random.Random(9)
     checked = 0
     for case in range(150):
-        e = libbea.Engine({"max_num_batched_tokens": 256, "max_num_seqs": 6, "block_size": B,
-                           "num_gpu_blocks": rng.randint(40, 90), "max_model_len": 2048,
-                           "enable_prefix_caching": True})
-        w = Workload(random.Random(case))
-        lengths: dict[str, int] = {}
-        for _ in range(rng.randint(10, 80)):
-            if rng.random() < 0.4:
-                rid, prompt, answer = w.request()
-                e.add(rid, len(prompt), 64, len(answer), 0.0, 0, block_hashes=H.hashes(prompt + answer))
-                lengths[rid] = len(answer)
-            if e.has_work and e.step():
-                for rid, _, fin in e.finish_step():
-                    if fin:
-                        w.finished(rid)
+        e, w, lengths = loaded_engine(random.Random(90_000 + case))
         if not e.has_work:
             continue
         _, prompt, answer = w.request()
