@@ -54,6 +54,18 @@ def test_blocks_taken_from_the_front_evict_the_cached_blocks_there() -> None:
     assert res["batches"][0] == {"W2": 64, "Q": 161 - 48}
 
 
+def test_a_touch_moves_the_blocks_behind_it_up() -> None:
+    # W's hit block sits at position 1, the query's at 5. W touches its block (the query's moves
+    # up to 4) and takes 2 fresh blocks (it is at 2); W2 takes 3 more: positions 0-2, so the
+    # query's block is evicted and the query finds no hit.
+    w = req("W", 33, hit_blocks=[0])
+    w2 = req("W2", 48, hit_blocks=[])
+    res = run(tsnap([], [w, w2], 10, [1, 5]), {"id": "Q", "prompt_tokens": 33, "max_tokens": 4, "hit_blocks": [1]},
+              {"W": 2, "W2": 2})
+    assert res["batches"][0] == {"W": 33 - 16, "W2": 48, "Q": 33}
+    assert res["steps"][0]["free_blocks"] == 1
+
+
 @pytest.mark.parametrize(("prompt", "hit"), [(20, 16), (31, 0)])
 def test_a_release_prepends_uncached_blocks_and_appends_cached_ones(prompt: int, hit: int) -> None:
     # One seat. R decodes its last token and frees its 2 blocks; W2 then takes 4 blocks from the
