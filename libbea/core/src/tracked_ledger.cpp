@@ -47,11 +47,8 @@ TrackedLedger::TrackedLedger(const Prepared& p)
     for (int32_t t : h.tracked) ++blocks_[static_cast<size_t>(t)].ref;
     computed(static_cast<int32_t>(k), std::min(r.C, r.P + r.O));
   }
-  for (size_t t = 0; t < table_size_; ++t) {  // held by a request the snapshot does not list: kept, cached
-    if (blocks_[t].queued || blocks_[t].ref != 0) continue;
-    blocks_[t].ref = 1;
-    cache(static_cast<int32_t>(t), -1);
-  }
+  for (Block& b : blocks_)
+    if (!b.queued && b.ref == 0) b.ref = 1;  // held by a request the snapshot does not list: kept
 }
 
 TrackedLedger::Holder& TrackedLedger::at(int32_t req) {
