@@ -1,12 +1,14 @@
 // Standalone driver for sanitizer builds: feeds files (or stdin) as msgpack snapshots through the
 // parser, validator and a replay — or, for a msgpack list [snapshot, delta, ...], applies the
-// bear.delta/1 messages to the snapshot first. Any input must end in a clean error or an estimate.
+// bear.delta/1 messages to the snapshot first. A snapshot map may carry the query (`query`: a
+// request map, e.g. with a hit chain). Any input must end in a clean error or an estimate.
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "driver.h"
 #include "bea/core/replay.h"
+#include "bea/core/request_fields.h"
 #include "bea/core/snapshot.h"
 #include "bea/core/snapshot_delta.h"
 #include "bea/core/value.h"
@@ -30,6 +32,8 @@ static int run_one(const std::vector<uint8_t>& buf) {
     bea::Query q;
     q.prompt_tokens = 100;
     q.max_tokens = 16;
+    const bea::Value* query = chain ? nullptr : v.get("query");  // a test's query (hit chain, keys)
+    if (query != nullptr) q = bea::query_from_value(*query);
     if (q.prompt_tokens < s.config.max_model_len) (void)bea::estimate(p, q, opt);
   } catch (const std::invalid_argument&) {
     return 0;

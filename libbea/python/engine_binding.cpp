@@ -102,6 +102,26 @@ void bind_engine(py::module_& m) {
           },
           py::arg("instance"), py::arg("model"), py::arg("time"),
           "The scheduler state as a bear.snapshot/1 map (call between steps).")
+      .def(
+          "tracked_snapshot",
+          [](const Engine& e, const std::string& instance, const std::string& model, double time,
+             std::vector<uint64_t> query_hashes) {
+            bea::Query query;
+            bea::Snapshot snap = e.tracked_state(query_hashes, query);
+            snap.instance = instance;
+            snap.model = model;
+            snap.seq = e.seq();
+            snap.time = time;
+            py::dict q;
+            q["hit_blocks"] = *query.hit_blocks;
+            q["prefix_hit_tokens"] = query.prefix_hit_tokens;
+            q["block_keys"] = query.block_keys;
+            return py::make_tuple(bea_py::dict_from_value(bea::snapshot_to_value(snap)), q);
+          },
+          py::arg("instance"), py::arg("model"), py::arg("time"), py::arg("query_hashes") = std::vector<uint64_t>{},
+          "The state as a bear.snapshot/1 map with its tracked-block table (prefix caching on), and the\n"
+          "query's {hit_blocks, prefix_hit_tokens, block_keys} for a query whose full blocks hash to\n"
+          "query_hashes. Waiting requests carry hit_blocks and their current hit as prefix_hit_tokens.")
       .def_property_readonly("seq", &Engine::seq)
       .def_property_readonly("in_step", &Engine::in_step)
       .def_property_readonly("has_work", &Engine::has_work)

@@ -119,7 +119,8 @@ void bind_replay(py::module_& m) {
       .def_readonly("id", &Query::id)
       .def_readonly("prompt_tokens", &Query::prompt_tokens)
       .def_readonly("max_tokens", &Query::max_tokens)
-      .def_readonly("prefix_hit_tokens", &Query::prefix_hit_tokens);
+      .def_readonly("prefix_hit_tokens", &Query::prefix_hit_tokens)
+      .def_readonly("hit_blocks", &Query::hit_blocks);
 
   py::class_<PySnapshot, std::shared_ptr<PySnapshot>>(m, "Snapshot",
                                                       "A validated bear.snapshot/1, parsed once and replayed many times.")

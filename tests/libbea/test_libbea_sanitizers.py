@@ -7,6 +7,7 @@ the driver with a non-zero exit.
 
 from __future__ import annotations
 
+import copy
 import random
 import subprocess
 from collections.abc import Callable
@@ -49,6 +50,40 @@ def delta_chains() -> list[list[dict]]:
     return chains
 
 
+def tracked_snapshots() -> list[dict]:
+    """Sim-engine snapshots with tracked-block tables under KV pressure (each with its query), and
+    structured mutations of their tables: the ledger's inputs, valid and nearly valid."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "sim"))
+    from test_tracked_ledger_oracle import run_case
+
+    rng = random.Random(11)
+    out = []
+    for seed in range(40):
+        case = run_case(seed)
+        if not case.snapshot.get("tracked_blocks"):
+            continue
+        out.append(case.snapshot)
+        for _ in range(5):
+            s = copy.deepcopy(case.snapshot)
+            t = s["tracked_blocks"]
+            pick = rng.random()
+            if pick < 0.3 and t:
+                t[rng.randrange(len(t))] = rng.randint(-3, s["free_blocks"] + 2)
+            elif pick < 0.6:
+                r = rng.choice(s["running"] + s["waiting"] or [{}])
+                key = rng.choice(["tracked", "hit_blocks", "block_keys"])
+                r[key] = [rng.randint(-1, len(t) + 1) for _ in range(rng.randint(0, 6))]
+            else:
+                s["query"] = {"prompt_tokens": rng.randint(1, 900), "max_tokens": 8,
+                              "hit_blocks": rng.sample(range(len(t) + 2), min(len(t) + 2, rng.randint(0, 4))),
+                              "block_keys": [rng.randint(0, 40) for _ in range(rng.randint(0, 8))]}
+            out.append(s)
+    assert len(out) > 60
+    return out
+
+
 @pytest.mark.slow
 def test_sanitized_fuzz(tmp_path: Path, sanitized_tool: Callable[[str], Path]) -> None:
     bea_check = sanitized_tool("bea_check")
@@ -61,6 +96,7 @@ def test_sanitized_fuzz(tmp_path: Path, sanitized_tool: Callable[[str], Path]) -
         snapshot([], [req("W", 5000)], free=4, num_gpu_blocks=5, policy="priority"),
     ]
     seeds += delta_chains()
+    seeds += tracked_snapshots()
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     n = 0

@@ -35,6 +35,10 @@ Advanced advance(const Prepared& p, const Coeffs& beta, double age_s, int64_t ma
   check_age(age_s);
   Advanced a(p.cfg);
   a.sched.load(p.reqs, p.n_running, p.free_blocks);
+  if (p.tracked) {
+    a.ledger = std::make_unique<TrackedLedger>(p);
+    a.sched.set_ledger(a.ledger.get());
+  }
   std::vector<Scheduler::Item> batch;
   double t = 0.0;
   double last_start = 0.0;

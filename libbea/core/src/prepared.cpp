@@ -38,6 +38,19 @@ Prepared prepare(const Snapshot& s, const ReplayOptions& opt) {
       p.names.push_back(r.id);
     }
   p.decode_start = decode_group_start(p.reqs, p.n_running, p.cfg);
+  if (s.has_tracked) {
+    p.tracked = true;
+    p.tracked_pos = s.tracked_blocks;
+    p.chains.reserve(p.reqs.size());
+    p.has_chain.reserve(p.reqs.size());
+    p.keys.reserve(p.reqs.size());
+    for (const auto* list : {&s.running, &s.waiting})
+      for (const auto& r : *list) {
+        p.chains.push_back(list == &s.running ? r.tracked : r.hit_blocks.value_or(std::vector<int32_t>{}));
+        p.has_chain.push_back(r.hit_blocks.has_value() || !r.block_keys.empty() ? 1 : 0);
+        p.keys.push_back(r.block_keys);
+      }
+  }
   if (s.inflight && p.cfg.async_scheduling) {
     p.has_inflight = true;
     p.inflight_start = s.inflight->started - s.time;

@@ -24,6 +24,9 @@ Request request_from_value(const Value& r, const std::string& path, const Config
   q.prefix_hit_tokens = opt_int(r, "prefix_hit_tokens", p, 0, kMaxTokens, 0);
   q.priority = opt_int(r, "priority", p, -kMaxTokens, kMaxTokens, 0);
   q.arrival = opt_double(r, "arrival", p, 0.0);
+  if (auto t = opt_index_list(r, "tracked", p, kMaxBlocks)) q.tracked = std::move(*t);  // checked against the table by the snapshot
+  q.hit_blocks = opt_index_list(r, "hit_blocks", p, kMaxBlocks);
+  q.block_keys = opt_key_list(r, "block_keys", p);
   return q;
 }
 
@@ -38,6 +41,8 @@ Query query_from_value(const Value& v) {
   q.priority = opt_int(v, "priority", "request.", -kMaxTokens, kMaxTokens, 0);
   q.arrival = opt_double(v, "arrival", "request.", 0.0);
   q.predicted_output = opt_int(v, "predicted_output", "request.", -1, kMaxTokens, -1);
+  q.hit_blocks = opt_index_list(v, "hit_blocks", "request.", kMaxBlocks);  // checked against the table by the estimate
+  q.block_keys = opt_key_list(v, "block_keys", "request.");
   return q;
 }
 
@@ -56,6 +61,9 @@ Value request_to_value(const Request& r) {
   d.map.emplace_back("priority", int_value(r.priority));
   if (r.prefix_hit_tokens > 0) d.map.emplace_back("prefix_hit_tokens", int_value(r.prefix_hit_tokens));
   if (r.placeholders > 0) d.map.emplace_back("placeholders", int_value(r.placeholders));
+  if (!r.tracked.empty()) d.map.emplace_back("tracked", int_list_value(r.tracked));
+  if (r.hit_blocks) d.map.emplace_back("hit_blocks", int_list_value(*r.hit_blocks));
+  if (!r.block_keys.empty()) d.map.emplace_back("block_keys", int_list_value(r.block_keys));
   return d;
 }
 

@@ -63,7 +63,7 @@ void Scheduler::finish(Req& r) {
   r.finished = true;
   kv_.free_finished(r.kv);
   if (ledger_ != nullptr) {
-    ledger_->released(static_cast<int32_t>(&r - reqs_.data()));
+    ledger_->released(static_cast<int32_t>(&r - reqs_.data()), false);
     sync_free();
   }
 }
@@ -73,7 +73,7 @@ void Scheduler::preempt(int32_t v) {
   if (cfg_.async_scheduling && r.ph > 0) r.stale += r.ph;
   kv_.free_preempted(r.kv, r.C, r.P + r.O);
   if (ledger_ != nullptr) {
-    ledger_->released(v);
+    ledger_->released(v, true);
     sync_free();
   }
   r.C = 0;

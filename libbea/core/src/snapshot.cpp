@@ -1,5 +1,6 @@
 #include "bea/core/snapshot.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <unordered_set>
 
@@ -48,6 +49,45 @@ std::vector<Request> requests_from(const Value& list, const std::string& name, c
   return out;
 }
 
+// The tracked-block table and every request's references into it (tracked_ledger.h).
+void tracked_from(const Value& v, Snapshot& s) {
+  const Value* t = v.get("tracked_blocks");
+  if (t != nullptr && t->type != Value::Type::Nil) {
+    if (t->type != Value::Type::Arr) bad("tracked_blocks", "must be a list of integers");
+    if (static_cast<int64_t>(t->arr.size()) > s.config.num_gpu_blocks) bad("tracked_blocks", "more blocks than the pool has");
+    if (!t->arr.empty() && !s.config.enable_prefix_caching)
+      bad("tracked_blocks", "needs config.enable_prefix_caching");
+    s.tracked_blocks.reserve(t->arr.size());
+    for (size_t k = 0; k < t->arr.size(); ++k)
+      s.tracked_blocks.push_back(as_int(t->arr[k], "tracked_blocks[" + std::to_string(k) + "]", -1, s.free_blocks - 1));
+    std::vector<int64_t> pos(s.tracked_blocks);
+    std::sort(pos.begin(), pos.end());
+    for (size_t k = 1; k < pos.size(); ++k)
+      if (pos[k] >= 0 && pos[k] == pos[k - 1]) bad("tracked_blocks", "a free-queue position given twice");
+  }
+  const auto n = static_cast<int64_t>(s.tracked_blocks.size());
+  s.has_tracked = n > 0;
+  for (const auto* list : {&s.running, &s.waiting})
+    for (size_t k = 0; k < list->size(); ++k) {
+      const Request& r = (*list)[k];
+      const std::string p = (list == &s.running ? "running[" : "waiting[") + std::to_string(k) + "].";
+      if (list == &s.waiting && !r.tracked.empty()) bad(p + "tracked", "a waiting request holds no blocks");
+      if (list == &s.running && r.hit_blocks) bad(p + "hit_blocks", "only waiting requests have a hit chain");
+      if (!r.block_keys.empty() && !s.config.enable_prefix_caching)
+        bad(p + "block_keys", "needs config.enable_prefix_caching");
+      if (static_cast<int64_t>(r.tracked.size()) > r.blocks) bad(p + "tracked", "more blocks than it holds");
+      for (size_t j = 0; j < r.tracked.size(); ++j) {
+        if (r.tracked[j] >= n) bad(p + "tracked[" + std::to_string(j) + "]", "not an index into tracked_blocks");
+        if (s.tracked_blocks[static_cast<size_t>(r.tracked[j])] >= 0)
+          bad(p + "tracked[" + std::to_string(j) + "]", "a block in the free queue is not held");
+      }
+      if (!r.block_keys.empty()) s.has_tracked = true;
+      if (r.hit_blocks)
+        for (size_t j = 0; j < r.hit_blocks->size(); ++j)
+          if ((*r.hit_blocks)[j] >= n) bad(p + "hit_blocks[" + std::to_string(j) + "]", "not an index into tracked_blocks");
+    }
+}
+
 }  // namespace
 
 void Snapshot::set_output_lengths(const std::unordered_map<std::string, int64_t>& lengths) {
@@ -80,6 +120,7 @@ Snapshot snapshot_from_value(const Value& v) {
   for (const auto* list : {&s.running, &s.waiting})
     for (const auto& r : *list)
       if (!seen.insert(r.id).second) bad("running/waiting", "duplicate request id '" + r.id + "'");
+  tracked_from(v, s);
   const Value* inf = v.get("inflight");
   if (inf != nullptr && inf->type != Value::Type::Nil) {
     if (inf->type != Value::Type::Map) bad("inflight", "must be a map or null");
@@ -149,6 +190,7 @@ Value snapshot_to_value(const Snapshot& s) {
     d.map.emplace_back(list == &s.running ? "running" : "waiting", std::move(l));
   }
   d.map.emplace_back("inflight", Value{});  // sync scheduling: nothing in flight between steps
+  if (!s.tracked_blocks.empty()) d.map.emplace_back("tracked_blocks", int_list_value(s.tracked_blocks));
   return d;
 }
 

@@ -149,6 +149,9 @@ std::vector<std::string> apply_delta(Snapshot& s, ResidentIds& ids, const Value&
       if ((ids.count(r.id) != 0 && gone.count(r.id) == 0) || !fresh.insert(r.id).second)
         bad(path + ".id", "duplicate request id '" + r.id + "'");
       if (predicted) r.predicted_output = predicted(r.id);
+      r.tracked.clear();  // deltas do not carry the tracked-block table (a full snapshot does)
+      r.hit_blocks.reset();
+      r.block_keys.clear();
       added_ids.push_back(r.id);
       added.push_back(std::move(r));
     }
@@ -295,6 +298,16 @@ std::vector<std::string> apply_delta(Snapshot& s, ResidentIds& ids, const Value&
     }
   }
   s.inflight = std::move(inflight);
+  if (s.has_tracked) {  // the free queue moved: the table no longer describes it
+    s.tracked_blocks.clear();
+    for (auto* list : {&s.running, &s.waiting})
+      for (auto& r : *list) {
+        r.tracked.clear();
+        r.hit_blocks.reset();
+        r.block_keys.clear();
+      }
+    s.has_tracked = false;
+  }
   s.free_blocks = free_blocks;
   s.seq = h.seq;
   s.time = h.time;

@@ -2,11 +2,15 @@
 // error is a std::invalid_argument that names the field, e.g. "snapshot field 'running[3].blocks'".
 #pragma once
 
+#include <algorithm>
 #include <cmath>
+#include <climits>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <optional>
 #include <utility>
+#include <vector>
 
 #include "bea/core/value.h"
 
@@ -80,6 +84,37 @@ inline std::string id_field(const Value& m, const std::string& path) {
   return v.s;
 }
 
+// A list of distinct block indices in [0, hi) (tracked-block references).
+inline std::vector<int32_t> index_list(const Value& v, const std::string& field, int64_t hi) {
+  if (v.type != Value::Type::Arr) bad(field, "must be a list of integers");
+  std::vector<int32_t> out;
+  out.reserve(v.arr.size());
+  for (size_t k = 0; k < v.arr.size(); ++k)
+    out.push_back(static_cast<int32_t>(as_int(v.arr[k], field + "[" + std::to_string(k) + "]", 0, hi - 1)));
+  std::vector<int32_t> sorted(out);
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) bad(field, "lists a block twice");
+  return out;
+}
+inline std::optional<std::vector<int32_t>> opt_index_list(const Value& m, const char* key, const std::string& path,
+                                                          int64_t hi) {
+  const Value* v = m.get(key);
+  if (v == nullptr || v->type == Value::Type::Nil) return std::nullopt;
+  return index_list(*v, path + key, hi);
+}
+
+// A list of integers in [0, INT64_MAX] (block keys).
+inline std::vector<int64_t> opt_key_list(const Value& m, const char* key, const std::string& path) {
+  const Value* v = m.get(key);
+  if (v == nullptr || v->type == Value::Type::Nil) return {};
+  if (v->type != Value::Type::Arr) bad(path + key, "must be a list of integers");
+  std::vector<int64_t> out;
+  out.reserve(v->arr.size());
+  for (size_t k = 0; k < v->arr.size(); ++k)
+    out.push_back(as_int(v->arr[k], path + key + "[" + std::to_string(k) + "]", 0, INT64_MAX));
+  return out;
+}
+
 // Builders for the export direction.
 inline Value int_value(int64_t x) {
   Value v;
@@ -113,6 +148,13 @@ inline Value map_value() {
 inline Value list_value() {
   Value v;
   v.type = Value::Type::Arr;
+  return v;
+}
+template <typename T>
+inline Value int_list_value(const std::vector<T>& xs) {
+  Value v = list_value();
+  v.arr.reserve(xs.size());
+  for (T x : xs) v.arr.push_back(int_value(static_cast<int64_t>(x)));
   return v;
 }
 

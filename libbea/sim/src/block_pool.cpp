@@ -120,6 +120,13 @@ void BlockPool::release(const std::vector<int32_t>& blocks) {
   }
 }
 
+std::vector<int32_t> BlockPool::free_queue() const {
+  std::vector<int32_t> out;
+  out.reserve(static_cast<size_t>(free_count_));
+  for (int32_t b = head_; b >= 0; b = next_[static_cast<size_t>(b)]) out.push_back(b);
+  return out;
+}
+
 std::vector<KvEvent> BlockPool::take_events() {
   std::vector<KvEvent> out;
   out.swap(events_);

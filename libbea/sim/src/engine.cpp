@@ -71,6 +71,29 @@ int64_t Engine::prefix_hit_tokens(const std::string& id) const {
   return it == all_index_.end() ? -1 : cache_->first_hit_tokens(it->second);
 }
 
+Snapshot Engine::tracked_state(const std::vector<uint64_t>& query_hashes, Query& query) const {
+  if (cache_ == nullptr) throw std::invalid_argument("tracked blocks need prefix caching");
+  Snapshot snap = capture(sched_, names_);
+  std::vector<int32_t> running(sched_.running().begin(), sched_.running().end());
+  std::vector<int32_t> waiting(sched_.waiting().begin(), sched_.waiting().end());
+  BlockTable t = cache_->table(running, waiting, query_hashes);
+  snap.tracked_blocks = std::move(t.positions);
+  for (size_t k = 0; k < running.size(); ++k) {
+    snap.running[k].tracked = std::move(t.tracked[running[k]]);
+    snap.running[k].block_keys = std::move(t.keys[running[k]]);
+  }
+  for (size_t k = 0; k < waiting.size(); ++k) {
+    snap.waiting[k].hit_blocks = std::move(t.chains[waiting[k]]);
+    snap.waiting[k].prefix_hit_tokens = t.hit_tokens[waiting[k]];
+    snap.waiting[k].block_keys = std::move(t.keys[waiting[k]]);
+  }
+  snap.has_tracked = true;
+  query.hit_blocks = std::move(t.query_chain);
+  query.prefix_hit_tokens = t.query_hit_tokens;
+  query.block_keys = std::move(t.query_keys);
+  return snap;
+}
+
 bool Engine::abort(const std::string& id) {
   auto it = index_.find(id);
   if (it == index_.end()) return false;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <unordered_map>
 
 namespace bea {
 
@@ -48,7 +49,7 @@ void PrefixCache::computed(int32_t req, int64_t tokens) {
   r.cached = std::max(r.cached, std::min<int64_t>(full, static_cast<int64_t>(r.blocks.size())));
 }
 
-void PrefixCache::released(int32_t req) {
+void PrefixCache::released(int32_t req, bool /*preempted*/) {
   Held& r = at(req);
   pool_.release(r.blocks);
   r.blocks.clear();
@@ -60,6 +61,123 @@ void PrefixCache::forget(int32_t req) {
   Held& r = reqs_[static_cast<size_t>(req)];
   std::vector<uint64_t>().swap(r.hashes);
   std::vector<int32_t>().swap(r.blocks);
+}
+
+BlockTable PrefixCache::table(const std::vector<int32_t>& running, const std::vector<int32_t>& waiting,
+                              const std::vector<uint64_t>& query_hashes) const {
+  BlockTable out;
+  static const Held none;
+  auto held = [&](int32_t k) -> const Held& {
+    return k >= 0 && static_cast<size_t>(k) < reqs_.size() ? reqs_[static_cast<size_t>(k)] : none;
+  };
+  std::unordered_map<int32_t, int32_t> index;  // block id -> tracked index
+  std::vector<int32_t> ids;                    // tracked index -> block id
+  auto mark = [&](int32_t b) {
+    auto [it, fresh] = index.emplace(b, static_cast<int32_t>(ids.size()));
+    if (fresh) ids.push_back(b);
+    return it->second;
+  };
+  // A hit chain: the cached blocks of the leading hashes, continued by blocks running requests
+  // hold but have not computed yet at the same place of the same content (cached once computed).
+  auto chain = [&](const std::vector<uint64_t>& hashes, int64_t& hit_blocks) {
+    std::vector<int32_t> blocks;
+    hit_blocks = 0;
+    bool cached_run = true;
+    for (size_t k = 0; k < hashes.size(); ++k) {
+      int32_t b = pool_.lookup(hashes[k]);
+      if (b < 0) {
+        cached_run = false;
+        for (int32_t r : running) {
+          const Held& h = held(r);
+          if (h.hashes.size() > k && h.hashes[k] == hashes[k] && h.blocks.size() > k &&
+              h.cached <= static_cast<int64_t>(k)) {
+            b = h.blocks[k];
+            break;
+          }
+        }
+        if (b < 0) break;
+      }
+      if (cached_run) ++hit_blocks;
+      blocks.push_back(b);
+    }
+    return blocks;
+  };
+  std::unordered_map<int32_t, std::vector<int32_t>> chain_blocks;
+  for (int32_t w : waiting) {
+    int64_t hb = 0;
+    chain_blocks[w] = chain(held(w).hashes, hb);
+    out.hit_tokens[w] = hb * pool_.block_size();
+    for (int32_t b : chain_blocks[w]) mark(b);
+  }
+  int64_t qhb = 0;
+  const std::vector<int32_t> qblocks = chain(query_hashes, qhb);
+  out.query_hit_tokens = qhb * pool_.block_size();
+  for (int32_t b : qblocks) mark(b);
+  for (int32_t r : running)
+    for (int32_t b : held(r).blocks)
+      if (pool_.ref(b) > 1) mark(b);
+  // Closed under "a running request's blocks ahead of a tracked one" (a holder's tracked blocks
+  // are its leading blocks).
+  for (bool grew = true; grew;) {
+    grew = false;
+    for (int32_t r : running) {
+      const auto& blocks = held(r).blocks;
+      size_t last = 0;
+      for (size_t j = 0; j < blocks.size(); ++j)
+        if (index.count(blocks[j])) last = j + 1;
+      for (size_t j = 0; j < last; ++j)
+        if (!index.count(blocks[j])) {
+          mark(blocks[j]);
+          grew = true;
+        }
+    }
+  }
+  std::unordered_map<int32_t, int64_t> position;
+  const std::vector<int32_t> queue = pool_.free_queue();
+  for (size_t k = 0; k < queue.size(); ++k) position.emplace(queue[k], static_cast<int64_t>(k));
+  out.positions.reserve(ids.size());
+  for (int32_t b : ids) {
+    auto it = position.find(b);
+    out.positions.push_back(it == position.end() ? -1 : it->second);
+  }
+  for (int32_t r : running) {
+    const auto& blocks = held(r).blocks;
+    std::vector<int32_t> t;
+    for (int32_t b : blocks) {
+      auto it = index.find(b);
+      if (it == index.end()) break;
+      t.push_back(it->second);
+    }
+    out.tracked[r] = std::move(t);
+  }
+  for (const auto& [w, blocks] : chain_blocks) {
+    std::vector<int32_t> c;
+    c.reserve(blocks.size());
+    for (int32_t b : blocks) c.push_back(index.at(b));
+    out.chains[w] = std::move(c);
+  }
+  for (int32_t b : qblocks) out.query_chain.push_back(index.at(b));
+  // Keys: hashes cached now or in more than one request's list.
+  std::unordered_map<uint64_t, int32_t> users;
+  auto count = [&](const std::vector<uint64_t>& hs) {
+    for (uint64_t h : hs) ++users[h];
+  };
+  for (int32_t r : running) count(held(r).hashes);
+  for (int32_t w : waiting) count(held(w).hashes);
+  count(query_hashes);
+  std::unordered_map<uint64_t, int64_t> key_of;
+  auto keys = [&](const std::vector<uint64_t>& hs) {
+    std::vector<int64_t> ks;
+    for (uint64_t h : hs) {
+      if (users[h] < 2 && pool_.lookup(h) < 0) break;
+      ks.push_back(key_of.emplace(h, static_cast<int64_t>(key_of.size())).first->second);
+    }
+    return ks;
+  };
+  for (int32_t r : running) out.keys[r] = keys(held(r).hashes);
+  for (int32_t w : waiting) out.keys[w] = keys(held(w).hashes);
+  out.query_keys = keys(query_hashes);
+  return out;
 }
 
 int64_t PrefixCache::first_hit_tokens(int32_t req) const {

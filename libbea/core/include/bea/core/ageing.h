@@ -4,11 +4,13 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include "bea/core/batch_time.h"
 #include "bea/core/replay.h"
 #include "bea/core/scheduler.h"
 #include "bea/core/sync_fast_path.h"
+#include "bea/core/tracked_ledger.h"
 
 namespace bea {
 
@@ -24,6 +26,7 @@ struct AgeWindow {
 // The aged state, stepped by the exact scheduler (request indices as in Prepared).
 struct Advanced : AgeWindow {
   Scheduler sched;
+  std::unique_ptr<TrackedLedger> ledger;  // the snapshot's tracked blocks (set on sched), or null
   explicit Advanced(const Config& cfg) : sched(cfg) {}
 };
 

@@ -25,8 +25,9 @@ class BlockLedger {
   virtual void grew(int32_t req, int64_t held_blocks) = 0;
   // `req`'s first `tokens` tokens are (being) computed: its full blocks among them are cached.
   virtual void computed(int32_t req, int64_t tokens) = 0;
-  // `req` let go of its blocks (finished, aborted or preempted).
-  virtual void released(int32_t req) = 0;
+  // `req` let go of its blocks: preempted (it will wait again, its cached blocks are its next
+  // hit) or finished / aborted.
+  virtual void released(int32_t req, bool preempted) = 0;
   virtual int64_t free_blocks() const = 0;
 };
 

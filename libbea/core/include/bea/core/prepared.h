@@ -29,6 +29,14 @@ struct Prepared {
   std::vector<Item> inflight;       // items whose request is resident; others only cost time
   std::vector<std::pair<int64_t, int64_t>> inflight_orphans;  // (n, context) of unknown ids
   DecodeGroupStart decode_start;    // sync mode: the fast path's decode group at the start
+  // The tracked-block table (empty: none, the count model alone; tracked_ledger.h): free-queue
+  // positions (-1: held), and per request (same order as reqs) its tracked blocks (running) or
+  // its hit chain (waiting, when has_chain).
+  bool tracked = false;  // Snapshot::has_tracked: estimates keep a TrackedLedger
+  std::vector<int64_t> tracked_pos;
+  std::vector<std::vector<int32_t>> chains;
+  std::vector<uint8_t> has_chain;
+  std::vector<std::vector<int64_t>> keys;  // per request: its block keys
 };
 
 Prepared prepare(const Snapshot& s, const ReplayOptions& opt);

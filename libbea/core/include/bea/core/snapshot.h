@@ -50,6 +50,16 @@ struct Request {
   int64_t priority = 0;
   double arrival = 0.0;
   int64_t predicted_output = -1;  // predicted total output tokens; -1: unknown
+  // With a snapshot's tracked-block table (Snapshot::tracked_blocks, tracked_ledger.h): a running
+  // request's `tracked` blocks (indices into the table: its leading blocks, in block order); a
+  // waiting request's `hit_blocks` (its hit chain, in order; absent: `prefix_hit_tokens` held
+  // by running requests, the count model's rule).
+  std::vector<int32_t> tracked;
+  std::optional<std::vector<int32_t>> hit_blocks;
+  // The content of its leading full blocks (any request, with the table): equal keys at the same
+  // place name the same tokens (vLLM's block hashes, renamed), so that blocks it computes during
+  // the replay are cached under them and a later hit finds them.
+  std::vector<int64_t> block_keys;
 };
 
 struct InflightItem {
@@ -74,6 +84,10 @@ struct Snapshot {
   std::vector<Request> running;
   std::vector<Request> waiting;
   std::optional<Inflight> inflight;
+  // Tracked KV blocks (optional; tracked_ledger.h): each one's position in the free queue
+  // (0 = popped next) or -1 (held). Empty: the replay counts blocks only (kv_cache.h).
+  std::vector<int64_t> tracked_blocks;
+  bool has_tracked = false;  // a table or some request's hit_blocks / block_keys: the replay keeps a ledger
 
   // Attach predicted total output lengths (id -> tokens); unknown ids keep their previous value.
   void set_output_lengths(const std::unordered_map<std::string, int64_t>& lengths);
@@ -88,6 +102,10 @@ struct Query {
   int64_t priority = 0;
   double arrival = 0.0;  // only used under PRIORITY ordering; 0 = "now" (after everyone resident)
   int64_t predicted_output = -1;  // for requests queued ahead of the query (see estimate's `ahead`)
+  // Its hit chain: indices into the snapshot's tracked_blocks (absent: prefix_hit_tokens, the
+  // count model's rule).
+  std::optional<std::vector<int32_t>> hit_blocks;
+  std::vector<int64_t> block_keys;  // as Request::block_keys
 };
 
 constexpr int64_t kMaxTokens = int64_t{1} << 31;   // bound on any token count

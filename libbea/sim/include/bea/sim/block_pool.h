@@ -45,6 +45,16 @@ class BlockPool {
   // A request lets go of its blocks: freed in reverse order, so its last blocks are evicted first.
   void release(const std::vector<int32_t>& blocks);
 
+  // What a tracked-block table reads (tracked_ledger.h): the free queue front first, a block's
+  // holders, whether it is cached, the block a hit on `h` would use (-1: none).
+  std::vector<int32_t> free_queue() const;
+  int32_t ref(int32_t b) const { return ref_[static_cast<size_t>(b)]; }
+  bool is_cached(int32_t b) const { return hash_of_.count(b) != 0; }
+  int32_t lookup(uint64_t h) const {
+    auto it = by_hash_.find(h);
+    return it == by_hash_.end() ? -1 : it->second;
+  }
+
   std::vector<KvEvent> take_events();
   // Every cached block's hash (one entry per cached block).
   std::vector<uint64_t> cached_hashes() const;

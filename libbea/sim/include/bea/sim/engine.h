@@ -56,6 +56,10 @@ class Engine {
   std::vector<uint64_t> cached_hashes() const;
   int64_t prefix_hit_tokens(const std::string& id) const;
   bool has_prefix_cache() const { return cache_ != nullptr; }
+  // The state as a snapshot model with its tracked-block table for a query whose full blocks
+  // hash to `query_hashes` (prefix caching on): each waiting request's hit chain and current hit
+  // (prefix_hit_tokens); `query_chain` / `query_hit_tokens` receive the query's.
+  Snapshot tracked_state(const std::vector<uint64_t>& query_hashes, Query& query) const;
 
  private:
   void compact();
