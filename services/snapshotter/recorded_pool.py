@@ -6,8 +6,11 @@ they sit — the inputs of libbea's tracked-block replay under KV pressure (docs
 For the case of request R whose snapshot is the state after step s: the pool after step s; the
 hit chain of R and of every waiting request with nothing computed, found from its prompt's block
 names (vLLM's hashing of its token ids, as the mirror does); each chain block's place in the free
-queue (−1: held); and, per running request, which of those blocks it holds. Blocks that appear
-in no chain stay counts.
+queue (−1: held); per running request, its leading blocks up to the last one that is tracked or
+shared with another running request (the ledger's rule: shared blocks must be tracked); and every
+known prompt's full blocks as keys (``block_keys``: the names renamed to small ints per case), so
+that the replay finds hits on blocks computed after the snapshot. Blocks that appear in none of
+these stay counts (contract.md §2).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ def add_tracked_blocks(cases: list[dict[str, Any]], meta: dict[str, Any], steps:
                        spec: HashSpec, prompts: dict[str, list[int]]) -> dict[str, int]:
     """Give each case whose prompts are known its tracked blocks (module doc), in place: the
     snapshot's ``tracked_blocks`` (free-queue position or −1 per block), each running request's
-    ``tracked`` and each waiting request's and the request's ``hit_blocks`` (indices into it).
+    ``tracked``, each waiting request's and the request's ``hit_blocks`` (indices into it), and
+    ``block_keys`` for every request whose prompt is known.
     Returns how many cases got them, and how many hits (requests' and waiting requests') the
     chain found that differ from the ``prefix_hit_tokens`` already there (the KV-event mirror's:
     the two views of one cache, expected 0)."""
@@ -60,14 +64,28 @@ def add_tracked_blocks(cases: list[dict[str, Any]], meta: dict[str, Any], steps:
             if wt is not None and w.get("computed_tokens", 0) == 0:
                 want.append((w, wt))
         pos = rep.positions()
+        keys: dict[int, int] = {}  # block name -> the case's small key
         table: dict[int, int] = {}  # block id -> index in tracked_blocks
         for obj, t in want:
+            names = list(hasher.names(t, len(t) // B))
+            obj["block_keys"] = [keys.setdefault(n, len(keys)) for n in names]
             cap = max(0, (len(t) - 1) // B)
-            chain = rep.chain(list(hasher.names(t, cap)), cap)
+            chain = rep.chain(names[:cap], cap)
             obj["hit_blocks"] = [table.setdefault(b, len(table)) for b in chain]
             differ += int(obj.get("prefix_hit_tokens", 0)) != len(chain) * B
+        running = c["snapshot"]["running"]
+        held = [holders.get(r["id"], []) for r in running]
+        count: dict[int, int] = {}
+        for bl in held:
+            for b in bl:
+                count[b] = count.get(b, 0) + 1
+        for r, bl in zip(running, held, strict=True):
+            # a holder lists its leading blocks up to the last one tracked or shared with another
+            last = max((i for i, b in enumerate(bl) if b in table or count[b] > 1), default=-1)
+            r["tracked"] = [table.setdefault(b, len(table)) for b in bl[: last + 1]]
+            rt = find_prompt(prompts, r["id"])
+            if rt is not None:
+                r["block_keys"] = [keys.setdefault(n, len(keys)) for n in hasher.names(rt, len(rt) // B)]
         c["snapshot"]["tracked_blocks"] = [pos.get(b, -1) for b in table]
-        for r in c["snapshot"]["running"]:
-            r["tracked"] = [table[b] for b in holders.get(r["id"], ()) if b in table]
         done += 1
     return {"cases": done, "hits_differ": differ}
