@@ -71,7 +71,7 @@ def test_child_dying_at_start_up_is_named_and_quoted(tmp_path) -> None:
         st.start()
     st.stop()
     msg = str(err.value)
-    assert "router-0 exited with code 2" in msg and "--param expects NAME=VALUE, got 'bogus'" in msg, msg
+    assert "router-0 exited with code 2" in msg and "--param expects NAME=VALUE with a number, got 'bogus'" in msg, msg
     assert str(st.log_dir / "router-0.log") in msg
     assert all(not c.alive() for c in st.children.values()) and not (st.run_dir / "jetstream").exists()
     assert json.dumps(msg)  # one line
