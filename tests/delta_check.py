@@ -30,6 +30,9 @@ def check_mirror(fulls: list[bytes], deltas: list[bytes], final: bytes | None = 
             base = by_state.get((d.generation, d.base, d.base_time))
             if base is None:
                 out["unchained"] += 1
+                out.setdefault("unchained_at", []).append(
+                    {"generation": d.generation, "base": d.base, "seq": d.seq,
+                     "known_seqs_of_generation": sorted(k[1] for k in by_state if k[0] == d.generation)[:3]})
                 mirror = None
                 continue
             out["restarts"] += mirror is not None
