@@ -20,4 +20,4 @@ if [ "${BEAR_SKIP_VLLM:-0}" != "1" ]; then
 fi
 "$VENV/bin/ruff" check services tests
 "$VENV/bin/pytest" -q -m "not slow and not vllm" -p no:cacheprovider
-"$VENV/bin/pytest" -q -m "slow or vllm" -p no:cacheprovider
+"$VENV/bin/pytest" -q -m "slow or vllm" -p no:cacheprovider --durations=15

@@ -69,7 +69,8 @@ std::vector<Query> queries_from(py::handle h) {
   return out;
 }
 
-py::dict result_dict(const Estimate& e, const Prepared& p, const Query& q, bool trace) {
+py::dict result_dict(const Estimate& e, const Prepared& p, const Query& q, bool trace,
+                     const std::vector<Query>& ahead = {}) {
   py::dict d;
   d["ttft_s"] = e.ttft_s;
   d["n_batches"] = e.n_batches;
@@ -79,7 +80,11 @@ py::dict result_dict(const Estimate& e, const Prepared& p, const Query& q, bool 
     for (const auto& st : e.trace) {
       py::dict m;
       for (const auto& it : st) {
-        const std::string& id = static_cast<size_t>(it.req) < p.names.size() ? p.names[static_cast<size_t>(it.req)] : q.id;
+        // residents, then the requests queued ahead (in order), then the query (replay.cpp's enqueue)
+        const auto k = static_cast<size_t>(it.req);
+        const std::string& id = k < p.names.size()                ? p.names[k]
+                                : k < p.names.size() + ahead.size() ? ahead[k - p.names.size()].id
+                                                                    : q.id;
         m[py::str(id)] = it.n;
       }
       steps.append(m);
@@ -149,6 +154,8 @@ void bind_replay(py::module_& m) {
       .def_property_readonly("broken", &PySnapshot::broken, "A delta failed to apply: the state is unknown.")
       .def_property_readonly("time", [](const PySnapshot& s) { return s.snap().time; })
       .def_property_readonly("free_blocks", [](const PySnapshot& s) { return s.snap().free_blocks; })
+      .def_property_readonly("tracked_blocks", [](const PySnapshot& s) { return s.snap().tracked_blocks.size(); },
+                             "Entries of its tracked-block table (0: the replay counts blocks; a delta drops it).")
       .def_property_readonly("n_running", [](const PySnapshot& s) { return s.snap().running.size(); })
       .def_property_readonly("n_waiting", [](const PySnapshot& s) { return s.snap().waiting.size(); })
       .def_property_readonly("async_scheduling", [](const PySnapshot& s) { return s.snap().config.async_scheduling; })
@@ -193,7 +200,7 @@ void bind_replay(py::module_& m) {
           py::gil_scoped_release nogil;
           e = age_s > 0.0 ? estimate_at_age(p, q, opt, age_s, before) : estimate(p, q, opt, before);
         }
-        return result_dict(e, p, q, trace);
+        return result_dict(e, p, q, trace, before);
       },
       py::arg("snapshot"), py::arg("request"), py::arg("beta") = py::none(), py::arg("lengths") = py::none(),
       py::arg("trace") = false, py::arg("collapse") = true, py::arg("default_output_tokens") = -1,

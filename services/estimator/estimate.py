@@ -26,7 +26,7 @@ The replay's inputs (``replay_inputs``), assembled in this one place:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from bear import libbea
 from bear.estimator.analytic import analytic_ttft
 from bear.estimator.state import InstanceState, StateStore
 from bear.prefix.hits import Target, prefix_hits
+from bear.prefix.tracked_pool import keys_of
 from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateRow
 from bear.protocol.token_ids import unpack
 
@@ -69,13 +70,16 @@ class ReplayInputs:
     beta: list[float]
 
 
-def replay_inputs(st: InstanceState, now: float, cfg: EstimatorConfig) -> ReplayInputs:
-    """Everything the replay of ``st``'s snapshot needs besides the query (module doc)."""
+def replay_inputs(st: InstanceState, now: float, cfg: EstimatorConfig,
+                  keys_of: Callable[[bytes], list[int]] | None = None) -> ReplayInputs:
+    """Everything the replay of ``st``'s snapshot needs besides the query (module doc);
+    ``keys_of``: token ids → block keys, for the dispatches queued ahead of a pool described
+    block by block."""
     age = st.age(now) or 0.0
     compensate = cfg.compensate_staleness and not st.snap.async_scheduling
     return ReplayInputs(
         age_s=max(0.0, age) if compensate else 0.0,
-        ahead=st.ahead(cfg.dispatch_grace_s) if cfg.use_dispatches else [],
+        ahead=st.ahead(cfg.dispatch_grace_s, keys_of) if cfg.use_dispatches else [],
         arrival_tokens_per_s=st.prompt_token_rate(now, cfg.rate_window_s) if cfg.arrival_fill else 0.0,
         beta=list(st.calibration.beta),
     )
@@ -92,6 +96,7 @@ a newer one is installed while the replay runs off the loop) and the inputs."""
     prompt_tokens: int
     inputs: ReplayInputs
     snap: Any = None
+    keys: list[int] | None = None  # the prompt's block keys, for a snapshot that describes its pool block by block
 
 
 @dataclass
@@ -166,9 +171,10 @@ def plan(query: EstimateQuery, candidates: list[EstimateCandidate], store: State
         row.age_s = age
         if age is not None and age <= cfg.max_age_s and not st.gapped:
             st.apply_lengths()
-            inputs = replay_inputs(st, now, cfg)
-            row.ahead = len(inputs.ahead)
-            p.jobs.append(Job(row, st, pa.hit, ptoks, inputs, st.snap))
+            keys = _keys_for(st, store) if st.prefix_spec is not None and st.snap.tracked_blocks > 0 else None
+            inputs = replay_inputs(st, now, cfg, keys)
+            row.ahead, row.pool_keyed = len(inputs.ahead), keys is not None
+            p.jobs.append(Job(row, st, pa.hit, ptoks, inputs, st.snap, _pool_keys(keys, c, ids)))
             continue
         if not ((age is not None and age <= cfg.down_after_s) or now - st.registry_heartbeat <= cfg.down_after_s):
             continue
@@ -184,6 +190,29 @@ def plan(query: EstimateQuery, candidates: list[EstimateCandidate], store: State
     return p
 
 
+def _keys_for(st: InstanceState, store: StateStore) -> Callable[[Sequence[int] | bytes], list[int]]:
+    """Token ids (either wire form) → their full blocks' keys, with ``st``'s hashing."""
+    spec = st.prefix_spec
+    assert spec is not None
+    hasher = store.hashers.get(spec)
+
+    def keys(toks: Sequence[int] | bytes) -> list[int]:
+        view = unpack(toks) if isinstance(toks, bytes | bytearray) else toks
+        return keys_of(hasher.hashes(view, len(view) // spec.block_size))
+
+    return keys
+
+
+def _pool_keys(keys: Callable[[Sequence[int] | bytes], list[int]] | None, c: EstimateCandidate,
+               ids: Mapping[str, Sequence[int]]) -> list[int] | None:
+    """The prompt's block keys where the snapshot describes the pool block by block (``keys`` is
+    set: its ``tracked_blocks``, ``bear.prefix.tracked_pool``): the replay then finds the hit from
+    the pool itself, evictions ahead of the query included (None: the count model, with the
+    mirror's hit)."""
+    toks = ids.get(c.tokenizer) if c.tokenizer is not None else None
+    return None if keys is None or toks is None else keys(toks)
+
+
 def run_jobs(p: Plan, cfg: EstimatorConfig) -> list[tuple[float, int, str]]:
     """The BEA replays of a plan in one libbea call, each candidate with its own prompt length and
     hit (libbea only: safe off the event loop while ``in_use`` is held)."""
@@ -192,6 +221,9 @@ def run_jobs(p: Plan, cfg: EstimatorConfig) -> list[tuple[float, int, str]]:
     q = p.query
     qds = [{"id": q.id, "prompt_tokens": max(1, j.prompt_tokens), "max_tokens": q.max_tokens,
             "prefix_hit_tokens": j.hit, "priority": q.priority} for j in p.jobs]
+    for qd, j in zip(qds, p.jobs, strict=True):
+        if j.keys:
+            qd["block_keys"] = j.keys
     try:
         res = libbea.estimate_many(
             [j.snap for j in p.jobs], qds, [j.inputs.beta for j in p.jobs],

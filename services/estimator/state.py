@@ -201,17 +201,21 @@ class InstanceState:
             return None
         return max(0.0, now - self.snap_time)
 
-    def ahead(self, grace_s: float) -> list[dict[str, int]]:
+    def ahead(self, grace_s: float, keys_of: Callable[[bytes], list[int]] | None = None) -> list[dict[str, Any]]:
         """Dispatches the snapshot cannot show yet: sent after its capture (less ``grace_s`` for
         the engine's admission delay and clock skew) and never seen in any snapshot. They queue
-        in front of a new query."""
-        out = []
+        in front of a new query. ``keys_of``: a dispatch's token ids → its block keys (a snapshot
+        that describes the pool block by block)."""
+        out: list[dict[str, Any]] = []
         since = self.snap_time - grace_s
         for d in reversed(self.dispatches):
             if d.t <= since:
                 break
             if d.request_id not in self.seen:
-                out.append(d.as_replay_request())
+                r: dict[str, Any] = d.as_replay_request()
+                if keys_of is not None and d.tokens:
+                    r["block_keys"] = keys_of(d.tokens)
+                out.append(r)
         out.reverse()
         return out
 

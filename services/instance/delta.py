@@ -45,6 +45,8 @@ def encode_delta(prev: dict[str, Any], cur: dict[str, Any]) -> dict[str, Any] | 
     maps), or None when the rules above cannot express the change."""
     if prev.get("generation", 0) != cur.get("generation", 0) or cur["seq"] <= prev["seq"]:
         return None  # another engine, or a state that is not a later step (an engine's initial state)
+    if "tracked_blocks" in cur:
+        return None  # the pool described block by block: a delta does not carry the table
     if prev["config"] is not cur["config"] and prev["config"] != cur["config"]:
         return None
     old_r, old_w = prev["running"], prev["waiting"]

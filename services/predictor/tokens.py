@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 
 from bear.predictor.models import ModelSpec
+from bear.tokenizer.chunks import encode_ids
 
 log = structlog.get_logger(__name__)
 
@@ -75,6 +76,6 @@ class TokenCounter:
                 out[m] = fallback
                 continue
             if key not in memo:
-                memo[key] = len(self._tokenizers[key].encode(text, add_special_tokens=False).ids)
+                memo[key] = len(encode_ids(self._tokenizers[key], [text], False)[0])  # the GIL released
             out[m] = memo[key]
         return out

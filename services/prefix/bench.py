@@ -160,4 +160,53 @@ def _tokenize_micro(prompt_tokens: int, reps: int, seed: int) -> dict[str, Any]:
     h0, t0 = ce.hit_chars, ce.total_chars
     warm = _time(lambda: ce.encode_packed(next(it), False), reps)
     return {"full_encoding": full, "chunked_seen_document": warm,
-            "cached_share_of_chars": (ce.hit_chars - h0) / max(1, ce.total_chars - t0)}
+            "cached_share_of_chars": (ce.hit_chars - h0) / max(1, ce.total_chars - t0),
+            "chat_turn": _chat_micro(vocab, seed)}
+
+
+def _chat_micro(vocab: list[str], seed: int, conversations: int = 30, turns: int = 4) -> dict[str, Any]:
+    """A chat turn's encoding (what the router does before asking the estimator) with the last
+    answer primed (``TokenizerCache.prime``, after the answer streamed) and without, warm and
+    with the process idle 0.3 s before each turn (as a router between queries on a shared host).
+    Lengths: LMSYS-Chat-1M's means per turn (69.5 user, 214.5 answer tokens; Zheng et al., ICLR
+    2024, Table 1) and a 500-token system prompt (vLLM's multi-turn benchmark default); one bench
+    word is about one token."""
+    import tempfile
+    from pathlib import Path
+
+    from bear.stack.prefix_bench import write_bench_tokenizer
+    from bear.tokenizer.bundle import from_model_dir
+    from bear.tokenizer.cache import load
+
+    rng = np.random.default_rng(seed + 7)
+
+    def words(n: int) -> str:
+        return " ".join(vocab[int(i)] for i in rng.integers(0, len(vocab), n))
+
+    with tempfile.TemporaryDirectory() as d:
+        write_bench_tokenizer(Path(d) / "tok", seed)
+        bundle = from_model_dir(Path(d) / "tok")
+    system = {"role": "system", "content": words(500)}
+    out: dict[str, Any] = {}
+    for idle in (0.0, 0.3):
+        for primed in (True, False):
+            tok = load(bundle)
+            xs: list[float] = []
+            for _ in range(conversations if not idle else conversations // 3):
+                msgs = [system]
+                for t in range(turns):
+                    msgs = [*msgs, {"role": "user", "content": words(70)}]
+                    if idle:
+                        time.sleep(idle)
+                    t0 = time.perf_counter()
+                    tok.encode_packed(None, msgs)
+                    if t:
+                        xs.append(time.perf_counter() - t0)
+                    answer = words(215)
+                    if primed:
+                        tok.prime(None, msgs, answer)
+                    msgs = [*msgs, {"role": "assistant", "content": answer}]
+            a = np.asarray(xs) * 1e3
+            out[f"{'primed' if primed else 'not_primed'}_{'idle' if idle else 'warm'}"] = {
+                "p50_ms": float(np.median(a)), "p99_ms": float(np.percentile(a, 99)), "n": len(xs)}
+    return out

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 # the plugin's op codes (bear_vllm_plugin.OP_*; the plugin imports nothing of bear)
-OP_POP, OP_TOUCH, OP_PREPEND, OP_APPEND, OP_CACHE, OP_EVICT, OP_RESET, OP_DUMP = range(8)
+OP_POP, OP_TOUCH, OP_PREPEND, OP_APPEND, OP_CACHE, OP_EVICT, OP_RESET, OP_DUMP, OP_NAMES = range(9)
 
 
 class ReplicaMismatch(ValueError):
@@ -80,6 +80,8 @@ class BlockPoolReplica:
                 self.names.pop(b, None)
         elif code == OP_RESET:
             self.names.clear()
+        elif code == OP_NAMES:
+            pass  # a request's block names: no change to the pool (TrackedPool keeps them)
         elif code == OP_DUMP:
             self.queue = OrderedDict.fromkeys(op[1])
             self.names = {int(b): int(n) for b, n in zip(op[2], op[3], strict=True)}
@@ -96,7 +98,7 @@ class BlockPoolReplica:
 
     def positions(self) -> dict[int, int]:
         """Free block id -> its place in the queue (0: the next allocation takes it)."""
-        return {b: i for i, b in enumerate(self.queue)}
+        return dict(zip(self.queue, range(len(self.queue)), strict=True))
 
     def chain(self, names: Sequence[int], max_blocks: int) -> list[int]:
         """The blocks of the longest run of ``names`` (a prompt's block names, in order) cached now,

@@ -57,14 +57,18 @@ class Dispatch(Message, tag="bear.dispatch/1", kw_only=True):
     max_tokens: PosInt | None = None  # None: the prediction is the cap
     prefix_hit_tokens: NonNegInt = 0  # the hit the estimator found there when the router decided
     t: float
+    # the prompt's token ids as the instance's tokenizer encodes them (packed, bear.protocol.token_ids):
+    # an estimator replaying that instance's pool block by block keys the request by them
+    tokens: PackedTokenIds | None = None
 
     def __post_init__(self) -> None:
         _finite(self.t)
 
-    def as_replay_request(self) -> dict[str, int]:
-        """The request as the replay queues it ahead of a new query."""
+    def as_replay_request(self) -> dict[str, Any]:
+        """The request as the replay queues it ahead of a new query (named as the engine will
+        know it, for traces)."""
         pred = max(1, self.predicted_output_tokens)
-        return {"prompt_tokens": max(1, self.prompt_tokens), "max_tokens": self.max_tokens or pred,
+        return {"id": self.request_id, "prompt_tokens": max(1, self.prompt_tokens), "max_tokens": self.max_tokens or pred,
                 "predicted_output": pred, "prefix_hit_tokens": self.prefix_hit_tokens}
 
 
@@ -298,6 +302,9 @@ class EstimateRow(msgspec.Struct, kw_only=True, omit_defaults=False):
     block_size: int = 0  # of the held snapshot's KV cache (0: no snapshot)
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    # the snapshot describes the pool block by block: a dispatch there should carry the prompt's
+    # token ids (Dispatch.tokens), which the replay keys queued requests by; elsewhere they are unused
+    pool_keyed: bool = False
 
 
 class EstimateReply(Message, tag="bear.estimate.reply/1", kw_only=True):

@@ -114,11 +114,20 @@ def build_candidates(prompt_tokens: int, insts: Sequence[InstanceView],
     return cands, used
 
 
+def dispatch_tokens(tokens: Mapping[str, bytes], tokenizer: str | None, row: EstimateRow | None) -> bytes | None:
+    """The packed prompt ids a dispatch to an instance carries: only where the estimate row says
+    its snapshot describes the pool block by block (``pool_keyed``) — no other replay reads them,
+    and an 8k-token prompt's ids are 32 kB on every estimator worker's dispatch subscription."""
+    if tokenizer is None or row is None or not row.pool_keyed:
+        return None
+    return tokens.get(tokenizer)
+
+
 def dispatch_for(query_id: str, request_id: str, p: ModelPrediction, max_tokens: int, t: float,
-                 prefix_hit_tokens: int = 0) -> Dispatch:
+                 prefix_hit_tokens: int = 0, tokens: bytes | None = None) -> Dispatch:
     """The ``bear.dispatch`` message of sending the query to an instance, under prediction ``p``
-    (and the prefix-cache hit the estimator found there)."""
+    (and the prefix-cache hit the estimator found there, and the prompt's packed token ids)."""
     out = p.out_len if math.isfinite(p.out_len) else float(max_tokens)  # a prediction of inf/nan: the cap
     return Dispatch(query_id=query_id, request_id=request_id, prompt_tokens=min(p.prompt_tokens, 2**31 - 1),
                     predicted_output_tokens=int(max(1, round(min(out, max_tokens)))), max_tokens=max_tokens,
-                    prefix_hit_tokens=prefix_hit_tokens, t=t)
+                    prefix_hit_tokens=prefix_hit_tokens, t=t, tokens=tokens)

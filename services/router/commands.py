@@ -106,6 +106,11 @@ def router(
         True, "--tokenize/--no-tokenize",
         help="Tokenise each query with the tokenizers the instances register (exact prompt lengths, prefix-cache "
              "hits); --no-tokenize: lengths estimated from the text (bytes / 4), no hits"),
+    prime_answers: bool = typer.Option(
+        True, "--prime-answers/--no-prime-answers",
+        help="After each answer, encode the conversation with it in the background, so that the next turn, "
+             "which resends it, encodes only its new message; --no-prime-answers: each turn encodes the last "
+             "answer when it arrives"),
     metrics_port: MetricsPort = 0,
     metrics_host: MetricsHost = DEFAULT_METRICS_HOST,
     prefix: Prefix = "bear",
@@ -125,7 +130,7 @@ def router(
                        estimate_try_s=estimate_budget / 2, default_output_tokens=default_output_tokens,
                        max_inflight=max_inflight, max_deciding=max_deciding, shed_lag_s=shed_lag,
                        down_after_s=down_after, outcome_log=outcome_log, estimator_shards=estimator_shards,
-                       tokenize=tokenize, aliases=_aliases(model_alias), engine_keys=_engine_keys(engine_keys),
+                       tokenize=tokenize, prime_answers=prime_answers, aliases=_aliases(model_alias), engine_keys=_engine_keys(engine_keys),
                        allowed_base_urls=tuple(_base_urls(allow_base_url)))
     start_metrics_server(metrics_port, metrics_host)
     aio.run(serve(nats_url, cfg, prefix))

@@ -20,6 +20,11 @@ from typing import Any
 from bear.protocol.errors import ErrorCode
 
 REFUSED_STATUSES = (400, 413, 422)  # the request's own fault; 404/408/409/429 and 5xx are the instance's
+# vLLM's API server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (default 5 s);
+# aiohttp keeps one for 15 s, so a query could go out on a connection the engine is closing at
+# that instant, be reset, and count as the instance unavailable (rerouted, the instance backed
+# off). The router lets its connections go before the engine does.
+ENGINE_KEEPALIVE_S = 4.0
 _TOO_LARGE = re.compile(r"max_model_len|maximum context length|context length|too long|too large|exceeds",
                         re.IGNORECASE)
 
@@ -81,6 +86,15 @@ def request_body(model: str, prompt: str | None, messages: list[dict[str, Any]] 
     if extra:
         body.update(extra)
     return path, body
+
+
+def engine_session(**kw: Any) -> Any:
+    """The router's HTTP client for the instances (``kw``: more ``aiohttp.ClientSession``
+    arguments): no connection limit, connections kept idle for at most ``ENGINE_KEEPALIVE_S``."""
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=ENGINE_KEEPALIVE_S)
+    return aiohttp.ClientSession(connector=connector, **kw)
 
 
 async def stream_completion(session: Any, base_url: str, request_id: str, path: str, body: dict[str, Any], *,

@@ -43,6 +43,8 @@ def metrics() -> Any:
         registry_rejected=Counter("bear_router_registry_rejected_total",
                                   "Registry and calibration entries not taken", ["reason"]),
         loop_lag=Gauge("bear_router_loop_lag_seconds", "Recent event-loop lag (what admission sheds on)"),
+        primed=Counter("bear_router_answers_primed_total", "Answers encoded ahead of their next turn (queued), "
+                                                           "or not (skipped: the priming thread was busy)", ["outcome"]),
     )
 
 

@@ -31,12 +31,13 @@ from bear.protocol.sampling import check_sampling
 from bear.protocol.subjects import CANCEL_SCHEMA, Subjects
 from bear.protocol.token_ids import count
 from bear.router.admission import Admission
-from bear.router.candidates import LocalLoad, ModelPrediction, build_candidates, dispatch_for
+from bear.router.candidates import LocalLoad, ModelPrediction, build_candidates, dispatch_for, dispatch_tokens
 from bear.router.dedup import Deduplicator
 from bear.router.dispatch import (
     InstanceRefused,
     InstanceUnavailable,
     StreamBroken,
+    engine_session,
     request_body,
     stream_completion,
 )
@@ -59,6 +60,7 @@ RESEND_S = 3.0  # terminal messages sent this long before a reconnect are sent a
 RESEND_MAX = 20_000
 CANCEL_MEMORY = 4096  # ids of cancelled queries remembered (a cancel may overtake its submission)
 CANCEL_MEMORY_S = 60.0
+MAX_PRIMED_CHARS = 1 << 20  # a longer answer is not encoded ahead of the next turn
 WRITE_YIELDS = 4  # loop turns given to nats-py's flusher before tokenising (one suffices: it is next in line)
 
 
@@ -91,6 +93,7 @@ class RouterConfig:
     engine_keys: dict[str, str] = field(default_factory=dict)  # instance (or "*") → its engine's API key
     allowed_base_urls: tuple[str, ...] = ()  # instances only under these base URLs (empty: any)
     tokenize: bool = True  # exact prompt tokens (and prefix hits) where instances register a tokenizer
+    prime_answers: bool = True  # encode each answer ahead of the next turn (TokenizerCache.prime)
 
 
 @dataclass
@@ -289,9 +292,7 @@ class RouterService:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        import aiohttp
-
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
+        self._session = engine_session()
         await self.registry.start()
         self._lag_task = asyncio.create_task(self.admission.watch_loop())
         self._resend_task = asyncio.create_task(self._resend_after_reconnect())
@@ -477,6 +478,7 @@ class RouterService:
         exact = {i.id: count(tokens[i.tokenizer]) for i in insts if i.tokenizer in tokens}
         return Asked(claimed, preds, rows, claim_s=tc - t, predict_s=tp - t, estimate_s=te - t,
                      estimated_at=reply.at if reply is not None else None, exact_tokens=exact, tokenize_s=tokenize_s,
+                     tokens=tokens,
                      estimator_service_s=reply.service_s if reply is not None else None)
 
     async def _route(self, q: Query, out: ClientStream, t0: float) -> None:
@@ -552,7 +554,8 @@ class RouterService:
             p = used[inst.id]
             request_id = f"bear-{uuid.uuid4().hex}"
             await self.nc.publish(self.subjects.dispatch(inst.id), encode(dispatch_for(
-                q.query_id, request_id, p, q.max_tokens, time.time(), d.candidate.prefix_hit_tokens)))
+                q.query_id, request_id, p, q.max_tokens, time.time(), d.candidate.prefix_hit_tokens,
+                dispatch_tokens(asked.tokens, inst.tokenizer, rows.get(inst.id) if rows else None))))
             q.served_by = inst.id
             decision_s = time.perf_counter() - t0
             if q.deciding:
@@ -599,6 +602,8 @@ class RouterService:
         usage: dict[str, int] = {}
         finish = None
         seq = 0
+        answer: list[str] = []  # kept for priming the next turn, up to MAX_PRIMED_CHARS
+        answer_chars = 0
         local = self.local
         local.pending_prefill_tokens[inst.id] += uncached
         local.running[inst.id] += 1
@@ -623,6 +628,9 @@ class RouterService:
                             span.event("first_token")
                         await out.send({"v": "bear.chunk/1", "seq": seq, "text": piece.text})
                         seq += 1
+                        if answer_chars <= MAX_PRIMED_CHARS:
+                            answer.append(piece.text)
+                            answer_chars += len(piece.text)
                     if piece.usage:
                         usage = piece.usage
                     if piece.finish_reason:
@@ -638,6 +646,10 @@ class RouterService:
                     local.pending_prefill_tokens[inst.id] -= uncached
                 local.running[inst.id] -= 1
         end = time.perf_counter()
+        if self.cfg.tokenize and self.cfg.prime_answers and answer_chars <= MAX_PRIMED_CHARS:
+            primed = self.tokenizers.prime(inst.tokenizer, q.prompt, q.messages, "".join(answer))
+            if primed is not None:
+                self.m.primed.labels(outcome=primed).inc()
         if first is None:  # an empty answer: the first (and only) token is the end of the stream
             first = end
         ttft = first - t0
@@ -697,6 +709,7 @@ class Asked:
     exact_tokens: dict[str, int] = field(default_factory=dict)  # instance → its tokenizer's prompt length
     tokenize_s: float = 0.0  # of estimate_s: tokenising the query (before the estimator was asked)
     estimator_service_s: float | None = None  # of estimate_s: the worker's own time on the request
+    tokens: dict[str, bytes] = field(default_factory=dict)  # tokenizer id → the prompt's packed ids
 
     @property
     def wait_s(self) -> float:

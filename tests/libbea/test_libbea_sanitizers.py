@@ -71,6 +71,8 @@ def tracked_snapshots() -> list[dict]:
             pick = rng.random()
             if pick < 0.3 and t:
                 t[rng.randrange(len(t))] = rng.randint(-3, s["free_blocks"] + 2)
+            elif pick < 0.45:
+                s["tracked_keys"] = [rng.randint(-2, 5) for _ in range(len(t) + rng.randint(-1, 1))]
             elif pick < 0.6:
                 r = rng.choice(s["running"] + s["waiting"] or [{}])
                 key = rng.choice(["tracked", "hit_blocks", "block_keys"])

@@ -129,13 +129,47 @@ def test_without_a_table_nothing_changes() -> None:
     ({"wait": {"block_keys": [-1]}}, r"waiting\[0\].block_keys\[0\]"),
     ({"wait": {"block_keys": 5}}, "block_keys"),
     ({"off": True}, "enable_prefix_caching"),
+    ({"tracked_keys": [1]}, "one key per tracked block"),
+    ({"tracked_keys": [1, -2]}, r"tracked_keys\[1\]"),
+    ({"tracked_keys": 3}, "tracked_keys"),
 ])
 def test_bad_tracked_fields_are_named(patch: dict, match: str) -> None:
     run_r = decoding("A", 16, 1, blocks=2, **patch.get("run", {}))
     wait_r = req("W", 40, **patch.get("wait", {}))
     table = patch.get("tracked_blocks", [-1, 3])
+    snap = tsnap([run_r], [wait_r], 10, table, enable_prefix_caching=not patch.get("off", False))
+    if "tracked_keys" in patch:
+        snap["tracked_keys"] = patch["tracked_keys"]
     with pytest.raises(ValueError, match=match):
-        libbea.Snapshot.from_dict(tsnap([run_r], [wait_r], 10, table, enable_prefix_caching=not patch.get("off", False)))
+        libbea.Snapshot.from_dict(snap)
+
+
+def test_table_keys_let_a_hit_find_its_blocks_by_content() -> None:
+    # The query's three hit blocks sit at positions 6, 2, 8 of the free queue and W2 pops 0-3.
+    # Named by hit_blocks (indices) or by block_keys alone against the table's keys, the replay
+    # is the same: the second block is evicted, a one-block hit.
+    table, keys = [6, 2, 8], [70, 71, 72]
+    w2 = req("W2", 64, hit_blocks=[])
+    by_index = run(tsnap([], [w2], 20, table),
+                   {"id": "Q", "prompt_tokens": 161, "max_tokens": 4, "hit_blocks": [0, 1, 2]}, {"W2": 4})
+    by_key = run({**tsnap([], [w2], 20, table), "tracked_keys": keys},
+                 {"id": "Q", "prompt_tokens": 161, "max_tokens": 4, "block_keys": [70, 71, 72, 99]}, {"W2": 4})
+    assert by_key["batches"] == by_index["batches"] and by_key["batches"][0] == {"W2": 64, "Q": 161 - 16}
+    # a waiting request finds its hit the same way (a free hit is charged at its admission)
+    w = req("W", 161, block_keys=[70, 71, 72])
+    got = run({**tsnap([], [w], 20, table), "tracked_keys": keys}, {"id": "Q", "prompt_tokens": 8}, {"W": 2})
+    assert got["batches"][0] == {"W": 161 - 48, "Q": 8}
+    # keys of no block (-1) and unknown keys find nothing
+    none = run({**tsnap([], [], 20, table), "tracked_keys": [-1, -1, -1]},
+               {"id": "Q", "prompt_tokens": 161, "block_keys": [70, 71, 72]})
+    assert none["batches"][0] == {"Q": 161}
+    # the same from the wire form the estimator receives
+    from bear.protocol.codec import pack
+
+    wire = libbea.Snapshot.from_msgpack(pack({**tsnap([], [w2], 20, table), "tracked_keys": keys}))
+    again = libbea.estimate(wire, {"id": "Q", "prompt_tokens": 161, "max_tokens": 4, "block_keys": [70, 71, 72]},
+                            beta=UNIT, lengths={"W2": 4}, trace=True)
+    assert again["batches"] == by_key["batches"]
 
 
 def test_bad_query_chains_are_named() -> None:

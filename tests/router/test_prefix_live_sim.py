@@ -15,7 +15,7 @@ import nats
 from bear.client.submit import submit
 from bear.estimator.estimate import EstimatorConfig
 from bear.estimator.worker import EstimatorWorker
-from bear.protocol.messages import EstimateRequest, decode
+from bear.protocol.messages import Dispatch, EstimateRequest, decode
 from bear.protocol.subjects import Subjects
 from bear.router.service import RouterConfig, RouterService
 from bear.sim.run import serve
@@ -39,8 +39,15 @@ async def test_router_sim_exact_tokens_and_mirrored_hits(nats_server, tmp_path: 
         r = decode(EstimateRequest, msg.data)
         seen[r.query.id] = r
 
+    dispatched: dict[str, Dispatch] = {}
+
+    async def on_dispatch(msg: Any) -> None:
+        d = decode(Dispatch, msg.data)
+        dispatched[d.query_id] = d
+
     try:
         await nc.subscribe(Subjects().estimate, cb=snoop)
+        await nc.subscribe(Subjects().dispatch("sim-0"), cb=on_dispatch)
         await worker.start()
         await router.start()
         for _ in range(200):
@@ -75,5 +82,10 @@ async def test_router_sim_exact_tokens_and_mirrored_hits(nats_server, tmp_path: 
         (cand,) = seen[qid].candidates()
         assert cand.prompt_tokens == d["usage"]["prompt_tokens"], (qid, cand, d["usage"])
         assert recs[qid]["tokens"] == "exact"
+        # the sim engine's snapshots count its pool (no block table): the dispatch carries the
+        # exact length, not the ids, which only a replay of a described pool reads
+        assert dispatched[qid].tokens is None and dispatched[qid].prompt_tokens == cand.prompt_tokens
         assert recs[qid]["prefix_hit_tokens"] == d["usage"]["cached_tokens"], (qid, recs[qid], d["usage"])
     assert recs["t0"]["prefix_hit_tokens"] == 0 and all(recs[f"t{t}"]["prefix_hit_tokens"] > 0 for t in (1, 2, 3))
+    # every answer was encoded ahead of its next turn, and the turns' ids stayed exact (above)
+    assert router.tokenizers.primed == {"queued": 4, "skipped": 0}

@@ -278,12 +278,12 @@ async def test_client_gives_terminal_error_without_router(nats_server) -> None:
         await nc.close()
 
 
-async def test_streamed_answers_reuse_one_keep_alive_connection() -> None:
-    """Reading each answer to the end of its body (not just to ``[DONE]``) keeps the connection in
-    the pool: 20 queries to one instance open one TCP connection, not 20."""
+async def _connections_opened(gaps_s: list[float]) -> int:
+    """Queries through the router's engine session to one instance, ``gaps_s`` apart: how many
+    TCP connections they opened."""
     import aiohttp
 
-    from bear.router.dispatch import request_body, stream_completion
+    from bear.router.dispatch import engine_session, request_body, stream_completion
 
     inst = FakeInstance(tokens=2)
     await inst.start()
@@ -296,15 +296,34 @@ async def test_streamed_answers_reuse_one_keep_alive_connection() -> None:
     trace = aiohttp.TraceConfig()
     trace.on_connection_create_end.append(on_create)
     try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trace_configs=[trace]) as session:
-            for k in range(20):
+        async with engine_session(trace_configs=[trace]) as session:
+            for k, gap in enumerate([0.0, *gaps_s]):
+                await asyncio.sleep(gap)
                 path, body = request_body("m", "hi", None, 2)
                 pieces = [p async for p in stream_completion(session, f"http://127.0.0.1:{inst.port}/v1",
                                                              f"r{k}", path, body)]
                 assert "".join(p.text for p in pieces) == "t0 t1 "
-        assert opened == 1
+        return opened
     finally:
         await inst.stop()
+
+
+async def test_streamed_answers_reuse_one_keep_alive_connection() -> None:
+    """Reading each answer to the end of its body (not just to ``[DONE]``) keeps the connection in
+    the pool: 20 queries to one instance open one TCP connection, not 20."""
+    assert await _connections_opened([0.0] * 19) == 1
+
+
+async def test_idle_engine_connections_go_before_the_engine_closes_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a query sent on it at
+    that instant is reset and the instance counted unavailable. The router drops idle connections
+    first (``ENGINE_KEEPALIVE_S``, here shortened to 0.2 s): a query after a longer pause opens a
+    new connection, one after a shorter pause reuses the last."""
+    from bear.router import dispatch
+
+    assert dispatch.ENGINE_KEEPALIVE_S < 5.0
+    monkeypatch.setattr(dispatch, "ENGINE_KEEPALIVE_S", 0.2)
+    assert await _connections_opened([0.05, 0.6, 0.05]) == 2
 
 
 async def test_requests_are_on_the_wire_before_the_router_tokenises(router_env, monkeypatch) -> None:

@@ -46,6 +46,7 @@ def raw_step(
     reason: int = 5,
     delta: tuple[Any, ...] | None = None,
     with_ids: bool = False,
+    block_ops: list[Any] | None = None,
 ) -> tuple[Any, ...]:
     """One full record exactly as bear_vllm_plugin writes it (reason 5: deltas off; with
     ``with_ids`` and a reason < 5 as in delta mode, optionally carrying the ``delta`` too)."""
@@ -56,7 +57,7 @@ def raw_step(
         3, seq, t0, t0 + 0.001, t0 + dur * 0.9, t0 + dur * 0.95, time.time(), busy,
         tuple(sched), tuple(sched.values()), tuple((new or {}).items()), tuple(cached), tuple(cached.values()),
         preempted, free, cols(running or [], with_ids), cols(waiting or [], with_ids), 12345, None, 2345,
-        reason, delta, None,
+        reason, delta, block_ops,
     )  # fmt: skip
 
 

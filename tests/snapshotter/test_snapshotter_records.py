@@ -92,6 +92,35 @@ def test_cases_replay_exactly_with_libbea() -> None:
         assert res["batches"] == c["expected_batches"], c["request"]["id"]
 
 
+def test_a_chunk_capped_because_of_a_later_arrival_is_flagged() -> None:
+    """vLLM caps a prefill chunk at --long-prefill-token-threshold only while more than one
+    request runs or waits: A alone takes the whole 384-token budget; once B (which arrived after
+    A) waits, A's next chunk is capped at 200. No replay from the state before A knows of B, so
+    A's case is flagged; B's (with A in its snapshot) is not, and replays exactly."""
+    t = 100.0
+    A = {"id": "A", "prompt": 700, "max_tokens": 2, "arrival": 1.0}
+    B = {"id": "B", "prompt": 100, "max_tokens": 2, "arrival": 2.0}
+    raws = [
+        raw_step(0, busy=False, t0=t),
+        raw_step(1, sched={"A": 384}, new={"A": 0}, running=[{**A, "computed": 384, "blocks": 3}], t0=t + 1),
+        raw_step(2, sched={"A": 200, "B": 100}, new={"B": 0}, cached={"A": 384},
+                 running=[{**A, "computed": 584, "blocks": 5}, {**B, "computed": 100, "output": 1}], t0=t + 1.01),
+        raw_step(3, sched={"A": 116, "B": 1}, cached={"A": 584, "B": 100},
+                 running=[{**A, "computed": 700, "output": 1, "blocks": 6}], t0=t + 1.02),
+        raw_step(4, sched={"A": 1}, cached={"A": 700}, busy=False, t0=t + 1.03),
+    ]  # fmt: skip
+    m = meta()
+    m["config"] = {**m["config"], "long_prefill_token_threshold": 200}
+    cs = {c["request"]["id"]: c for c in build_cases(m, [parse_step(r) for r in raws], trace="t")}
+    a, b = cs["A"], cs["B"]
+    assert a["expected_batches"] == [{"A": 384}, {"A": 200}, {"A": 116}]
+    assert a["cap_by_later_arrival"] is True and b["cap_by_later_arrival"] is False
+    replay = libbea.estimate(libbea.Snapshot.from_dict(a["snapshot"]), a["request"], beta=[0.01, 0, 0, 0],
+                             lengths=a["output_lengths"], trace=True)
+    assert replay["batches"] == [{"A": 384}, {"A": 316}]  # alone all the way: what it could know
+    assert all(not c["cap_by_later_arrival"] for c in build_cases(meta(), _scenario(), trace="t"))
+
+
 def test_record_run_writes_the_public_file_layout(tmp_path: Path, cases: list[dict]) -> None:
     steps = _scenario()
     log = tmp_path / "run.jsonl.gz"
@@ -103,7 +132,7 @@ def test_record_run_writes_the_public_file_layout(tmp_path: Path, cases: list[di
     assert (nc, nb) == (2, 4) and bpath.name == "batches_mine.jsonl.gz"
     with gzip.open(cpath, "rt") as f:
         first = json.loads(f.readline())
-    assert set(first) == set(cases[0])
+    assert set(first) - {"cap_by_later_arrival"} == set(cases[0])  # the public layout, plus that flag
     assert set(first["request"]) == set(cases[0]["request"])
 
 

@@ -137,6 +137,40 @@ def test_chunked_encoding_equals_the_full_one_and_reuses_shared_text(tmp_path: P
         assert ce.encode(conv, False) == tok.encode(conv, add_special_tokens=False).ids
 
 
+def test_prompts_are_encoded_only_through_batch_calls(tmp_path: Path) -> None:
+    """tokenizers' single-text ``encode`` holds the GIL for the whole call (a thread-pool encoding
+    then stalls the router's loop); its batch calls release it. The chunked encoder (first-seen
+    prompts split at their cuts, repeated ones, the periodic verification) and the plain path
+    must encode prompt text through them only — and get the same ids."""
+    from bear.stack.prefix_bench import _prompts, write_bench_tokenizer
+    from bear.tokenizer.chunks import ChunkedEncoder
+
+    tok, vocab = write_bench_tokenizer(tmp_path / "bpe")
+
+    class Watched:
+        def __init__(self) -> None:
+            self.single, self.batched = 0, 0
+
+        def encode(self, text: str, add_special_tokens: bool = False):
+            self.single += len(text) > 8  # the encoder's own probe of the post-processor is "a b"
+            return tok.encode(text, add_special_tokens=add_special_tokens)
+
+        def encode_batch_fast(self, texts: list[str], add_special_tokens: bool = False):
+            self.batched += len(texts)
+            return tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+
+    w = Watched()
+    ce = ChunkedEncoder(w, verify_every=2)
+    assert ce.disabled is None
+    checks: list[object] = []
+    for p in _prompts(tok, vocab, 6, 4096, 2, seed=3):
+        assert ce.encode(p, False, verify=checks.append) == tok.encode(p, add_special_tokens=False).ids
+    for job in checks:
+        job()  # type: ignore[operator]
+    assert checks and ce.disabled is None
+    assert w.single == 0 and w.batched > 6
+
+
 def test_chunking_turns_itself_off_for_a_tokenizer_it_would_get_wrong() -> None:
     from bear.tokenizer.chunks import ChunkedEncoder
 
@@ -150,6 +184,9 @@ def test_chunking_turns_itself_off_for_a_tokenizer_it_would_get_wrong() -> None:
                      for i in range(0, len(text), 2)]
             e.offsets = [(i, min(i + 2, len(text))) for i in range(0, len(text), 2)]
             return e
+
+        def encode_batch(self, texts: list[str], add_special_tokens: bool = False):
+            return [self.encode(t, add_special_tokens) for t in texts]
 
     ce = ChunkedEncoder(Merging())
     assert ce.disabled is not None
@@ -219,3 +256,76 @@ def test_conversations_sharing_a_system_prompt_find_their_own_last_turn(tmp_path
             h0 = ce.hit_chars
             assert ce.encode(convs[c], False) == tok.encode(convs[c], add_special_tokens=False).ids
             assert len(convs[c]) - (ce.hit_chars - h0) < 1500, (turn, c)  # only the new reply was encoded
+
+
+def _chat_turns(vocab: list[str], rng_seed: int, turns: int) -> list[tuple[list[dict[str, str]], str]]:
+    """A conversation behind a long system prompt: (the messages sent at each turn, the answer)."""
+    import random
+
+    rng = random.Random(rng_seed)
+    words = lambda n: " ".join(rng.choice(vocab) for _ in range(n))  # noqa: E731
+    msgs = [{"role": "system", "content": "You answer from this manual. " + words(1500)}]
+    out = []
+    for t in range(turns):
+        msgs = [*msgs, {"role": "user", "content": f"question {t}: " + words(60)}]
+        answer = f"answer {t}: " + words(200)  # LMSYS-Chat-1M: 69.5 user and 214.5 answer tokens per turn
+        out.append((msgs, answer))
+        msgs = [*msgs, {"role": "assistant", "content": answer}]
+    return out
+
+
+def test_a_primed_answer_leaves_the_next_turn_only_its_new_message(tmp_path: Path) -> None:
+    """``Loaded.prime``: with the last answer encoded ahead, each turn encodes about its own user
+    message (the text after the answer's last cut); without, the whole answer too. The ids are
+    the full encoding's either way."""
+    from bear.stack.prefix_bench import write_bench_tokenizer
+
+    _, vocab = write_bench_tokenizer(tmp_path / "bpe")
+    bundle = from_model_dir(tmp_path / "bpe")
+    primed, plain = load(bundle), load(bundle)
+    full = load(bundle, chunked=False)
+    new_chars: dict[str, list[int]] = {"primed": [], "plain": []}
+    for msgs, answer in _chat_turns(vocab, 5, 5):
+        for name, tok in (("primed", primed), ("plain", plain)):
+            ce = tok.chunked
+            assert ce is not None
+            n0, h0 = ce.total_chars, ce.hit_chars
+            assert tok.encode(None, msgs) == full.encode(None, msgs)
+            new_chars[name].append((ce.total_chars - n0) - (ce.hit_chars - h0))
+        assert primed.prime(None, msgs, answer)
+    user = 60 * 12  # a user message's characters, generously
+    assert all(n < user + 2 * 512 for n in new_chars["primed"][1:]), new_chars
+    assert all(n > 1000 + user for n in new_chars["plain"][1:]), new_chars  # the answer encoded at the next turn
+    # a completions prompt whose next one appends to it is primed the same way
+    p = "You answer from this manual. " + " ".join(vocab[:1500])
+    a = " and so " + " ".join(vocab[1500:1700])
+    assert primed.prime(p, None, a)
+    ce = primed.chunked
+    assert ce is not None
+    n0, h0 = ce.total_chars, ce.hit_chars
+    assert primed.encode(p + a + " more", None) == full.encode(p + a + " more", None)
+    assert (ce.total_chars - n0) - (ce.hit_chars - h0) < 2 * 512
+
+
+def test_tokenizer_cache_primes_in_the_background_and_skips_when_busy(tmp_path: Path) -> None:
+    from bear.stack.prefix_bench import write_bench_tokenizer
+    from bear.tokenizer.cache import PRIME_PENDING
+
+    _, vocab = write_bench_tokenizer(tmp_path / "bpe")
+    cache = TokenizerCache(None, "unused")
+    bid = cache.add(from_model_dir(tmp_path / "bpe"))
+    (msgs, answer), (nxt, _) = _chat_turns(vocab, 7, 2)
+    assert cache.prime("tok-none", None, msgs, answer) is None  # not loaded: nothing to do
+    assert cache.prime(bid, None, msgs, answer) == "queued"
+    cache._prime_pool.submit(lambda: None).result(timeout=30)  # the one thread has done the job before it
+    ce = cache.loaded[bid].chunked
+    assert ce is not None
+    n0, h0 = ce.total_chars, ce.hit_chars
+    ids = asyncio.run(cache.encode([bid], None, nxt))[bid]
+    assert list(unpack(ids)) == load(from_model_dir(tmp_path / "bpe"), chunked=False).encode(None, nxt)
+    assert (ce.total_chars - n0) - (ce.hit_chars - h0) < 60 * 12 + 2 * 512
+    for _ in range(PRIME_PENDING):
+        assert cache._prime_slots.acquire(blocking=False)
+    assert cache.prime(bid, None, msgs, answer) == "skipped"
+    assert cache.primed == {"queued": 1, "skipped": 1}
+    asyncio.run(cache.close())

@@ -25,7 +25,7 @@ from typing import Any
 import nats
 import numpy as np
 import pytest
-from harness import ChatSessions, VllmServer, run_chat_sessions
+from harness import ChatSessions, VllmServer, retries, run_chat_sessions
 from test_vllm_snapshotter import replay_fidelity, save_result
 
 from bear.client.submit import submit
@@ -51,12 +51,15 @@ PREFIX_CONFIGS: dict[str, dict[str, Any]] = {
         "args": ["--max-model-len", "4096", "--max-num-batched-tokens", "512", "--max-num-seqs", "16"],
         "load": ChatSessions(n_sessions=32, session_rate=2.0, seed=21),
     },
-    # 48 blocks of 128 tokens for sessions that grow to ~2.5k tokens each: cached blocks are
-    # evicted (and requests preempted) while the next turns of their sessions are on the way
+    # 36 blocks of 128 tokens for sessions that grow to ~2.5k tokens (20 blocks) each: two late
+    # turns overflow the pool, so cached blocks are evicted and requests preempted while the next
+    # turns of their sessions are on the way, however fast the host serves them; the 32 sessions
+    # start within ~4 s (8/s). At 48 blocks and 3/s a quiet host finished sessions as fast as they
+    # came and never preempted (19.7k steps, the count model 93 % exact; a loaded CI host ran 7.4k)
     "prefix-kv-pressure": {
         "args": ["--max-model-len", "4096", "--max-num-batched-tokens", "512", "--max-num-seqs", "16",
-                 "--num-gpu-blocks-override", "48"],
-        "load": ChatSessions(n_sessions=32, session_rate=3.0, seed=22),
+                 "--num-gpu-blocks-override", "36"],
+        "load": ChatSessions(n_sessions=32, session_rate=8.0, seed=22),
         "env": {"BEAR_SNAPSHOT_BLOCK_OPS": "1"},  # the plugin's block-op log: the pool rebuilt block by block
     },
 }  # fmt: skip
@@ -94,9 +97,23 @@ def pool_replica_agreement(meta: dict[str, Any], steps: list[dict[str, Any]],
             "overhead_us_p99": float(np.percentile(over, 99)) / 1e3 if over else None}
 
 
+def _keyed_hit(c: dict[str, Any], block_size: int) -> int:
+    """The hit the pool's table gives a case's request at its snapshot: the leading run of its
+    block keys among the cached blocks' keys (as vLLM caps it: the last token is recomputed)."""
+    held = {k for k in c["snapshot"].get("tracked_keys", ()) if k >= 0}
+    cap = (c["request"]["prompt_tokens"] - 1) // block_size
+    n = 0
+    for k in c["request"]["block_keys"][:cap]:
+        if k not in held:
+            break
+        n += 1
+    return n * block_size
+
+
 def _untracked(c: dict[str, Any]) -> None:
     """Drop a case's tracked blocks (its hits become plain token counts)."""
     c["snapshot"].pop("tracked_blocks", None)
+    c["snapshot"].pop("tracked_keys", None)
     c["request"].pop("hit_blocks", None)
     c["request"].pop("block_keys", None)
     for r in (*c["snapshot"]["running"], *c["snapshot"]["waiting"]):
@@ -140,6 +157,63 @@ def _with_engine_hits(cases: list[dict[str, Any]], steps: list[dict[str, Any]]) 
     return out
 
 
+def _published(data: bytes) -> dict[str, Any]:
+    from bear.protocol.codec import unpack
+
+    return dict(unpack(data))
+
+
+def live_pool_fidelity(cases: list[dict[str, Any]], published: dict[int, bytes], record: Any,
+                       prompts: dict[str, list[int]], tokenizer_id: str) -> dict[str, Any]:
+    """The replay from what a live estimator holds: each case's snapshot as the snapshotter
+    published it over NATS (its pool block by block: ``bear.prefix.tracked_pool``), parsed by an
+    estimator's state store, and the query's block keys as the estimator's plan computes them
+    from its token ids — replayed and compared with the engine's batches."""
+    from bear import libbea
+    from bear.estimator.estimate import plan
+    from bear.estimator.state import StateStore
+    from bear.protocol.messages import Dispatch, EstimateCandidate, EstimateQuery
+    from bear.protocol.token_ids import pack
+    from bear.snapshotter.recorded_cache import find_prompt
+
+    out = {"cases": len(cases), "published": 0, "described": 0, "keyed": 0, "ahead": 0, "exact": 0}
+    for c in cases:
+        data = published.get(c["snapshot"]["seq"])
+        toks = find_prompt(prompts, c["request"]["id"])
+        if data is None or toks is None:
+            continue
+        out["published"] += 1
+        store = StateStore()
+        st = store.get(record.id)
+        st.on_registry(record)
+        t = float(_published(data)["time"])  # an idle re-send of this state carries a later time
+        store.offer(record.id, data, t)
+        st.ensure_parsed()
+        # the requests that reached the engine after this snapshot and before the query: what
+        # the router's dispatches tell the estimator (with the prompts' token ids)
+        for k, w in enumerate(c["snapshot"]["waiting"][len(_published(data)["waiting"]):]):
+            wt = find_prompt(prompts, w["id"])
+            st.on_dispatch(Dispatch(query_id=w["id"], request_id=w["id"], prompt_tokens=w["prompt_tokens"],
+                                    predicted_output_tokens=c["output_lengths"][w["id"]], max_tokens=w["max_tokens"],
+                                    prefix_hit_tokens=w.get("prefix_hit_tokens", 0), t=t + 1e-3 * (k + 1),
+                                    tokens=None if wt is None else pack(wt)))
+        req = c["request"]
+        p = plan(EstimateQuery(id=req["id"], prompt_tokens=len(toks), max_tokens=req["max_tokens"]),
+                 [EstimateCandidate(instance=record.id, tokenizer=tokenizer_id)], store, t,
+                 EstimatorConfig(), tokens={tokenizer_id: pack(toks)})
+        (job,) = p.jobs
+        out["described"] += "tracked_blocks" in _published(data)  # (the engine's first state: an empty table)
+        out["keyed"] += bool(job.keys)
+        qd = {"id": req["id"], "prompt_tokens": len(toks), "max_tokens": req["max_tokens"],
+              "prefix_hit_tokens": job.hit, **({"block_keys": job.keys} if job.keys else {})}
+        out["ahead"] += len(job.inputs.ahead)
+        res = libbea.estimate(job.snap, qd, beta=[1e-3, 0.0, 0.0, 0.0], lengths=c["output_lengths"],
+                              ahead=job.inputs.ahead, trace=True)
+        out["exact"] += res["batches"] == c["expected_batches"]
+    out["exact_frac"] = out["exact"] / max(1, out["published"])
+    return out
+
+
 @pytest.mark.parametrize("config", list(PREFIX_CONFIGS))
 async def test_recorded_prefix_fidelity(config: str, vllm_py: str, tiny_model: Path, tmp_path: Path) -> None:
     spec = PREFIX_CONFIGS[config]
@@ -147,9 +221,19 @@ async def test_recorded_prefix_fidelity(config: str, vllm_py: str, tiny_model: P
     srv = VllmServer(vllm_py, tiny_model, spec["args"], log_path=tmp_path / "vllm.log",
                      env={**RING_ENV, **spec.get("env", {})})
     step_log = tmp_path / "steps.jsonl.gz"
+    published: dict[int, bytes] = {}  # what estimators receive: the full snapshots, by seq
+
+    async def on_snapshot(msg: Any) -> None:
+        from bear.protocol.codec import unpack
+
+        published[int(unpack(msg.data)["seq"])] = msg.data
+
     with LocalNatsServer() as nats_srv:
         await asyncio.to_thread(srv.start)
+        nc = await nats.connect(nats_srv.url)
         try:
+            await nc.subscribe(Subjects().snapshot(f"vllm-{config}"), cb=on_snapshot, pending_msgs_limit=-1,
+                               pending_bytes_limit=-1)
             svc = Snapshotter(SnapshotterConfig(instance=f"vllm-{config}", shm=srv.shm, nats_url=nats_srv.url,
                                                 model="tiny", base_url=srv.base_url, record_to=str(step_log)))
             task = asyncio.create_task(svc.run())
@@ -158,9 +242,13 @@ async def test_recorded_prefix_fidelity(config: str, vllm_py: str, tiny_model: P
             await asyncio.sleep(1.5)
             svc.stop()
             await asyncio.wait_for(task, 15)
+            await nc.flush()
         finally:
+            await nc.close()
             srv.stop()
     assert all(r["status"] == 200 for r in reqs), [r for r in reqs if r["status"] != 200][:3]
+    # connections that broke before an answer were retried once (harness.post): a few at most
+    assert len(retries(reqs)) <= max(1, len(reqs) // 50), retries(reqs)
     token_equal = sum(r["usage"]["prompt_tokens"] == len(r["prompt_token_ids"]) for r in reqs)
     prompts = {r["id"]: r["prompt_token_ids"] for r in reqs}
     with gzip.open(tmp_path / "prompts.json.gz", "wt") as f:  # beside the step log: the run can be re-recorded
@@ -189,25 +277,39 @@ async def test_recorded_prefix_fidelity(config: str, vllm_py: str, tiny_model: P
         "replay_with_mirror_hits": with_hits, "replay_without_hits": no_hits, "replay_with_engine_hits": engine_hits,
         "replay_with_mirror_hit_counts": counts_only,
         "cases_with_tracked_blocks": sum("tracked_blocks" in c["snapshot"] for c in cases),
-        "tracked_hits_equal_mirror": sum(len(o["hit_blocks"]) * meta["config"]["block_size"] == o["prefix_hit_tokens"]
-                                         for c in cases for o in (c["request"], *c["snapshot"]["waiting"])
-                                         if "hit_blocks" in o),
-        "tracked_hits": sum("hit_blocks" in o for c in cases for o in (c["request"], *c["snapshot"]["waiting"])),
+        "tracked_hits_equal_mirror": sum(_keyed_hit(c, meta["config"]["block_size"]) == c["request"]["prefix_hit_tokens"]
+                                         for c in cases if "block_keys" in c["request"]),
+        "tracked_hits": sum("block_keys" in c["request"] for c in cases),
     }
     if spec.get("env", {}).get("BEAR_SNAPSHOT_BLOCK_OPS") == "1":
         res["pool_replica"] = pool_replica_agreement(meta, steps, kv_batches(step_log))
+        res["pool_described"] = svc.metrics.pool_described._value.get()
+        res["pool_superseded"] = svc.metrics.pool_superseded._value.get()  # published with counts only
+        reg = svc.metrics.registry  # each description timed (bear_snapshotter_pool_describe_seconds)
+        res["pool_describe_timed"] = reg.get_sample_value("bear_snapshotter_pool_describe_seconds_count")
+        res["pool_describe_mean_ms"] = 1e3 * (reg.get_sample_value("bear_snapshotter_pool_describe_seconds_sum")
+                                              or 0.0) / max(1.0, res["pool_describe_timed"] or 0.0)
+        res["live_pool"] = live_pool_fidelity(cases, published, svc.registration.record, prompts, tok.bundle.id)
     else:
         over = [st["overhead_ns"] for st in steps if st["seq"] > 0]
         res["overhead_us_p50"] = float(np.percentile(over, 50)) / 1e3
+    res["connection_retries"] = retries(reqs)
     save_result(config, res)
     assert token_equal == len(reqs), "BEAR's chat token count differs from the engine's"
     if "pool_replica" in res:  # every step's free count, and the cache equal to the KV events' view
         pr = res["pool_replica"]
         assert pr["free_equal"] == pr["steps"] and pr["first_problem"] is None, pr
         assert pr["cache_equal_kv_mirror"] >= 0.99 * pr["steps"], pr
+        assert res["pool_describe_timed"] == res["pool_described"] > 0, res
         # every case carries its hits' blocks, and they are the mirror's hits
         assert res["cases_with_tracked_blocks"] == len(cases), res
-        assert res["tracked_hits_equal_mirror"] == res["tracked_hits"] > 0, res
+        # live: the snapshots the snapshotter published over NATS describe the pool, and the
+        # estimator's plan keys the query: the replay from those inputs is exact too
+        lp = res["live_pool"]
+        assert lp["published"] >= 0.95 * len(cases) and lp["described"] == lp["published"], \
+            {"live_pool": lp, "pool_superseded": res["pool_superseded"], "pool_described": res["pool_described"]}
+        assert lp["keyed"] >= 0.95 * lp["published"] and lp["ahead"] > 0, res
+        assert lp["exact_frac"] >= 0.99, res
     # Issue 15's bar is 99 %. With room in the cache the mirror agrees on every request; under KV
     # pressure it misses what admissions earlier in the same step evict or cache (runs: 99.6, 99.2,
     # 99.2, 98.8 %), so that configuration is held to 98 % and the shortfall stays reported.
@@ -218,9 +320,9 @@ async def test_recorded_prefix_fidelity(config: str, vllm_py: str, tiny_model: P
     if config == "prefix-kv-pressure":
         # Under KV pressure vLLM charges hit blocks that sit in the free queue against the free
         # count and evicts them while admissions allocate. With the pool's state (the plugin's
-        # block-op log: the free queue, each hit's blocks, who holds what, the blocks' keys)
-        # libbea's tracked-block ledger replays that exactly; as token counts alone (the count
-        # model, what the live estimator still gets) it is exact for a quarter of the arrivals.
+        # block-op log: the free queue, every cached block keyed by its content, who holds what,
+        # the requests' block keys) libbea's tracked-block ledger replays that exactly; as token
+        # counts alone (the count model) it is exact for a quarter to a third of the arrivals.
         assert res["replay_with_mirror_hits"]["preemption_cases"] > 0 and agree["with_hit"] > 0, res
         assert with_hits["exact_frac"] >= 0.99, res
         assert counts_only["exact_frac"] < 0.9, res  # the pool's state is what makes it exact

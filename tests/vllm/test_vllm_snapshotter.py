@@ -7,6 +7,7 @@ published full snapshot at every step; the plugin's overhead at 256 residents; f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import itertools
 import json
@@ -18,7 +19,7 @@ from typing import Any
 
 import nats
 import pytest
-from harness import Load, VllmServer, run_load
+from harness import Load, VllmServer, retries, run_load
 
 from bear import libbea
 from bear.calibrator.fit import fit_beta
@@ -44,9 +45,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "load": Load(n=200, rate=25.0, prompt=(50, 1200), output=(2, 32), seed=2),
     },
     "kv-pressure": {
+        # 17 blocks of 128 tokens (vLLM's null block and one max-model-len request) and prompts
+        # of 300-1,300 tokens: two residents of ~1k tokens overflow the pool, so it preempts
+        # however fast the host serves the load (quiet runs, arrivals with a preemption: 1 to 36
+        # with 100-900-token prompts at 17-20 blocks, 6 to 28 with these; none at 40 blocks;
+        # docs/results/ci-kv-pressure-2026-12-02.md)
         "args": ["--max-model-len", "2048", "--max-num-batched-tokens", "512", "--max-num-seqs", "16",
-                 "--num-gpu-blocks-override", "40", "--no-enable-prefix-caching"],
-        "load": Load(n=150, rate=12.0, prompt=(100, 900), output=(32, 160), seed=3),
+                 "--num-gpu-blocks-override", "17", "--no-enable-prefix-caching"],
+        "load": Load(n=150, rate=12.0, prompt=(300, 1300), output=(32, 200), seed=3),
     },
 }  # fmt: skip
 # The fidelity configurations run with BEAR_SNAPSHOT_VERIFY=1: every record carries the delta and
@@ -75,10 +81,15 @@ def replay_fidelity(cases: list[dict[str, Any]], batches: list[dict[str, Any]]) 
     cases = sorted(cases, key=lambda c: c["snapshot"]["seq"])
     usable = [b for b in batches if b["duration_s"] is not None]
     exact, errors, beta, fitted_upto = 0, [], None, -1
+    known = exact_known = 0  # cases whose batches no request outside them changed (cases.py)
     for c in cases:
         s = libbea.Snapshot.from_dict(c["snapshot"])
         res = libbea.estimate(s, c["request"], beta=[1e-3, 0, 0, 0], lengths=c["output_lengths"], trace=True)
-        exact += res["batches"] == c["expected_batches"]
+        ok = res["batches"] == c["expected_batches"]
+        exact += ok
+        if not c.get("cap_by_later_arrival"):
+            known += 1
+            exact_known += ok
         seq = c["snapshot"]["seq"]
         past = [b for b in usable if b["seq"] <= seq]
         if len(past) >= 50 and (beta is None or len(past) - fitted_upto >= 100):
@@ -90,6 +101,10 @@ def replay_fidelity(cases: list[dict[str, Any]], batches: list[dict[str, Any]]) 
         "arrivals": len(cases),
         "exact": exact,
         "exact_frac": exact / max(len(cases), 1),
+        # vLLM caps a long prefill's chunks only while others wait or run: a later arrival can
+        # shorten the request's chunks, which no replay from the state before it can know
+        "later_arrival_cases": len(cases) - known,
+        "exact_frac_known": exact_known / max(known, 1),
         "ttft_mape": sum(errors) / len(errors) if errors else None,
         "ttft_mape_n": len(errors),
         "batch_records": len(batches),
@@ -154,6 +169,8 @@ async def test_every_step_published_and_replayed(
         finally:
             srv.stop()
     assert all(r["status"] == 200 for r in results), [r for r in results if r["status"] != 200][:3]
+    # connections that broke before an answer were retried once (harness.post): a few at most
+    assert len(retries(results)) <= max(1, len(results) // 50), retries(results)
     ((meta, steps),) = generations(step_log)
     mirror = _mirror_stats(svc, steps)
     assert meta["verify"] and mirror["mismatches"] == 0, mirror
@@ -184,11 +201,17 @@ async def test_every_step_published_and_replayed(
                skipped_steps=last + 1 - len(steps), delta_mirror=mirror,
                published_deltas={k: v for k, v in delta_mirror.items() if k != "differences"},
                published_full_bytes=sum(map(len, raw_snaps)))  # fmt: skip
+    fid["connection_retries"] = retries(results)
+    fid["engine_preemptions"] = sum(len(st.get("preempted") or ()) for st in steps)
     save_result(config, fid)
     assert fid["arrivals"] >= 0.9 * len(results)
-    assert fid["exact_frac"] >= 0.99, fid
+    assert fid["exact_frac_known"] >= 0.99, fid
+    assert fid["later_arrival_cases"] <= 0.1 * fid["arrivals"], fid  # counted apart, never many
     if config == "kv-pressure":
-        assert fid["preemption_cases"] > 0, "the KV-pressure configuration never preempted"
+        # the engine preempted (its step log); how many arrivals' replays span a preemption
+        # depends on timing (preemption_cases: 0 in a clean-clone CI run with 4 preemptions, 28
+        # in another run), so it is reported, and every arrival's replay is checked above
+        assert fid["engine_preemptions"] > 0, "the KV-pressure configuration never preempted"
 
 
 def _mirror_stats(svc: Snapshotter, steps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -264,9 +287,12 @@ def _drain_steps(reader: ShmReader, dec: StepDecoder, sink: list[dict[str, Any]]
         sink.append(step)
 
 
+STEPS_AT_256 = 300  # steps measured at ≥ 250 residents before the load is cancelled
+
+
 async def test_plugin_overhead_at_256_residents(vllm_py: str, tiny_model: Path, tmp_path: Path) -> None:
     """The time the plugin adds to an engine step with 256 requests resident (all decoding)."""
-    args = ["--max-model-len", "1024", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192"]
+    args = ["--max-model-len", "4096", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192"]
     srv = VllmServer(vllm_py, tiny_model, args, log_path=tmp_path / "vllm.log")
     await asyncio.to_thread(srv.start)
     steps: list[dict[str, Any]] = []
@@ -277,30 +303,41 @@ async def test_plugin_overhead_at_256_residents(vllm_py: str, tiny_model: Path, 
         # Drain the ring from its own thread: the 256 streaming clients share this event loop, and a
         # reader starved behind them would let the ring wrap and lose the very steps measured here.
         stop = threading.Event()
+        enough = threading.Event()  # STEPS_AT_256 steps measured with ≥ 250 requests resident
 
         def drain() -> None:
+            at_256 = 0
             while not stop.is_set():
+                seen = len(steps)
                 _drain_steps(reader, dec, steps)
+                at_256 += sum(1 for s in steps[seen:] if len(s["running"]) >= 250)
+                if at_256 >= STEPS_AT_256:
+                    enough.set()
                 time.sleep(0.002)
             _drain_steps(reader, dec, steps)
 
         drainer = threading.Thread(target=drain, daemon=True)
         drainer.start()
+        # On a loaded 2-core host the API server can take tens of seconds to admit 256 streams (with
+        # 900-token answers the first ones finished before the last came in: peaks of 195–256 seen),
+        # so the answers are long enough to overlap on any host, and the load is cancelled (vLLM
+        # aborts the requests) once enough steps at 256 are measured, or after a time limit.
+        load = asyncio.create_task(run_load(srv.base_url, Load(n=256, rate=1e6, prompt=(16, 16),
+                                                               output=(3500, 3500))))  # fmt: skip
         try:
-            await run_load(srv.base_url, Load(n=256, rate=1e6, prompt=(16, 16), output=(900, 900)))
+            await asyncio.to_thread(enough.wait, 240.0)
         finally:
+            load.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await load
             stop.set()
             await asyncio.to_thread(drainer.join)
             reader.close()
     finally:
         srv.stop()
-    # Steps with (nearly) all 256 requests resident and every one of them scheduled. On a loaded
-    # 2-core host the API server can take seconds to admit 256 streams, so the requests are long
-    # (900 tokens) to overlap, and ≥ 250 residents count as "at 256".
+    # Steps with (nearly) all 256 requests resident and every one of them scheduled.
     peak = max((len(s["running"]) for s in steps), default=0)
-    # How many of the 256 are resident together depends on how fast the API server admits them on
-    # this shared host (223–256 seen): measure at the peak actually reached, and report it.
-    assert peak >= 200, f"only {peak} requests were ever resident together"
+    assert peak >= 250, f"only {peak} requests were ever resident together"
     full = [s for s in steps if len(s["running"]) >= 0.95 * peak and len(s["sched"]) == len(s["running"])]
     assert len(full) > 50, f"only {len(full)} steps near the peak of {peak} residents"
     over = sorted(s["overhead_ns"] / 1e3 for s in full)

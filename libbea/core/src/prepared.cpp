@@ -41,6 +41,7 @@ Prepared prepare(const Snapshot& s, const ReplayOptions& opt) {
   if (s.has_tracked) {
     p.tracked = true;
     p.tracked_pos = s.tracked_blocks;
+    p.tracked_keys = s.tracked_keys;
     p.chains.reserve(p.reqs.size());
     p.has_chain.reserve(p.reqs.size());
     p.keys.reserve(p.reqs.size());

@@ -66,6 +66,14 @@ void tracked_from(const Value& v, Snapshot& s) {
       if (pos[k] >= 0 && pos[k] == pos[k - 1]) bad("tracked_blocks", "a free-queue position given twice");
   }
   const auto n = static_cast<int64_t>(s.tracked_blocks.size());
+  const Value* keys = v.get("tracked_keys");
+  if (keys != nullptr && keys->type != Value::Type::Nil) {
+    if (keys->type != Value::Type::Arr) bad("tracked_keys", "must be a list of integers");
+    if (static_cast<int64_t>(keys->arr.size()) != n) bad("tracked_keys", "needs one key per tracked block");
+    s.tracked_keys.reserve(keys->arr.size());
+    for (size_t k = 0; k < keys->arr.size(); ++k)
+      s.tracked_keys.push_back(as_int(keys->arr[k], "tracked_keys[" + std::to_string(k) + "]", -1, INT64_MAX));
+  }
   s.has_tracked = n > 0;
   for (const auto* list : {&s.running, &s.waiting})
     for (size_t k = 0; k < list->size(); ++k) {
@@ -191,6 +199,7 @@ Value snapshot_to_value(const Snapshot& s) {
   }
   d.map.emplace_back("inflight", Value{});  // sync scheduling: nothing in flight between steps
   if (!s.tracked_blocks.empty()) d.map.emplace_back("tracked_blocks", int_list_value(s.tracked_blocks));
+  if (!s.tracked_keys.empty()) d.map.emplace_back("tracked_keys", int_list_value(s.tracked_keys));
   return d;
 }
 

@@ -300,6 +300,7 @@ std::vector<std::string> apply_delta(Snapshot& s, ResidentIds& ids, const Value&
   s.inflight = std::move(inflight);
   if (s.has_tracked) {  // the free queue moved: the table no longer describes it
     s.tracked_blocks.clear();
+    s.tracked_keys.clear();
     for (auto* list : {&s.running, &s.waiting})
       for (auto& r : *list) {
         r.tracked.clear();

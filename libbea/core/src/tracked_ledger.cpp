@@ -19,6 +19,7 @@ TrackedLedger::TrackedLedger(const Prepared& p)
       b.queued = b.cached = true;
       low_ = std::min(low_, b.abs);
     }
+    if (t < p.tracked_keys.size()) b.key = p.tracked_keys[t];  // found by any hit that names it
   }
   reqs_.resize(p.reqs.size());
   for (size_t k = 0; k < p.reqs.size(); ++k) {  // blocks learn their keys from whoever lists them

@@ -34,6 +34,7 @@ struct Prepared {
   // its hit chain (waiting, when has_chain).
   bool tracked = false;  // Snapshot::has_tracked: estimates keep a TrackedLedger
   std::vector<int64_t> tracked_pos;
+  std::vector<int64_t> tracked_keys;  // per tracked block: its content's key, or -1 (empty: none given)
   std::vector<std::vector<int32_t>> chains;
   std::vector<uint8_t> has_chain;
   std::vector<std::vector<int64_t>> keys;  // per request: its block keys

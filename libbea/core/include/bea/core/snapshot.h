@@ -87,6 +87,10 @@ struct Snapshot {
   // Tracked KV blocks (optional; tracked_ledger.h): each one's position in the free queue
   // (0 = popped next) or -1 (held). Empty: the replay counts blocks only (kv_cache.h).
   std::vector<int64_t> tracked_blocks;
+  // Optional, one per tracked block: the key of its content (as Request::block_keys), or -1. A
+  // block with a key is found by any hit that names the key (the query and waiting requests then
+  // need only their block_keys, no hit_blocks); without, only through the requests that list it.
+  std::vector<int64_t> tracked_keys;
   bool has_tracked = false;  // a table or some request's hit_blocks / block_keys: the replay keeps a ledger
 
   // Attach predicted total output lengths (id -> tokens); unknown ids keep their previous value.
