@@ -50,6 +50,7 @@ class TrackedPool:
         self.holders: dict[str, list[int]] = {}  # running request id -> its block ids, in order
         self.synced = False  # known from a dump (the engine's first record, or a resync record) on
         self.problem: str | None = "no dump of the pool yet"
+        self.seq: int | None = None  # the last step applied: a gap means records were lost
 
     def lose(self, why: str) -> None:
         """Records were lost (or did not apply): wait for the next dump before describing again."""
@@ -58,6 +59,10 @@ class TrackedPool:
     def step(self, step: dict[str, Any]) -> bool:
         """Apply one decoded step's block ops (its ``block_ops``, ``block_ids``, ``free_blocks``);
         whether the pool is known after it."""
+        seq = int(step.get("seq", -1))
+        if self.seq is not None and seq != self.seq + 1 and self.synced:
+            self.lose(f"steps {self.seq + 1} to {seq - 1} were not seen")  # their ops are gone: wait for a dump
+        self.seq = seq
         ops: Sequence[Any] = step.get("block_ops") or ()
         for op in ops:
             code = op[0]

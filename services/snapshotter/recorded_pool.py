@@ -13,13 +13,16 @@ hashing, as the KV-event mirror does): the replay finds R's hit from them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from bear.prefix.hashing import HashSpec
 from bear.prefix.hits import Hashers
 from bear.prefix.tracked_pool import TrackedPool, keys_of
+from bear.protocol.codec import pack
+from bear.protocol.subjects import SNAPSHOT_SCHEMA
 from bear.snapshotter.recorded_cache import find_prompt
+from bear.snapshotter.records import to_snapshot
 
 
 def logged(steps: Sequence[dict[str, Any]]) -> bool:
@@ -59,3 +62,20 @@ def add_tracked_blocks(cases: list[dict[str, Any]], meta: dict[str, Any], steps:
         req["block_keys"] = keys_of(mine)
         done += 1
     return done
+
+
+def published_states(meta: dict[str, Any], steps: Sequence[dict[str, Any]], *, instance: str,
+                     model: str = "", generation: int = 0) -> Iterator[tuple[int, bytes]]:
+    """``(seq, bear.snapshot/1 bytes)`` for each step of a recorded run, as the snapshotter
+    publishes them in full (``Snapshotter._drain``: the state, then its pool block by block while
+    the pool is known), every step described — what a live estimator receives from a snapshotter
+    that keeps up (the recorded real-vLLM KV-pressure test replays from these). A gap in the
+    seqs (records the snapshotter lost) makes the pool unknown until the next dump, as live."""
+    pool = TrackedPool(int(meta["config"]["num_gpu_blocks"]))
+    for st in steps:
+        snap = to_snapshot(st, meta.get("config", {}), instance=instance, model=model)
+        if st.get("block_ops") is not None:
+            pool.step(st)
+            pool.describe(snap)
+        snap.update(v=SNAPSHOT_SCHEMA, instance=instance, generation=generation)
+        yield int(st["seq"]), pack(snap)

@@ -78,6 +78,20 @@ class SnapshotterConfig:
 DESCRIBE_SAMPLES = 5  # descriptions timed before a pool can be judged slow to describe
 
 
+def prefix_info(meta: dict[str, Any], *, kv_events: bool = True) -> PrefixCacheInfo | None:
+    """The registry's prefix-cache entry from the plugin's metadata (None: no cache, or a seed the
+    plugin could not read — a mirror would hash wrong); also what a recorded run is replayed with."""
+    pc = meta.get("prefix_cache")
+    if not isinstance(pc, dict):
+        return None
+    seed = pc.get("hash_seed")
+    if seed is None:
+        return None
+    return PrefixCacheInfo(enabled=bool(pc.get("enabled")), block_size=int(pc.get("block_size") or 16),
+                           hash_algo=str(pc.get("hash_algo", "sha256")), hash_seed=str(seed),
+                           events=bool(pc.get("events")) and kv_events)
+
+
 class Snapshotter:
     """One instance's publisher. ``run()`` until ``stop()``; every loop is independent so that a
     NATS outage never delays reading the ring."""
@@ -246,15 +260,7 @@ class Snapshotter:
 
     # ---- prefix cache and tokenizer ---------------------------------------------------------------------
     def _prefix_info(self) -> PrefixCacheInfo | None:
-        pc = self._meta.get("prefix_cache")
-        if not isinstance(pc, dict):
-            return None
-        seed = pc.get("hash_seed")
-        if seed is None:
-            return None  # the plugin could not read the seed: a mirror would hash wrong
-        return PrefixCacheInfo(enabled=bool(pc.get("enabled")), block_size=int(pc.get("block_size") or 16),
-                               hash_algo=str(pc.get("hash_algo", "sha256")), hash_seed=str(seed),
-                               events=bool(pc.get("events")) and self.cfg.kv_events)
+        return prefix_info(self._meta, kv_events=self.cfg.kv_events)
 
     def _follow_kv_events(self) -> None:
         """Subscribe to the (new) engine's KV events, or restart the stream on the same socket."""

@@ -161,3 +161,17 @@ def test_the_pool_benchmark_reports_every_size() -> None:
     small, large = res["sizes"]["64"], res["sizes"]["256"]
     assert 0 < small["table_entries"] < large["table_entries"] and 0 < small["bytes"] < large["bytes"]
     assert all(v["describe"]["n"] == 2 and v["describe"]["p50_ms"] > 0 for v in (small, large))
+
+
+def test_a_gap_in_the_steps_loses_the_pool_until_the_next_dump() -> None:
+    """Steps the snapshotter never saw (the ring overwrote them) took their block ops with them:
+    the pool is not described again until a record carries a dump (a resync)."""
+    pool = TrackedPool(12)
+    dump = (OP_DUMP, list(range(1, 12)), [], [])
+    assert pool.step({"seq": 4, "free_blocks": 11, "block_ops": [dump], "running": [], "waiting": []})
+    assert pool.step({"seq": 5, "free_blocks": 11, "block_ops": [], "running": [], "waiting": []})
+    # seq 6 and 7 lost: a step that applies cleanly is still not trusted
+    assert not pool.step({"seq": 8, "free_blocks": 11, "block_ops": [], "running": [], "waiting": []})
+    assert pool.problem == "steps 6 to 7 were not seen" and not pool.describe(_snap([], [], 11))
+    assert pool.step({"seq": 9, "free_blocks": 11, "block_ops": [dump], "running": [], "waiting": []})
+    assert pool.describe(_snap([], [], 11))

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import ChatSessions, VllmServer, make_tiny_model, run_chat_sessions, vllm_python
 
 from bear.runtime.nats_server import LocalNatsServer
@@ -23,6 +24,8 @@ from bear.snapshotter.cases import generations
 from bear.snapshotter.service import Snapshotter, SnapshotterConfig
 from bear.tokenizer.bundle import from_model_dir
 from bear.tokenizer.cache import load
+
+from waiting import wait_until
 
 ARGS = ["--max-model-len", "4096", "--max-num-batched-tokens", "512", "--max-num-seqs", "16",
         "--num-gpu-blocks-override", "48"]
@@ -39,10 +42,12 @@ async def one_run(out: Path, py: str, model: Path, ops: bool, k: int) -> dict[st
             svc = Snapshotter(SnapshotterConfig(instance="bench", shm=srv.shm, nats_url=ns.url, model="tiny",
                                                 base_url=srv.base_url, record_to=str(log)))
             task = asyncio.create_task(svc.run())
-            await asyncio.sleep(1.0)
+            await wait_until(lambda: svc.publisher.nc is not None and svc._reader is not None, timeout=120,
+                             what="the snapshotter attached")
             await run_chat_sessions(srv.base_url, ChatSessions(n_sessions=32, session_rate=3.0, seed=22),
                                     lambda msgs: tok.encode(None, msgs))
-            await asyncio.sleep(1.0)
+            await wait_until(lambda: svc._reader.next_index >= svc._reader.count, timeout=120,
+                             what="the snapshotter caught up with the ring")
             svc.stop()
             await asyncio.wait_for(task, 15)
         finally:

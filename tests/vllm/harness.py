@@ -6,17 +6,38 @@ the tests in this folder. The vLLM process itself (BEAR_VLLM_PYTHON, a separate 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import json
 import random
+import struct
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from bear.vllm_instance.launch import VllmServer, make_tiny_model, vllm_python
 
-__all__ = ["ChatSessions", "Load", "VllmServer", "make_tiny_model", "post", "retries", "run_chat_sessions", "run_load",
-           "vllm_python"]
+from waiting import wait_until
+
+__all__ = [
+    "ChatSessions",
+    "Collector",
+    "Load",
+    "Served",
+    "VllmServer",
+    "load_in_process",
+    "make_tiny_model",
+    "post",
+    "retries",
+    "run_chat_sessions",
+    "run_load",
+    "serve",
+    "vllm_python",
+]
 
 
 @dataclass
@@ -96,7 +117,7 @@ async def run_load(base_url: str, load: Load) -> list[dict[str, Any]]:
         tasks = []
         for i in range(load.n):
             tasks.append(asyncio.create_task(one(client, i)))
-            await asyncio.sleep(rng.expovariate(load.rate))
+            await asyncio.sleep(rng.expovariate(load.rate))  # sleep: Poisson arrivals (the workload)
         await asyncio.gather(*tasks)
     return results
 
@@ -135,7 +156,8 @@ def _text(rng: random.Random, n: int) -> str:
 
 async def run_chat_sessions(base_url: str, load: ChatSessions, encode: Any) -> list[dict[str, Any]]:
     """Run the sessions; per request ``{id, session, turn, status, usage, prompt_token_ids}`` where
-    the ids are ``encode(messages)`` (BEAR's tokenisation of what was sent)."""
+    the ids are ``encode(messages)`` (BEAR's tokenisation of what was sent); with ``encode`` None,
+    ``messages`` instead (the caller tokenises: ``load_in_process``)."""
     rng = random.Random(load.seed)
     systems = [_text(rng, load.system_tokens) for _ in range(load.n_system)]
     out: list[dict[str, Any]] = []
@@ -147,12 +169,13 @@ async def run_chat_sessions(base_url: str, load: ChatSessions, encode: Any) -> l
             rid = f"s{s}-t{t}"
             body = {"model": "tiny", "messages": msgs, "max_tokens": srng.randint(*load.answer_tokens),
                     "ignore_eos": True, "temperature": 0.0}
-            ids = encode(msgs)
+            ids = encode(msgs) if encode is not None else None
             retried: list[str] = []
             r = await post(client, f"{base_url}/chat/completions", json=body, headers={"X-Request-Id": rid},
                            timeout=600, retried=retried)
             rec: dict[str, Any] = {"id": rid, "session": s, "turn": t, "status": r.status_code,
-                                   "prompt_token_ids": ids, "retried": retried}
+                                   "retried": retried}
+            rec.update({"prompt_token_ids": ids} if ids is not None else {"messages": list(msgs)})
             if r.status_code != 200:
                 out.append(rec)
                 return
@@ -160,13 +183,13 @@ async def run_chat_sessions(base_url: str, load: ChatSessions, encode: Any) -> l
             rec["usage"] = data.get("usage")
             out.append(rec)
             msgs.append({"role": "assistant", "content": data["choices"][0]["message"]["content"] or ""})
-            await asyncio.sleep(srng.uniform(*load.think_s))
+            await asyncio.sleep(srng.uniform(*load.think_s))  # sleep: the user's think time (the workload)
 
     async with httpx.AsyncClient(limits=LIMITS) as client:
         tasks = []
         for s in range(load.n_sessions):
             tasks.append(asyncio.create_task(session(client, s, random.Random(rng.random()))))
-            await asyncio.sleep(rng.expovariate(load.session_rate))
+            await asyncio.sleep(rng.expovariate(load.session_rate))  # sleep: Poisson session starts (the workload)
         await asyncio.gather(*tasks)
     return out
 
@@ -174,3 +197,120 @@ async def run_chat_sessions(base_url: str, load: ChatSessions, encode: Any) -> l
 def retries(results: list[dict[str, Any]]) -> list[str]:
     """The connection errors retried over a run (each one's error chain); tests allow a few."""
     return [e for r in results for e in r.get("retried", ())]
+
+
+def _write_spec(work_dir: Path, base_url: str, load: Load | ChatSessions) -> tuple[Path, Path]:
+    work_dir.mkdir(parents=True, exist_ok=True)
+    spec, out = work_dir / "load-spec.json", work_dir / "load-results.json"
+    kind = "chat" if isinstance(load, ChatSessions) else "load"
+    spec.write_text(json.dumps({"base_url": base_url, "kind": kind, "params": dataclasses.asdict(load)}))
+    return spec, out
+
+
+def _read_results(out: Path, rc: int) -> list[dict[str, Any]]:
+    if rc != 0 or not out.exists():
+        raise RuntimeError(f"the load process exited with {rc} (its output is above)")
+    results: list[dict[str, Any]] = json.loads(out.read_text())
+    return results
+
+
+async def load_in_process(base_url: str, load: Load | ChatSessions, work_dir: Path,
+                          encode: Any = None) -> list[dict[str, Any]]:
+    """Run ``load`` against ``base_url`` from its own process (``load_process.py``: the snapshotter
+    in the test's process keeps its event loop) and return its per-request results; chat
+    requests get ``prompt_token_ids = encode(messages)`` here. Cancelling kills the process."""
+    spec, out = _write_spec(work_dir, base_url, load)
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(Path(__file__).with_name("load_process.py")),
+                                                str(spec), str(out))
+    try:
+        rc = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                await proc.wait()
+    results = _read_results(out, rc)
+    if encode is not None:
+        for r in results:
+            if "messages" in r:
+                r["prompt_token_ids"] = encode(r.pop("messages"))
+    return results
+
+
+class Collector:
+    """Subscribe to ``subjects`` from a process of its own (``collect_process.py``) so that a
+    snapshotter's bursts cannot make the test's subscriber a slow consumer; ``finish(last_seq)``
+    returns each subject's messages, in arrival order, once every subject delivered that seq."""
+
+    def __init__(self, url: str, subjects: list[str], work_dir: Path) -> None:
+        self.url, self.subjects, self.work_dir = url, subjects, work_dir
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(Path(__file__).with_name("collect_process.py")), self.url, str(self.work_dir),
+            *self.subjects, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        assert self.proc.stdout is not None
+        line = await self.proc.stdout.readline()
+        if line.strip() != b"ready":
+            raise RuntimeError(f"the collector did not start (exit {await self.proc.wait()})")
+
+    async def finish(self, last_seq: int) -> list[list[bytes]]:
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{last_seq}\n".encode())
+        await self.proc.stdin.drain()
+        line = await self.proc.stdout.readline()
+        rc = await self.proc.wait()
+        if line.strip() != b"done" or rc != 0:
+            raise RuntimeError(f"the collector failed (exit {rc}) waiting for seq {last_seq}")
+        return [_read_frames(self.work_dir / f"{n}.bin") for n in range(len(self.subjects))]
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+
+
+def _read_frames(path: Path) -> list[bytes]:
+    data = path.read_bytes()
+    out, k = [], 0
+    while k < len(data):
+        (n,) = struct.unpack_from(">I", data, k)
+        out.append(data[k + 4:k + 4 + n])
+        k += 4 + n
+    return out
+
+
+@dataclass
+class Served:
+    """What ``serve`` saw: the load's per-request results, the records the engine wrote, the newest
+    state the snapshotter published, and (with a collector) each subject's messages."""
+
+    results: list[dict[str, Any]]
+    written: int
+    last_seq: int
+    collected: list[list[bytes]]
+
+
+async def serve(svc: Any, base_url: str, load: Load | ChatSessions, work_dir: Path, *, encode: Any = None,
+                collector: Collector | None = None) -> Served:
+    """Run ``load`` (from its own process) while the snapshotter ``svc`` runs, then wait — on events,
+    each with a deadline that only bounds a hang — until it has read every record the engine wrote
+    and published every state, and ``collector`` has received the newest one (an idle engine's
+    state is re-sent in full, so it reaches the full-snapshot subject too); ``svc`` is left
+    running (the caller stops it)."""
+    await wait_until(lambda: svc.publisher.nc is not None and svc._reader is not None, timeout=120,
+                     what="the snapshotter attached to the engine and connected")
+    results = await load_in_process(base_url, load, work_dir / "load", encode=encode)
+    reader = await wait_until(lambda: svc._reader if svc._reader.next_index >= svc._reader.count else None,
+                              timeout=120, what="the snapshotter caught up with the ring")
+    written = reader.count
+    await wait_until(lambda: svc.publisher.pending == 0 and svc.publisher.stream.last is not None, timeout=60,
+                     what="every state published")
+    last = int(svc.publisher.stream.last["seq"])
+    collected: list[list[bytes]] = []
+    if collector is not None:
+        try:
+            collected = await asyncio.wait_for(collector.finish(last), 120)
+        except TimeoutError:
+            raise AssertionError(f"seq {last} never reached the subscriber: states lost on NATS") from None
+    return Served(results, written, last, collected)

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import math
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -22,6 +23,8 @@ from bear.protocol.subjects import Subjects
 from bear.router.service import RouterConfig, RouterService
 from bear.runtime.nats_server import LocalNatsServer
 from bear.snapshotter.service import Snapshotter, SnapshotterConfig
+
+from waiting import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ARGS = ["--max-model-len", "2048", "--max-num-batched-tokens", "256", "--max-num-seqs", "8"]
@@ -47,20 +50,18 @@ async def test_router_over_two_real_vllm_instances(vllm_py: str, tiny_model: Pat
                 tasks.append(asyncio.create_task(svc.run()))
             await worker.start()
             await router.start()
-            for _ in range(200):
-                if len(router.registry.healthy()) == 2:
-                    break
-                await asyncio.sleep(0.1)
+            await wait_until(lambda: len(router.registry.healthy()) == 2, timeout=60, what="both instances healthy")
             assert {i.id for i in router.registry.healthy()} == {"vllm-0", "vllm-1"}
             # a just-registered instance may have no snapshot at the estimator yet (→ `analytic`, by
             # design): wait for the first ones — the idle engines' snapshots, re-sent every 0.5 s
             est = EstimatorClient(nc, Subjects(), try_timeout_s=0.5)
-            for _ in range(100):
+
+            async def both_bea() -> Any:
                 reply = await est.estimate({"id": "warm", "prompt_tokens": 10, "max_tokens": 4}, ["vllm-0", "vllm-1"],
                                            budget_s=1.0)
-                if all(r.method == "bea" for r in reply.estimates):
-                    break
-                await asyncio.sleep(0.1)
+                return reply if all(r.method == "bea" for r in reply.estimates) else None
+
+            reply = await wait_until(both_bea, timeout=60, what="both instances' snapshots at the estimator")
             assert [r.method for r in reply.estimates] == ["bea", "bea"], reply
 
             async def one(i: int) -> list[dict]:
@@ -77,7 +78,7 @@ async def test_router_over_two_real_vllm_instances(vllm_py: str, tiny_model: Pat
                 assert routed[-1]["ttft_method"] == "bea"  # snapshots of the real engines reached the estimator
             # idle for longer than the estimator's max snapshot age (1 s): still `bea`, since the
             # snapshotter re-sends an idle engine's last snapshot
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(2.0)  # sleep: idle past the estimator's max snapshot age (what is tested)
             msgs = await one(50)
             assert msgs[-1]["v"] == "bear.done/1" and msgs[-1]["instance"] == "vllm-0", msgs[-1]
             assert [m for m in msgs if m["v"] == "bear.routed/1"][-1]["ttft_method"] == "bea"

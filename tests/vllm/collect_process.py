@@ -1,0 +1,66 @@
+"""A NATS subscriber in a process of its own: ``python collect_process.py URL OUT SUBJECT...``.
+
+The real-vLLM tests check every state a snapshotter publishes. A subscriber on the test's event
+loop, beside the snapshotter, reads nothing while the snapshotter catches up in a burst, and the
+server closes it as a slow consumer (a run here: ``unexpected EOF`` after seq 1,630 of 12,153).
+Here it reads on its own. It prints ``ready`` once subscribed; then it reads one line on stdin,
+the last seq the snapshotter published, waits until every subject has delivered it (an hour at
+most: a hang bound), writes each subject's messages to ``OUT/<n>.bin`` (4-byte big-endian
+length, then the bytes) and prints ``done``."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import nats
+from nats.aio.msg import Msg
+
+from bear.protocol.codec import unpack_map
+
+
+async def main(url: str, out: Path, subjects: list[str]) -> None:
+    nc = await nats.connect(url, max_reconnect_attempts=-1)
+    got: dict[str, list[bytes]] = {s: [] for s in subjects}
+    top: dict[str, int] = {s: -1 for s in subjects}
+    changed = asyncio.Event()
+
+    def on_msg(subject: str) -> Callable[[Msg], Awaitable[None]]:
+        async def cb(msg: Msg) -> None:
+            got[subject].append(msg.data)
+            top[subject] = max(top[subject], int(unpack_map(msg.data).get("seq", -1)))
+            changed.set()
+        return cb
+
+    for s in subjects:
+        await nc.subscribe(s, cb=on_msg(s), pending_msgs_limit=-1, pending_bytes_limit=-1)
+    await nc.flush()
+    print("ready", flush=True)
+    line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    last = int(line)
+
+    async def all_in() -> None:
+        while min(top.values()) < last:
+            changed.clear()
+            await changed.wait()
+
+    await asyncio.wait_for(all_in(), 3600)
+    await nc.drain()
+    write_frames(out, [got[s] for s in subjects])
+    print("done", flush=True)
+
+
+def write_frames(out: Path, streams: list[list[bytes]]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for n, msgs in enumerate(streams):
+        with (out / f"{n}.bin").open("wb") as f:
+            for data in msgs:
+                f.write(struct.pack(">I", len(data)))
+                f.write(data)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], Path(sys.argv[2]), sys.argv[3:]))
