@@ -1,7 +1,8 @@
 """Test helpers (tests/cli, tests/stack): running ``bear`` as a user does — a separate process,
 through ``bear.cli.main`` — and checking the CLI contract of a failure: its exit code, exactly one
-line ``error: …`` on stderr naming the problem, no traceback, bounded time, and nothing left behind
-(no process that inherited the command's environment, nothing in its TMPDIR)."""
+line ``error: …`` on stderr naming the problem, no traceback, an end (the run's timeout bounds a
+hang; how long it took is printed), and nothing left behind (no process that inherited the
+command's environment, nothing in its TMPDIR)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from waiting import WaitTimeout, wait_until_sync
 
 
 @dataclass
@@ -76,16 +79,17 @@ class Bear:
         return Result(p.returncode, p.stdout, p.stderr, time.monotonic() - t0)
 
     def assert_clean(self) -> None:
-        deadline = time.monotonic() + 10.0
-        while processes_with(self.marker) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert processes_with(self.marker) == [], "processes left behind"
+        try:  # processes that are ending (a child's SIGTERM from its parent) get the time they take
+            wait_until_sync(lambda: not processes_with(self.marker), what="the command's processes to end")
+        except WaitTimeout:
+            raise AssertionError(f"processes left behind: {processes_with(self.marker)}") from None
         assert list(self.tmp.iterdir()) == [], f"left in TMPDIR: {list(self.tmp.iterdir())}"
 
 
-def assert_one_line_error(res: Result, rc: int, *words: str, within_s: float = 15.0, only: bool = True) -> str:
+def assert_one_line_error(res: Result, rc: int, *words: str, only: bool = True) -> str:
     """The contract of an expected failure; returns the line. ``only``: stderr holds nothing else
-    (else: lines before it are allowed, e.g. ``bear submit``'s "→ instance" line)."""
+    (else: lines before it are allowed, e.g. ``bear submit``'s "→ instance" line). The run ended
+    (``Bear.__call__``'s timeout bounds a hang); its time is printed, not asserted."""
     both = res.out + res.err
     assert "Traceback" not in both, both
     assert res.rc == rc, (res.rc, both)
@@ -96,7 +100,7 @@ def assert_one_line_error(res: Result, rc: int, *words: str, within_s: float = 1
     assert line.startswith("error: "), line
     for w in words:
         assert w in line, (w, line)
-    assert res.seconds < within_s, res.seconds
+    print(f"{line[:80]!r} after {res.seconds:.1f} s")
     return line
 
 
@@ -109,16 +113,22 @@ def make_bear(root: Path) -> Bear:
 
 def wait_for(pred: Callable[[], object], timeout_s: float, what: str, proc: subprocess.Popen[str] | None = None,
              log: Path | None = None) -> object:
-    end = time.monotonic() + timeout_s
-    while True:
+    """``pred()``'s first truthy value; fails as soon as ``proc`` exits first, or after ``timeout_s``
+    (a hang), with the end of ``log``."""
+
+    def tail() -> str:
+        return log.read_text()[-3000:] if log else ""
+
+    def cond() -> object:
         got = pred()
-        if got:
-            return got
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"exited ({proc.returncode}) before {what}: {log.read_text()[-3000:] if log else ''}")
-        if time.monotonic() > end:
-            raise AssertionError(f"not {what} after {timeout_s} s: {log.read_text()[-3000:] if log else ''}")
-        time.sleep(0.2)
+        if not got and proc is not None and proc.poll() is not None:
+            raise AssertionError(f"exited ({proc.returncode}) before {what}: {tail()}")
+        return got
+
+    try:
+        return wait_until_sync(cond, timeout=timeout_s, what=what)
+    except WaitTimeout:
+        raise AssertionError(f"not {what} after {timeout_s} s: {tail()}") from None
 
 
 @dataclass

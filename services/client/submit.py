@@ -120,7 +120,10 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
         sub = await nc.subscribe(inbox)
 
         async def next_msg(within_s: float) -> Any:
-            return await sub.next_msg(timeout=within_s)
+            # not next_msg(timeout=…): its asyncio.wait_for (Python 3.11) can swallow a cancel of the
+            # caller that comes as a message arrives, and the query would then run on unread
+            async with asyncio.timeout(within_s):
+                return await sub.next_msg(timeout=None)
     answered = False  # the router's terminal message arrived: nothing to cancel
     try:
         await nc.publish(subjects.submit, payload, reply=inbox, headers=headers)

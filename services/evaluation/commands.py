@@ -28,8 +28,10 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def default_out(experiment: str, seeds: list[int]) -> Path:
-    """One dated folder per `all` run; a single experiment in a folder of its own inside it."""
-    day = Path("docs/results") / time.strftime("%Y-%m-%d", time.gmtime())
+    """One dated folder per `all` run; a single experiment in a folder of its own inside it. Under
+    ``./results/`` of the current directory (ignored by git): a run never writes into a checkout's
+    committed docs/results/ unless ``--out`` names it."""
+    day = Path("results") / time.strftime("%Y-%m-%d", time.gmtime())
     return day if experiment == "all" else day / f"{experiment}-{'-'.join(map(str, seeds))}"
 
 
@@ -50,8 +52,8 @@ def eval_cmd(
              "prefix; default: every router of comparison.json, prefix: its five).")] = None,
     workers: Annotated[int, typer.Option(min=0, help="Simulation processes (0: one per core).")] = 0,
     out: Annotated[Path | None, typer.Option(
-        help="Folder for the JSON results, PNG figures and summary.md; default docs/results/<UTC date> for all, "
-             "docs/results/<UTC date>/<experiment>-<seeds> for one experiment.")] = None,
+        help="Folder for the JSON results, PNG figures and summary.md; default ./results/<UTC date> for all, "
+             "./results/<UTC date>/<experiment>-<seeds> for one experiment (relative to the current directory).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the (single) experiment's JSON on stdout.")] = False,
 ) -> None:
     """Reproduce the paper's routing experiments in a virtual-time simulation of the pool."""

@@ -53,11 +53,14 @@ class FaultRun:
         coded = Counter(q.status for q in self.queries if q.status != "done" and not q.client_made)
         lost = [q for q in self.queries if q.client_made]
         after = [q for q in self.queries if self.t_fault is not None and q.t >= self.t_fault and q.status != "done"]
+        last_failure = max((q.t for q in after), default=self.t_fault)
         out: dict[str, Any] = {
             "fault": self.fault, "sent": len(self.queries), "done": len(done), "coded_errors": dict(coded),
             "lost": len(lost), "lost_after_routed": sum(q.routed for q in lost),
             "recovery_s": round(max(q.t for q in after) - self.t_fault, 2) if after and self.t_fault is not None
             else 0.0,
+            # the queries sent after the fault's last failure, all done: routing went on
+            "done_after_recovery": 0 if last_failure is None else sum(q.t > last_failure for q in done),
         }
         if done:
             ttft = np.array([q.ttft_s for q in done if q.ttft_s is not None])

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from bear_cli import all_gone, assert_one_line_error, make_bear, start_up
+from waiting import HANG_S, wait_until_sync
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +43,12 @@ def records(up) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
+def records_of(up, ids: set[str]) -> dict[str, dict] | None:
+    """The outcome records by query id once every one of ``ids`` has one (None before)."""
+    recs = {r["query_id"]: r for r in records(up)}
+    return recs if ids <= set(recs) else None
+
+
 def test_submit_finds_the_stack_and_says_the_text_is_placeholder(up) -> None:
     res = up.bear("submit", "Explain KV caching briefly", "--max-tokens", "8")
     assert res.rc == 0, res.err
@@ -62,12 +69,11 @@ def test_prompt_from_stdin_and_file(up) -> None:
 def test_engine_refusals_are_one_line_and_not_retried(up) -> None:
     (up.bear.cwd / "long.txt").write_text("word " * 40_000)  # ≈ 50k tokens > max_model_len 40960, < 1 MB
     assert_one_line_error(up.bear("submit", "--file", "long.txt", "--query-id", "too-long"), 1, "too_large",
-                          "refused the query", "max_model_len", within_s=20.0, only=False)
+                          "refused the query", "max_model_len", only=False)
     # max_tokens beyond every registered max_model_len: refused by the router before dispatch
     assert_one_line_error(up.bear("submit", "hi", "--max-tokens", "10000000", "--query-id", "too-many"), 1,
-                          "too_large", "max_model_len", within_s=20.0, only=False)
-    time.sleep(0.5)
-    recs = {r["query_id"]: r for r in records(up)}
+                          "too_large", "max_model_len", only=False)
+    recs = wait_until_sync(lambda: records_of(up, {"too-long", "too-many"}), what="both queries' outcome records")
     assert recs["too-long"]["status"] == "too_large" and recs["too-long"]["attempt"] == 1
     assert recs["too-long"]["http_status"] == 400
     assert recs["too-many"]["status"] == "too_large" and "http_status" not in recs["too-many"]
@@ -77,7 +83,7 @@ def test_engine_refusals_are_one_line_and_not_retried(up) -> None:
 
 def test_prompt_beyond_nats_max_payload_is_refused_before_sending(up) -> None:
     (up.bear.cwd / "huge.txt").write_text("x" * 1_200_000)
-    assert_one_line_error(up.bear("submit", "--file", "huge.txt"), 1, "too_large", "max_payload", within_s=10.0, only=False)
+    assert_one_line_error(up.bear("submit", "--file", "huge.txt"), 1, "too_large", "max_payload", only=False)
 
 
 def test_ctrl_c_in_submit_exits_130_in_one_line(up) -> None:
@@ -88,8 +94,9 @@ def test_ctrl_c_in_submit_exits_130_in_one_line(up) -> None:
     assert p.stdout.read(6)  # the answer is streaming
     t0 = time.monotonic()
     p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=15)
-    assert p.returncode == 130 and time.monotonic() - t0 < 5.0
+    _, err = p.communicate(timeout=HANG_S)  # it exits on the signal, long before its 30,000 tokens
+    print(f"bear submit: exit {p.returncode} {time.monotonic() - t0:.1f} s after Ctrl-C")
+    assert p.returncode == 130
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert lines[-1] == "error: interrupted" and "Traceback" not in err, err
 
@@ -105,7 +112,7 @@ def test_load_finds_the_stack_and_explains_its_summary(up) -> None:
 
 def test_load_that_completes_nothing_fails_in_one_line(up) -> None:
     res = up.bear("load", "--rate", "3", "--duration", "1", "--max-tokens", "10000000", timeout=120)
-    assert_one_line_error(res, 1, "no query completed", "too_large", within_s=60.0, only=False)
+    assert_one_line_error(res, 1, "no query completed", "too_large", only=False)
 
 
 def test_second_up_refuses_here_and_names_the_port_elsewhere(up, tmp_path) -> None:

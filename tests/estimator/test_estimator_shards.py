@@ -11,7 +11,7 @@ import time
 import msgspec
 import nats
 import pytest
-from test_estimator_service import busy_snapshot, until
+from test_estimator_service import busy_snapshot
 
 from bear.estimator.client import EstimatorClient
 from bear.estimator.estimate import EstimatorConfig
@@ -22,6 +22,8 @@ from bear.protocol.messages import EstimateQuery, encode
 from bear.protocol.subjects import Subjects
 from bear.router.predict import ask_estimator
 from bear.runtime.kv import ensure_kv
+
+from waiting import wait_until
 
 S = Subjects()
 SHARDS = 2
@@ -57,14 +59,14 @@ async def test_sharded_replicas_route_like_one_worker(nats_server) -> None:
         for i in instances:
             rec = instance_record(i, "m", "http://127.0.0.1:1/v1")
             await kv.put(i, encode(msgspec.structs.replace(rec, heartbeat=time.time() + 3600)))
-        await until(lambda: all(set(w._owned) == {i for i in instances if owners[i] == w.cfg.shard}
-                                and all(w._owned.values()) for w in workers))
+        await wait_until(lambda: all(set(w._owned) == {i for i in instances if owners[i] == w.cfg.shard}
+                                     and all(w._owned.values()) for w in workers))
         for k, i in enumerate(instances):
             await nc.publish(S.snapshot(i), pack(busy_snapshot(i, seed=k)))
         await nc.flush()
-        await until(lambda: all(whole.store.peek(i) is not None for i in instances))
-        await until(lambda: all(all(w.store.peek(i) is not None for i in instances if owners[i] == w.cfg.shard)
-                                for w in workers))
+        await wait_until(lambda: all(whole.store.peek(i) is not None for i in instances))
+        await wait_until(lambda: all(all(w.store.peek(i) is not None for i in instances if owners[i] == w.cfg.shard)
+                                     for w in workers))
         for w in workers:  # a shard's workers never receive the other shards' snapshots
             assert {i for i, st in w.store.instances.items() if st.raw is not None or st.snap is not None} \
                 <= {i for i in instances if owners[i] == w.cfg.shard}

@@ -10,7 +10,7 @@ import time
 import msgspec
 import nats
 import pytest
-from test_estimator_service import busy_snapshot, until
+from test_estimator_service import busy_snapshot
 
 from bear import libbea
 from bear.estimator.client import EstimatorClient
@@ -21,6 +21,8 @@ from bear.protocol.codec import pack
 from bear.protocol.errors import BearError
 from bear.protocol.messages import Calibration, decode, encode
 from bear.protocol.subjects import Subjects
+
+from waiting import wait_until
 
 S = Subjects()
 
@@ -81,7 +83,7 @@ async def test_worker_keeps_estimating_through_forgeries(nats_server) -> None:
         now = time.time()
         await nc.publish(S.snapshot("v"), pack(busy_snapshot("v", at=now)))
         await nc.flush()
-        await until(lambda: worker.store.peek("v") is not None)
+        await wait_until(lambda: worker.store.peek("v") is not None)
         client = EstimatorClient(nc, try_timeout_s=1.0)
         first = (await client.estimate({"prompt_tokens": 400}, ["v"])).estimates[0]
         assert first.method == "bea"
@@ -89,7 +91,7 @@ async def test_worker_keeps_estimating_through_forgeries(nats_server) -> None:
         idle = libbea.Engine(busy_snapshot("v")["config"]).snapshot("v", "m", now + 3600)
         await nc.publish(S.snapshot("v"), pack(dict(idle, seq=10**12)))
         await nc.flush()
-        await until(lambda: worker.store.get("v").raw is not None)
+        await wait_until(lambda: worker.store.get("v").raw is not None)
         again = (await client.estimate({"prompt_tokens": 400}, ["v"])).estimates[0]
         assert again.method == "bea" and again.n_running == first.n_running > 0
         assert worker.m.snapshots_malformed._value.get() >= 1

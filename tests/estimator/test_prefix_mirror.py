@@ -10,7 +10,6 @@ import time
 
 import nats
 import pytest
-from test_estimator_service import until
 
 from bear import libbea
 from bear.estimator.client import EstimatorClient, decode_reply
@@ -32,6 +31,8 @@ from bear.protocol.subjects import Subjects
 from bear.protocol.token_ids import pack
 from bear.runtime.kv import ensure_kv
 from bear.sim.profile import load_profile
+
+from waiting import wait_until
 
 S = Subjects()
 SPEC = HashSpec(block_size=16)
@@ -73,13 +74,13 @@ async def test_mirrored_hit_reaches_the_replay(env) -> None:
     nc, worker, pub, client = env
     await register(nc, "a")
     await register(nc, "b", events=False)
-    await until(lambda: worker.store.peek("a") is not None and worker.store.peek("a").prefix.synced)
+    await wait_until(lambda: worker.store.peek("a") is not None and worker.store.peek("a").prefix.synced)
     prompt = list(range(1000, 1000 + 2000))
     pub.kv_events([KvOp("stored", BlockHasher(SPEC).hashes(prompt[:1600]))])
     snap = snapshot("a")
     pub.snapshot(snap)
     await nc.publish(S.snapshot("b"), encode(snapshot("b")))
-    await until(lambda: len(worker.store.peek("a").prefix) == 100 and worker.store.peek("b").raw is not None)
+    await wait_until(lambda: len(worker.store.peek("a").prefix) == 100 and worker.store.peek("b").raw is not None)
     q = EstimateQuery(id="q", prompt_tokens=10, max_tokens=8)
     cands = [EstimateCandidate(instance=i, tokenizer="tok-a") for i in ("a", "b")]
     reply = await client.estimate(q, cands, tokens={"tok-a": prompt})
@@ -114,14 +115,14 @@ async def test_mirrored_hit_reaches_the_replay(env) -> None:
 async def test_gap_triggers_resync_answered_by_the_publisher(env) -> None:
     nc, worker, pub, _client = env
     await register(nc, "a")
-    await until(lambda: worker.store.peek("a") is not None and worker.store.peek("a").prefix.synced)
+    await wait_until(lambda: worker.store.peek("a") is not None and worker.store.peek("a").prefix.synced)
     pub.kv_events([KvOp("stored", [1, 2, 3])])
-    await until(lambda: len(worker.store.peek("a").prefix) == 3)
+    await wait_until(lambda: len(worker.store.peek("a").prefix) == 3)
     # the publisher's stream moves on without the worker hearing seq 1 (lost on the way)
     pub.kv.mirror.apply(KvEvents(instance="a", epoch=pub.kv.epoch, seq=1, t=0.0, ops=[KvOp("stored", [4])]))
     asked = worker.m.kv_resync_requests._value.get()  # type: ignore[attr-defined]
     pub.kv_events([KvOp("removed", [1])])  # seq 2: the worker sees the gap
-    await until(lambda: pub.kv.resyncs >= 1)
-    await until(lambda: worker.store.peek("a").prefix.synced and worker.store.peek("a").prefix.seq == 2)
+    await wait_until(lambda: pub.kv.resyncs >= 1)
+    await wait_until(lambda: worker.store.peek("a").prefix.synced and worker.store.peek("a").prefix.seq == 2)
     assert worker.store.peek("a").prefix.counts == pub.kv.mirror.counts == {2: 1, 3: 1, 4: 1}
     assert worker.m.kv_resync_requests._value.get() > asked  # type: ignore[attr-defined]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import math
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -126,3 +128,29 @@ def test_eval_cli_json_contract(tmp_path) -> None:
     assert len(doc["gains"]["bear"]["mean"]) == 2
     assert (tmp_path / "rates.json").exists() and (tmp_path / "rates.png").stat().st_size > 10_000
     assert (tmp_path / "rates-composition.png").exists()
+
+
+def test_eval_writes_under_results_of_the_current_directory(tmp_path, monkeypatch) -> None:
+    """Without ``--out``, ``bear eval`` writes under ``./results/<UTC date>/`` of the directory it
+    runs in (ignored by git), never into a checkout's docs/results/; ``--out`` still wins. The
+    simulation itself is replaced: only the folder handed to it is checked."""
+    from typer.testing import CliRunner
+
+    from bear.cli import app
+    from bear.evaluation import run as runner
+
+    got: list[Path] = []
+    monkeypatch.setattr(runner, "run", lambda names, seeds, n, out, **kw: got.append(out) or {})
+    monkeypatch.chdir(tmp_path)
+    for args, tail in ((["--experiment", "rates", "--seed", "5"], ("rates-5",)),
+                       (["--experiment", "estimator", "--seeds", "7,8"], ("estimator-7-8",)),
+                       (["--experiment", "all"], ())):
+        before = time.strftime("%Y-%m-%d", time.gmtime())
+        res = CliRunner().invoke(app, ["eval", *args])
+        days = {before, time.strftime("%Y-%m-%d", time.gmtime())}  # a run across UTC midnight
+        assert res.exit_code == 0, res.output
+        assert got[-1] in {Path("results", d, *tail) for d in days}, got[-1]
+        assert not got[-1].is_absolute()  # relative: under the current directory
+    res = CliRunner().invoke(app, ["eval", "--experiment", "rates", "--out", "elsewhere"])
+    assert res.exit_code == 0 and got[-1] == Path("elsewhere"), res.output
+    assert list(tmp_path.iterdir()) == []  # the replaced run wrote nothing; no docs/ appeared

@@ -18,28 +18,23 @@ from bear.runtime.nats_server import free_port
 
 
 class FakeEngine:
-    """Answers every completion with ``tokens`` tokens (after ``delay_s``), or refuses with
-    ``refuse = (status, message)``; records each request's id and Authorization header."""
+    """Answers every completion with ``tokens`` tokens, or refuses with ``refuse = (status,
+    message)``; records each request's id and Authorization header."""
 
-    def __init__(self, tokens: int = 3, refuse: tuple[int, str] | None = None, delay_s: float = 0.0) -> None:
+    def __init__(self, tokens: int = 3, refuse: tuple[int, str] | None = None) -> None:
         self.tokens = tokens
         self.refuse = refuse
-        self.delay_s = delay_s
         self.port = free_port()
         self.requests: list[tuple[str, str]] = []  # (X-Request-Id, Authorization)
         self.runner: web.AppRunner | None = None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        import asyncio
-
         with contextlib.suppress(Exception):
             await request.read()
         self.requests.append((request.headers.get("X-Request-Id", ""), request.headers.get("Authorization", "")))
         if self.refuse is not None:
             status, message = self.refuse
             return web.json_response({"object": "error", "message": message, "code": status}, status=status)
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for k in range(self.tokens):

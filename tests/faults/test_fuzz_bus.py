@@ -47,6 +47,7 @@ from bear.sim.profile import load_profile
 
 from bus_fuzz import hostile, kv_key
 from fake_engine import FakeEngine
+from waiting import wait_until
 
 S = Subjects()
 N = 2000  # messages per subject and per bucket
@@ -127,27 +128,58 @@ class Pool:
         await self.router.start()
         await self.control_inputs()
 
+    @staticmethod
+    def calibration(inst: str) -> Calibration:
+        return Calibration(instance=inst, beta=BETA, n=100, theta=20_000.0)
+
+    @staticmethod
+    def is_control(c: Calibration, inst: str) -> bool:  # its mape is NaN: a Calibration never equals itself
+        return (c.instance, c.beta, c.n, c.theta) == (inst, BETA, 100, 20_000.0)
+
+    def snapshot_taken(self, inst: str, at: float, data: bytes) -> bool:
+        """Whether the estimator worker holds the snapshot ``data`` (captured ``at``) of ``inst``."""
+        st = self.worker.store.peek(inst)
+        return st is not None and (st.raw == data or (st.raw is None and st.snap_time == at))
+
+    def inputs_taken(self, now: float, snaps: dict[str, bytes]) -> bool:
+        """Whether the router and the estimator worker hold the control inputs stamped ``now``."""
+        for inst in REAL:
+            info = self.router.registry.instances.get(inst)
+            st = self.worker.store.peek(inst)
+            if info is None or info.heartbeat != now or not self.is_control(info.calibration, inst):
+                return False
+            if st is None or st.registry_heartbeat != now or not self.is_control(st.calibration, inst):
+                return False
+            if not self.snapshot_taken(inst, now, snaps[inst]):
+                return False
+        return True
+
     async def control_inputs(self) -> None:
-        """The real instances' registry entries, calibrations and snapshots, stamped now."""
+        """The real instances' registry entries, calibrations and snapshots, stamped now; returns
+        once the router and the estimator worker hold them."""
         reg = await self.js.key_value(S.instances_bucket)
         cal = await self.js.key_value(S.calibration_bucket)
         now = time.time()
+        snaps: dict[str, bytes] = {}
         for inst, model in REAL.items():
             rec = instance_record(inst, model, f"http://127.0.0.1:{self.engines[inst].port}/v1",
                                   price_input_per_mtok=0.1, price_output_per_mtok=0.4, config={"max_model_len": 8192})
             await reg.put(inst, encode(msgspec.structs.replace(rec, heartbeat=now)))
-            await cal.put(inst, encode(Calibration(instance=inst, beta=BETA, n=100, theta=20_000.0)))
-            await self.nc.publish(S.snapshot(inst), pack(snapshot(inst, now)))
+            await cal.put(inst, encode(self.calibration(inst)))
+            snaps[inst] = pack(snapshot(inst, now))
+            await self.nc.publish(S.snapshot(inst), snaps[inst])
         await self.nc.flush()
-        await asyncio.sleep(0.5)
+        await wait_until(lambda: self.inputs_taken(now, snaps), what="the control inputs in the router and the worker")
 
     async def control(self) -> dict[str, Any]:
         """What the services say about a fixed query at the real instances."""
         await self.control_inputs()
-        await self.nc.publish(S.snapshot("good-a"), pack(snapshot("good-a", time.time())))
-        await self.nc.publish(S.snapshot("good-b"), pack(snapshot("good-b", time.time())))
+        fresh = {inst: (t, pack(snapshot(inst, t))) for inst in ("good-a", "good-b") for t in [time.time()]}
+        for inst, (_, data) in fresh.items():
+            await self.nc.publish(S.snapshot(inst), data)
         await self.nc.flush()
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: all(self.snapshot_taken(inst, t, data) for inst, (t, data) in fresh.items()),
+                         what="the fresh snapshots in the worker")
         est = unpack((await self.nc.request(S.estimate, encode(EstimateRequest(
             query={"prompt_tokens": 300, "max_tokens": 64}, instances=list(REAL), deadline=time.time() + 2)),
             timeout=3.0)).data)
@@ -390,7 +422,7 @@ async def test_fuzz_every_subject_and_bucket(nats_server: LocalNatsServer, predi
             published["kv bear_queries"] += 1
         phases.append(('control', time.monotonic()))
         counts["published"] = published
-        await asyncio.sleep(MAX_CLOCK_SKEW_S + 0.2)  # the skew bound: no accepted fuzz snapshot is newer than now
+        await asyncio.sleep(MAX_CLOCK_SKEW_S + 0.2)  # sleep: wall time passing: no accepted fuzz snapshot is newer than now
         rss1 = rss_mb()
         after = await pool.control()
     finally:

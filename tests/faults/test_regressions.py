@@ -22,7 +22,7 @@ from bear.client.submit import submit
 from bear.estimator.state import InstanceState
 from bear.predictor.service import ServiceLimits, parse_request
 from bear.protocol.codec import MAX_DEPTH, pack, unpack
-from bear.protocol.errors import BearError, ErrorCode
+from bear.protocol.errors import BearError, ErrorCode, error_reply
 from bear.protocol.messages import Calibration, Dispatch, encode
 from bear.protocol.subjects import Subjects
 from bear.router.admission import Admission
@@ -33,16 +33,10 @@ from bear.runtime.kv import ensure_kv
 from bear.stack.stack import Child, Stack, StackConfig
 
 from fake_engine import FakeEngine, register
+from waiting import HANG_S, wait_until, wait_until_sync
 
 S = Subjects()
 FAST = {"predict_budget_s": 0.05, "predict_try_s": 0.025, "estimate_budget_s": 0.05, "estimate_try_s": 0.025}
-
-
-async def until(pred: Any, limit_s: float = 5.0) -> None:
-    end = time.monotonic() + limit_s
-    while not pred():
-        assert time.monotonic() < end, "condition not reached"
-        await asyncio.sleep(0.02)
 
 
 async def collect(nc: Any, **kw: Any) -> list[dict[str, Any]]:
@@ -58,7 +52,8 @@ async def router_with(nats_server: Any, tmp_path: Path, engines: dict[str, FakeE
     router = RouterService(nc, RouterConfig(outcome_log=tmp_path / "out.jsonl", **{**FAST, **cfg}))
     await router.start()
     try:
-        await until(lambda: {i.id for i in router.registry.healthy()} == set(engines))
+        await wait_until(lambda: {i.id for i in router.registry.healthy()} == set(engines),
+                         what="every engine healthy in the router's registry")
         yield nc, router
     finally:
         await router.stop()
@@ -150,7 +145,7 @@ async def test_registry_refuses_mismatched_deep_and_foreign_entries(nats_server,
         # another key: a second put under "good" can replace the first before the watch reads it
         # (history 1), and then only four refusals ever happen
         await cal.put("other", b"\x81\xa1x" * 1000 + b"\xc0")
-        await until(lambda: sum(router.registry.rejected.values()) >= 5)
+        await wait_until(lambda: sum(router.registry.rejected.values()) >= 5, what="five refusals")
         assert {"id_mismatch", "base_url", "malformed", "malformed_calibration"} <= set(router.registry.rejected)
         assert set(router.registry.instances) == {"good"}
         msgs = await collect(nc, query_id="after-rogues", max_tokens=3)
@@ -264,7 +259,7 @@ async def test_router_sends_each_engine_its_key_and_a_keyed_engine_refuses_other
             router = RouterService(nc, RouterConfig(outcome_log=tmp_path / "o.jsonl", engine_keys=keys, **FAST))
             await router.start()
             try:
-                await until(lambda router=router: bool(router.registry.healthy()))
+                await wait_until(lambda router=router: bool(router.registry.healthy()), what="a healthy instance")
                 msgs = await collect(nc, query_id=f"keyed-{bool(keys)}", max_tokens=2)
                 assert msgs[-1]["v"] == want, msgs[-1]
                 if want == "bear.error/1":  # a 401 is the instance's (misconfigured) fault, not the client's
@@ -299,17 +294,30 @@ def test_admission_rules() -> None:
 
 
 async def test_overload_is_shed_with_overloaded(nats_server, tmp_path) -> None:
-    """At most max_deciding queries are decided at once (the predictor and estimator are silent
-    here, so each decision waits out its budget): the rest are refused at once, coded."""
+    """At most max_deciding queries are decided at once: a predictor that holds every request
+    until the burst is over keeps four decisions in progress throughout it (there is no
+    estimator), so the other sixteen are refused at once, coded; the four then go on (the
+    predictor's error: the fallback) and are done."""
     eng = FakeEngine()
-    async with router_with(nats_server, tmp_path, {"e": eng}, max_deciding=4, predict_budget_s=0.5,
-                           predict_try_s=0.25) as (nc, router):
-        await nc.subscribe(S.predict, cb=_ignore)
+    held: list[Any] = []
+
+    async def hold(msg: Any) -> None:
+        held.append(msg)
+
+    async with router_with(nats_server, tmp_path, {"e": eng}, max_deciding=4, predict_budget_s=HANG_S,
+                           predict_try_s=HANG_S) as (nc, router):
+        await nc.subscribe(S.predict, cb=hold)
         await nc.flush()
-        results = await asyncio.gather(*(collect(nc, query_id=f"burst-{k}", max_tokens=2) for k in range(20)))
+        burst = [asyncio.create_task(collect(nc, query_id=f"burst-{k}", max_tokens=2, accept_timeout_s=HANG_S))
+                 for k in range(20)]
+        await wait_until(lambda: sum(t.done() for t in burst) + len(held) >= 20,
+                         what="every query of the burst refused or being decided")
+        assert len(held) == 4 and router.admission.deciding == 4
+        for msg in held:
+            await msg.respond(pack(error_reply(ErrorCode.UNAVAILABLE, "a test predictor")))
+        results = await asyncio.gather(*burst)
         codes = [r[-1]["v"] if r[-1]["v"] == "bear.done/1" else r[-1]["error"]["code"] for r in results]
-        assert codes.count("bear.done/1") >= 4 and codes.count("overloaded") >= 10, codes
-        assert set(codes) <= {"bear.done/1", "overloaded"}
+        assert codes.count("bear.done/1") == 4 and codes.count("overloaded") == 16, codes
         assert len(eng.requests) == codes.count("bear.done/1")  # what was refused never ran
         assert router.admission.deciding == 0
 
@@ -318,7 +326,7 @@ async def test_a_query_whose_client_deadline_passed_is_not_executed(nats_server,
     """Ghost execution after a client timeout: a submit that arrives after its deadline, or whose
     deadline passes while it is being decided, is answered deadline_exceeded and never dispatched."""
     eng = FakeEngine()
-    async with router_with(nats_server, tmp_path, {"e": eng}, predict_budget_s=0.4, predict_try_s=0.2) as (nc, _):
+    async with router_with(nats_server, tmp_path, {"e": eng}, predict_budget_s=0.4, predict_try_s=0.2) as (nc, router):
         await nc.subscribe(S.predict, cb=_ignore)  # a predictor that never answers: deciding takes the budget
         await nc.flush()
         for qid, deadline in (("late", time.time() - 1.0), ("expires-while-deciding", time.time() + 0.3)):
@@ -329,7 +337,8 @@ async def test_a_query_whose_client_deadline_passed_is_not_executed(nats_server,
             reply = unpack((await sub.next_msg(timeout=3.0)).data)
             assert reply["error"]["code"] in ("deadline_exceeded", "overloaded"), reply
             await sub.unsubscribe()
-        await asyncio.sleep(0.3)
+        # both queries are over in the router (a dispatch would have reached the engine before)
+        await wait_until(lambda: not router._tasks, what="the router done with both queries")
         assert eng.requests == []
         ok = await collect(nc, query_id="in-time", max_tokens=2, accept_timeout_s=2.0)
         assert ok[-1]["v"] == "bear.done/1" and len(eng.requests) == 1
@@ -350,12 +359,14 @@ def test_a_crashed_child_is_restarted_with_backoff(tmp_path) -> None:
     c.start(st._env())
     c.proc.wait()
     events: list[str] = []
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 3.0 and sum("restarted" in e for e in events) < 3:
-        events += st.supervise()
+
+    def restarted_three_times() -> bool:  # what bear up's loop does: supervise, again and again
+        events.extend(st.supervise())
         if c.proc is not None and c.proc.poll() is None:
-            c.proc.wait()
-        time.sleep(0.02)
+            c.proc.wait()  # the restarted child exits again
+        return sum("restarted" in e for e in events) >= 3
+
+    wait_until_sync(restarted_three_times, what="three restarts of the crashing child")
     noticed = [e for e in events if "restarting in" in e]
     assert noticed and "crashy exited with code 3: boom" in noticed[0]
     assert sum("restarted" in e for e in events) == 3

@@ -26,6 +26,8 @@ from bear.sim.engine import SimEngine
 from bear.sim.profile import load_profile
 from bear.sim.server import SimApi
 
+from waiting import HANG_S, wait_until
+
 KEY = "test-key-0123456789abcdef"
 PROFILES = {"sim-small": "qwen3-0.6b-h100", "sim-big": "qwen3-8b-h100"}
 RECORDER_MODEL = "rec/echo"
@@ -127,12 +129,8 @@ async def make_pool(nats_url: str, tmp_path: Any, *, gateway_cfg: GatewayConfig 
     gw = Gateway(nc, cfg, keys if keys is not None else (ApiKeys([KEY]) if auth else None))
     await gw.start()
     n = len(sims) + recorder
-    for _ in range(300):
-        if (not router or len(rt.registry.healthy()) == n) and len(gw.registry.healthy()) == n:
-            break
-        await asyncio.sleep(0.02)
-    else:
-        raise TimeoutError("pool did not register")
+    await wait_until(lambda: (not router or len(rt.registry.healthy()) == n) and len(gw.registry.healthy()) == n,
+                     what=f"the pool's {n} instances registered")
     return Pool(nc, rt, gw, sims, rec_engine, log_path, tasks, runners)
 
 
@@ -148,17 +146,6 @@ async def stop_pool(pool: Pool) -> None:
     await pool.nc.close()
 
 
-async def wait_for(cond: Any, within_s: float, step_s: float = 0.01) -> float:
-    """Seconds until ``cond()`` held; raises AssertionError after ``within_s``."""
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    while not cond():
-        if loop.time() - t0 > within_s:
-            raise AssertionError(f"condition not met within {within_s} s")
-        await asyncio.sleep(step_s)
-    return loop.time() - t0
-
-
 class ThreadedPool:
     """A pool on its own event loop in a background thread: the clients under test (the sync
     ``openai`` client blocks; the async one runs on the test's loop) reach it only over HTTP, as
@@ -171,7 +158,7 @@ class ThreadedPool:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        self.pool: Pool = self.call(make_pool(self.nats.url, tmp_path, **kwargs), timeout=60)
+        self.pool: Pool = self.call(make_pool(self.nats.url, tmp_path, **kwargs), timeout=2 * HANG_S)
 
     def call(self, coro: Any, timeout: float = 30) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

@@ -1,7 +1,8 @@
 """Cancellation end to end: a consumer of ``submit()`` that stops before the terminal message
 publishes ``bear.cancel/1``; the router serving the query aborts its HTTP stream and records
 ``cancelled``; the sim engine aborts a request whose HTTP client went away (its real runner,
-``handler_cancellation``) — within 1 s the engine no longer holds it."""
+``handler_cancellation``) — the engine no longer holds it: aborted, not run to its end (the
+sim engines here never emit EOS, so a request left running would take minutes)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from bear.client.submit import submit
 from bear.protocol.codec import pack
 from bear.protocol.subjects import CANCEL_SCHEMA, Subjects
 
-from gateway_helpers import wait_for
+from waiting import wait_until
 
 LONG = {"max_tokens": 30_000}  # the sim engines here never emit EOS: they run to max_tokens (< context)
 
@@ -32,12 +33,13 @@ async def test_sim_engine_aborts_when_its_http_client_goes_away(pool) -> None:
                     await resp.read()
 
             task = asyncio.create_task(call())
-            await wait_for(lambda: len(sim._live) == 1 and sim._live[next(iter(sim._live))].output_tokens > 0, 3.0)
+            await wait_until(lambda: len(sim._live) == 1 and sim._live[next(iter(sim._live))].output_tokens > 0,
+                             what="the request generating")
             task.cancel()  # the client goes away mid-answer
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        took = await wait_for(lambda: not sim._live, 1.0)
-        assert took < 1.0 and not sim.engine.has_work
+        await wait_until(lambda: not sim._live, what="the engine to drop the request")
+        assert not sim.engine.has_work and sim.stats.finished == 0
     assert sim.stats.aborted == 2
 
 
@@ -51,8 +53,8 @@ async def test_closing_submit_mid_stream_cancels_the_generation(pool) -> None:
             if got.count("bear.chunk/1") == 3:
                 break  # the consumer stops: aclose publishes bear.cancel/1
     assert got[0] == "bear.routed/1"
-    took = await wait_for(lambda: pool.live_requests() == 0, 1.0)
-    assert took < 1.0
+    await wait_until(lambda: pool.live_requests() == 0, what="the engine to drop the request")
+    assert (_aborted(pool), _finished(pool)) == (1, 0), _stats(pool)  # cancelled, not run to its end
     pool.router.outcomes.flush()
     recs = [json.loads(x) for x in pool.outcome_log.read_text().splitlines()]
     rec = next(r for r in recs if r["query_id"] == "c1")
@@ -68,11 +70,12 @@ async def test_cancelled_task_of_the_consumer_cancels_too(pool) -> None:
             pass
 
     task = asyncio.create_task(consume())
-    await wait_for(lambda: pool.live_requests() == 1, 3.0)
+    await wait_until(lambda: pool.live_requests() == 1, what="the request generating")
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    assert await wait_for(lambda: pool.live_requests() == 0, 1.0) < 1.0
+    await wait_until(lambda: pool.live_requests() == 0, what="the engine to drop the request")
+    assert (_aborted(pool), _finished(pool)) == (1, 0), _stats(pool)
 
 
 async def test_cancel_that_overtakes_its_submission_stops_it(pool) -> None:
@@ -82,17 +85,17 @@ async def test_cancel_that_overtakes_its_submission_stops_it(pool) -> None:
     sub = await pool.nc.subscribe(inbox)
     await pool.nc.publish(Subjects().cancel, pack({"v": CANCEL_SCHEMA, "query_id": "c3", "inbox": inbox}))
     await pool.nc.flush()
-    await wait_for(lambda: "c3" in pool.router._cancelled, 1.0)
+    await wait_until(lambda: "c3" in pool.router._cancelled, what="the router to hear the cancel")
     await pool.nc.publish(Subjects().submit, pack({"v": "bear.submit/1", "query_id": "c3", "prompt": "x", **LONG}),
                           reply=inbox)
-    # nothing comes back (the router answers no one for a cancelled query)
-    with contextlib.suppress(Exception):
-        msg = await sub.next_msg(timeout=0.5)
-        raise AssertionError(f"answered: {msg.data!r}")
-    assert pool.live_requests() == 0
-    pool.router.outcomes.flush()
-    recs = [json.loads(x) for x in pool.outcome_log.read_text().splitlines()]
-    assert any(r["query_id"] == "c3" and r["status"] == "cancelled" for r in recs)
+    # the router handled the submission: it recorded the query cancelled ...
+    await wait_until(lambda: any(r["query_id"] == "c3" and r["status"] == "cancelled" for r in pool.records()),
+                     what="the cancelled query's record")
+    # ... and answered no one: anything it had published (on this same connection) before the
+    # record would be here after a round trip to the server
+    await pool.nc.flush()
+    assert sub.pending_msgs == 0, "the router answered a cancelled query"
+    assert pool.live_requests() == 0 and (_aborted(pool), _finished(pool)) == (0, 0), _stats(pool)  # never started
 
 
 async def test_a_cancel_must_name_the_answers_inbox(pool) -> None:
@@ -119,3 +122,15 @@ async def test_malformed_cancel_is_ignored(pool) -> None:
 
 async def _drain(it) -> list[dict]:
     return [m async for m in it]
+
+
+def _aborted(pool) -> int:
+    return sum(s.stats.aborted for s in pool.sims.values())
+
+
+def _finished(pool) -> int:
+    return sum(s.stats.finished for s in pool.sims.values())
+
+
+def _stats(pool) -> dict:
+    return {name: s.stats.as_dict() for name, s in pool.sims.items()}

@@ -1,14 +1,18 @@
-"""Bad input never crashes the gateway and always gets a coded HTTP error within a bounded time:
-a fuzz over the OpenAPI shapes of the two endpoints (every field valid, wrongly typed or random
-JSON, unknown fields, missing required ones, non-object bodies, malformed bytes), then huge
-bodies, slow-loris bodies and oversized headers on a raw socket."""
+"""Bad input never crashes the gateway and always gets a coded HTTP error: a fuzz over the OpenAPI
+shapes of the two endpoints (every field valid, wrongly typed or random JSON, unknown fields,
+missing required ones, non-object bodies, malformed bytes), then huge bodies, slow-loris bodies
+and oversized headers on a raw socket. Every answer comes (the clients' timeouts only bound a
+hang); how long each took is printed, not asserted: the gateway's own timeouts are what bound it,
+and the test checks their effect (408 while a body still trickles in, 504 past the request
+timeout)."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
-import math
 import time
+from collections.abc import Iterable
 
 import httpx
 import pytest
@@ -19,9 +23,10 @@ from bear.gateway.openai_types import ChatRequest, CompletionRequest, Defaults
 from bear.gateway.server import GatewayConfig
 
 from gateway_helpers import KEY, ThreadedPool
+from waiting import HANG_S
 
-BOUND_S = 5.0  # every answer, good or bad, within this
 BODY_TIMEOUT_S = 0.5
+TOOK: list[float] = []  # seconds to each fuzzed answer (printed by test_gateway_survives_and_still_answers)
 OK = {200, 400, 404, 413, 504}  # 504: a valid request asking for more tokens than the request timeout allows
 
 json_values = st.recursive(
@@ -96,13 +101,13 @@ def fuzz_pool(tmp_path_factory):
     cfg = GatewayConfig(request_timeout_s=2.0, body_timeout_s=BODY_TIMEOUT_S, max_body_bytes=64 * 1024,
                         defaults=Defaults(max_tokens=4))
     tp = ThreadedPool(tmp_path_factory.mktemp("fuzz"), gateway_cfg=cfg, profiles={"sim-small": "qwen3-0.6b-h100"})
-    with httpx.Client(base_url=tp.pool.base_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=BOUND_S * 2) as c:
+    with httpx.Client(base_url=tp.pool.base_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=HANG_S) as c:
         yield tp.pool, c
     tp.close()
 
 
 def check(resp: httpx.Response, took: float) -> None:
-    assert took < BOUND_S, f"answer after {took:.1f} s"
+    TOOK.append(took)
     assert resp.status_code in OK, (resp.status_code, resp.text[:300])
     if resp.status_code != 200:
         err = resp.json()["error"]
@@ -146,11 +151,14 @@ def test_gateway_survives_and_still_answers(fuzz_pool) -> None:
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert c.get(pool.base_url.removesuffix("/v1") + "/health").json()["status"] == "ok"
     assert not any(x["status"] == "internal" for x in pool.records())
+    if TOOK:
+        print(f"fuzz: {len(TOOK)} answers, slowest {max(TOOK):.2f} s, median {sorted(TOOK)[len(TOOK) // 2]:.3f} s")
 
 
 # ---------------------------------------------------------------- raw-socket abuse
-async def raw(pool, head: bytes, body_pieces: list[bytes] = (), gap_s: float = 0.0) -> tuple[int, float]:
-    """Send a request head and body pieces (``gap_s`` apart); (status, seconds to the answer)."""
+async def raw(pool, head: bytes, body_pieces: Iterable[bytes] = (), gap_s: float = 0.0) -> tuple[int, float, bool]:
+    """Send a request head and body pieces (``gap_s`` apart); (status, seconds to the answer, whether
+    the answer came while pieces were still to be sent)."""
     port = pool.gateway.cfg.port
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     t = time.monotonic()
@@ -159,17 +167,19 @@ async def raw(pool, head: bytes, body_pieces: list[bytes] = (), gap_s: float = 0
 
     async def trickle() -> None:
         for p in body_pieces:
-            await asyncio.sleep(gap_s)
+            if gap_s:  # sleep: a slow client — the time between its body bytes is what is tested
+                await asyncio.sleep(gap_s)
             writer.write(p)
             await writer.drain()
 
     task = asyncio.create_task(trickle())
     try:
-        line = await asyncio.wait_for(reader.readline(), BOUND_S)
+        line = await asyncio.wait_for(reader.readline(), HANG_S)
+        still_sending = not task.done()
     finally:
         task.cancel()
         writer.close()
-    return int(line.split()[1]), time.monotonic() - t
+    return int(line.split()[1]), time.monotonic() - t, still_sending
 
 
 def head(extra: str) -> bytes:
@@ -179,24 +189,29 @@ def head(extra: str) -> bytes:
 
 async def test_slow_loris_huge_and_oversized(fuzz_pool) -> None:
     pool, _ = fuzz_pool
-    # a body that trickles in: 408 once the body timeout passes, though bytes keep coming
-    status, took = await raw(pool, head("Content-Length: 1000\r\n"), [b"{"] * 100, gap_s=0.05)
-    assert status == 408 and BODY_TIMEOUT_S <= took < BODY_TIMEOUT_S + 1.0
-    status, took = await raw(pool, head("Transfer-Encoding: chunked\r\n"), [b"1\r\n{\r\n"] * 100, gap_s=0.05)
-    assert status == 408 and took < BODY_TIMEOUT_S + 1.0
+    took = {}
+    # a body that trickles in, a byte at a time and never all of it: 408 once the body timeout has
+    # passed, though bytes keep coming (the timeout is on the whole body, not on a silence)
+    status, took["trickle"], sending = await raw(pool, head("Content-Length: 60000\r\n"),
+                                                 itertools.repeat(b"{"), gap_s=0.05)
+    assert status == 408 and sending and took["trickle"] >= BODY_TIMEOUT_S
+    status, took["chunked trickle"], sending = await raw(pool, head("Transfer-Encoding: chunked\r\n"),
+                                                         itertools.repeat(b"1\r\n{\r\n"), gap_s=0.05)
+    assert status == 408 and sending and took["chunked trickle"] >= BODY_TIMEOUT_S
     # a body that never comes
-    status, took = await raw(pool, head("Content-Length: 10\r\n"))
-    assert status == 408 and took < BODY_TIMEOUT_S + 1.0
-    # a huge declared body: refused before any of it is read
-    status, took = await raw(pool, head(f"Content-Length: {10**10}\r\n"))
-    assert status == 413 and took < 1.0
-    # a chunked body that grows past the limit
+    status, took["no body"], _ = await raw(pool, head("Content-Length: 10\r\n"))
+    assert status == 408 and took["no body"] >= BODY_TIMEOUT_S
+    # a huge declared body: refused before any of it is read (none is sent)
+    status, took["huge declared"], _ = await raw(pool, head(f"Content-Length: {10**10}\r\n"))
+    assert status == 413
+    # a chunked body that grows past the limit (20 × 8 KiB > 64 KiB)
     chunk = b"%x\r\n" % 8192 + b"x" * 8192 + b"\r\n"
-    status, took = await raw(pool, head("Transfer-Encoding: chunked\r\n"), [chunk] * 20)
-    assert status == 413 and took < BOUND_S
+    status, took["chunked too large"], _ = await raw(pool, head("Transfer-Encoding: chunked\r\n"), [chunk] * 20)
+    assert status == 413
     # a header line longer than aiohttp's limit: its own 400/431
-    status, _ = await raw(pool, head("X-Long: " + "a" * 20000 + "\r\n"))
+    status, _, _ = await raw(pool, head("X-Long: " + "a" * 20000 + "\r\n"))
     assert status in (400, 431)
     # the gateway is still there
-    status, _ = await raw(pool, head("Content-Length: 2\r\n") + b"{}")
-    assert status == 400 and math.isfinite(took)
+    status, _, _ = await raw(pool, head("Content-Length: 2\r\n") + b"{}")
+    assert status == 400
+    print("raw-socket answers (s):", {k: round(v, 3) for k, v in took.items()})

@@ -7,6 +7,7 @@ import asyncio
 import gc
 import os
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,6 +23,8 @@ from bear.protocol.codec import pack, unpack
 from bear.protocol.errors import is_error
 from bear.protocol.subjects import Subjects
 from bear.runtime.nats_server import LocalNatsServer
+
+from waiting import HANG_S, wait_until
 
 MODELS = ["Qwen3-0.6B", "Qwen3-8B", "Qwen3-32B"]
 
@@ -46,12 +49,12 @@ async def client(nats_server: LocalNatsServer, predictor: Predictor) -> AsyncIte
 
 async def ask(nc: object, req: dict | bytes) -> dict:
     data = req if isinstance(req, bytes) else pack(req)
-    msg = await nc.request(Subjects().predict, data, timeout=5.0)  # type: ignore[attr-defined]
+    msg = await nc.request(Subjects().predict, data, timeout=HANG_S)  # type: ignore[attr-defined]
     return unpack(msg.data)
 
 
 def req(prompt: str, models: list[str] = MODELS, **kw: object) -> dict:
-    return {"v": REQUEST_SCHEMA, "prompt": prompt, "models": models, "deadline": time.time() + 2.0, **kw}
+    return {"v": REQUEST_SCHEMA, "prompt": prompt, "models": models, "deadline": time.time() + HANG_S, **kw}
 
 
 async def test_reply_has_every_model(client: tuple) -> None:
@@ -142,18 +145,24 @@ async def test_internal_error_inline_is_a_coded_reply(client: tuple) -> None:
 
 async def test_deadline_passing_during_work(client: tuple) -> None:
     nc, svc = client
-    # The work in the pool takes 100 ms; the deadline is 30 ms away: parsing succeeds, the work
-    # cannot finish in time (a slow compute, so the outcome does not depend on the host's speed).
+    # The work in the pool starts (parsing succeeded before the deadline) and cannot finish before
+    # the deadline: it waits until the reply has come (a held compute, so the outcome does not
+    # depend on the host's speed; the 1 s deadline only has to outlast the parsing).
     compute = svc._compute
+    started, release = threading.Event(), threading.Event()
 
-    def slow(r: dict) -> dict:
-        time.sleep(0.1)
+    def held(r: dict) -> dict:
+        started.set()
+        release.wait(HANG_S)
         return compute(r)
 
-    svc._compute = slow  # type: ignore[method-assign]
+    svc._compute = held  # type: ignore[method-assign]
     svc.limits = ServiceLimits(inline_max_bytes=0)
-    rep = await ask(nc, req("word " * 5000, deadline=time.time() + 0.03))
-    assert is_error(rep) and rep["error"]["code"] == "deadline_exceeded"
+    try:
+        rep = await ask(nc, req("word " * 5000, deadline=time.time() + 1.0))
+    finally:
+        release.set()
+    assert started.is_set() and is_error(rep) and rep["error"]["code"] == "deadline_exceeded", rep
 
 
 async def test_overloaded_when_inflight_limit_reached(client: tuple) -> None:
@@ -201,17 +210,17 @@ async def test_serve_answers_and_stops_on_sigterm(nats_server: LocalNatsServer, 
     until SIGTERM, then stops the service and closes its connection."""
     task = asyncio.create_task(serve(nats_server.url, predictor, ServiceLimits()))
     nc = await nats.connect(nats_server.url)
-    rep: dict = {}
     try:
-        for _ in range(100):
+        async def answered() -> dict | None:
             try:
-                rep = await ask(nc, req("List five facts about enzymes."))
-                break
-            except nats.errors.NoRespondersError:
-                await asyncio.sleep(0.05)
+                return await ask(nc, req("List five facts about enzymes."))
+            except nats.errors.NoRespondersError:  # not subscribed yet
+                return None
+
+        rep = await wait_until(answered, what="the served predictor")
         assert not is_error(rep) and list(rep["models"]) == MODELS
         os.kill(os.getpid(), signal.SIGTERM)  # the loop's handler, installed before the service started
-        await asyncio.wait_for(task, timeout=5.0)
+        await asyncio.wait_for(task, timeout=HANG_S)
         with pytest.raises(nats.errors.NoRespondersError):
             await ask(nc, req("hello"))
     finally:

@@ -8,7 +8,6 @@ policy; staleness compensation, dispatches ahead and arrival fill are on in both
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import time
@@ -44,6 +43,8 @@ from bear.router.service import RouterConfig, RouterService
 from bear.runtime.kv import ensure_kv
 from bear.runtime.nats_server import free_port
 from bear.sim.profile import load_profile
+
+from waiting import wait_until
 
 S = Subjects()
 MODELS = {"p-small": "org/Small-1B", "p-mid": "org/Mid-8B", "p-big": "org/Big-32B"}
@@ -107,13 +108,6 @@ class Fakes:
         await self.service.stop()
         assert self.runner is not None
         await self.runner.cleanup()
-
-
-async def until(pred: Any, limit_s: float = 10.0) -> None:
-    end = time.monotonic() + limit_s
-    while not pred():
-        assert time.monotonic() < end, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 def offline_info(inst: str, cal: Calibration, outcomes: list[Outcome], port: int) -> InstanceInfo:
@@ -182,8 +176,8 @@ async def test_live_router_and_offline_evaluation_decide_alike(nats_server, tmp_
                             completed=True, t=now - 30 + j)
                     for k, inst in enumerate(MODELS) for j in range(12)]
         await nc.flush()
-        await until(lambda: all(worker.store.peek(i) is not None and worker.store.get(i).calibrated for i in MODELS))
-        await until(lambda: sum(len(worker.store.get(i).dispatches) for i in MODELS) == len(dispatches))
+        await wait_until(lambda: all(worker.store.peek(i) is not None and worker.store.get(i).calibrated for i in MODELS))
+        await wait_until(lambda: sum(len(worker.store.get(i).dispatches) for i in MODELS) == len(dispatches))
 
         seen: list[Dispatch] = []
 
@@ -199,11 +193,11 @@ async def test_live_router_and_offline_evaluation_decide_alike(nats_server, tmp_
                                                     predict_budget_s=2.0, estimate_budget_s=2.0, predict_try_s=1.0,
                                                     estimate_try_s=1.0))
             await router.start()
-            await until(lambda r=router: {i.id for i in r.registry.healthy()} == set(MODELS))
-            await until(lambda r=router: all(r.registry.get(i).calibration.n == 500 for i in MODELS))
+            await wait_until(lambda r=router: {i.id for i in r.registry.healthy()} == set(MODELS))
+            await wait_until(lambda r=router: all(r.registry.get(i).calibration.n == 500 for i in MODELS))
             for o in outcomes:  # what this router has observed of the instances
                 await nc.publish(S.outcome(o.instance), encode(o))
-            await until(lambda r=router: sum(len(r.registry.get(i).obs.observed) for i in MODELS) == len(outcomes))
+            await wait_until(lambda r=router: sum(len(r.registry.get(i).obs.observed) for i in MODELS) == len(outcomes))
             msgs = [m async for m in submit(nc, PROMPT, ttft_target_s=0.4, max_tokens=256, lam=5e-4,
                                             query_id=f"parity-{n}")]
             assert msgs[-1]["v"] == "bear.done/1", msgs[-1]
@@ -230,9 +224,9 @@ async def test_live_router_and_offline_evaluation_decide_alike(nats_server, tmp_
             assert rec["feasible"] == d.feasible
             decisions[policy] = rec["instance"]
             # The live dispatch goes to both estimators alike (the next policy sees it ahead).
-            await until(lambda k=n: len(seen) == k + 1)
-            await until(lambda k=n: sum(len(worker.store.get(i).dispatches) for i in MODELS)
-                        == len(dispatches) + k + 1)
+            await wait_until(lambda k=n: len(seen) == k + 1)
+            await wait_until(lambda k=n: sum(len(worker.store.get(i).dispatches) for i in MODELS)
+                             == len(dispatches) + k + 1)
             assert seen[-1].prompt_tokens == PREDICTIONS[predictor_name(MODELS[rec["instance"]], {})][3]
             offline.get(rec["instance"]).on_dispatch(seen[-1])
         await seen_sub.unsubscribe()

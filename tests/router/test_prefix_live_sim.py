@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,15 @@ import nats
 from bear.client.submit import submit
 from bear.estimator.estimate import EstimatorConfig
 from bear.estimator.worker import EstimatorWorker
-from bear.protocol.messages import Dispatch, EstimateRequest, decode
+from bear.protocol.codec import unpack_map
+from bear.protocol.messages import Dispatch, EstimateRequest, KvMessage, decode
 from bear.protocol.subjects import Subjects
 from bear.router.service import RouterConfig, RouterService
 from bear.sim.run import serve
 from bear.vllm_instance.launch import free_port
 from bear.vllm_instance.tiny_model import write_tokenizer
+
+from waiting import WaitTimeout, wait_until
 
 
 async def test_router_sim_exact_tokens_and_mirrored_hits(nats_server, tmp_path: Path) -> None:
@@ -45,22 +49,46 @@ async def test_router_sim_exact_tokens_and_mirrored_hits(nats_server, tmp_path: 
         d = decode(Dispatch, msg.data)
         dispatched[d.query_id] = d
 
+    # The instance's prefix-cache events and its idle re-sends, on one subscription (so in the order
+    # the sim engine published them): the kv seq already out when each re-send went out.
+    kv_seq = -1
+    resends: list[tuple[float, int]] = []  # (the re-send's time, the newest kv seq before it)
+
+    async def on_instance(msg: Any) -> None:
+        nonlocal kv_seq
+        if msg.subject == Subjects().kv("sim-0"):
+            kv_seq = max(kv_seq, decode(KvMessage, msg.data).seq)  # type: ignore[arg-type]
+        elif msg.subject == Subjects().snapshot("sim-0"):
+            m = unpack_map(msg.data)
+            if m.get("idle"):
+                resends.append((float(m["time"]), kv_seq))
+
+    def usable() -> bool:
+        info = router.registry.instances.get("sim-0")
+        st = worker.store.peek("sim-0")
+        return (info is not None and info.tokenizer in router.tokenizers.loaded and st is not None
+                and (st.snap is not None or st.raw is not None) and st.prefix.synced and st.prefix_events)
+
+    def mirrored_since(t: float) -> bool:
+        """The estimator's mirror holds every kv event the engine published before its first idle
+        re-send after ``t`` (the step that ended a turn published its events before going idle)."""
+        after = [seq for at, seq in resends if at > t]
+        st = worker.store.peek("sim-0")
+        return bool(after) and st is not None and st.prefix.synced and st.prefix.seq >= after[0]
+
     try:
         await nc.subscribe(Subjects().estimate, cb=snoop)
         await nc.subscribe(Subjects().dispatch("sim-0"), cb=on_dispatch)
+        await nc.subscribe(f"{Subjects().prefix}.*.sim-0", cb=on_instance)
         await worker.start()
         await router.start()
-        for _ in range(200):
-            info = router.registry.instances.get("sim-0")
-            st = worker.store.peek("sim-0")
-            if (info is not None and info.tokenizer in router.tokenizers.loaded and st is not None
-                    and (st.snap is not None or st.raw is not None) and st.prefix.synced and st.prefix_events):
-                break
-            await asyncio.sleep(0.05)
-        else:
+        try:
+            await wait_until(usable, what="the router and the estimator to use sim-0")
+        except WaitTimeout:
             st = worker.store.peek("sim-0")
             raise AssertionError(("not usable", router.registry.instances.get("sim-0"), list(router.tokenizers.loaded),
-                                  st and (st.snap is not None, st.prefix.synced, st.prefix_events, st.prefix.resync_reason)))
+                                  st and (st.snap is not None, st.prefix.synced, st.prefix_events,
+                                          st.prefix.resync_reason))) from None
         done: dict[str, dict[str, Any]] = {}
         msgs: list[dict[str, Any]] = [{"role": "system", "content": "Be brief. " * 60}]
         for t in range(4):
@@ -68,10 +96,11 @@ async def test_router_sim_exact_tokens_and_mirrored_hits(nats_server, tmp_path: 
             out = [m async for m in submit(nc, messages=list(msgs), ttft_target_s=5.0, max_tokens=32,
                                            query_id=f"t{t}", session="s")]
             assert out[-1]["v"] == "bear.done/1", out[-1]
+            t_done = time.time()
             done[f"t{t}"] = out[-1]
             msgs.append({"role": "assistant", "content": "".join(m.get("text", "") for m in out
                                                                 if m["v"] == "bear.chunk/1")})
-            await asyncio.sleep(0.2)  # the turn's KV events reach the mirror
+            await wait_until(lambda t_done=t_done: mirrored_since(t_done), what=f"turn {t}'s kv events in the mirror")
     finally:
         await router.stop()
         await worker.stop()

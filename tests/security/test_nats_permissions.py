@@ -22,6 +22,8 @@ from bear.runtime.nats_auth import AuthFiles, generate
 from bear.runtime.nats_server import LocalNatsServer
 from bear.runtime.service import connect
 
+from waiting import HANG_S, wait_until
+
 S = Subjects()
 INSTANCES = ["a", "b"]
 
@@ -57,11 +59,22 @@ async def env(tmp_path: Path) -> AsyncIterator[Env]:
             await e.close()
 
 
-async def _received(nc: Any, subject: str, act: Any, wait_s: float = 0.4, expect: int = 0) -> list[Any]:
-    """What a subscription of ``nc`` to ``subject`` receives while ``act()`` runs: everything that
-    arrives within ``wait_s`` (refusals: nothing may arrive), or, with ``expect``, until that many
-    arrived (allowed messages: ``act`` is repeated each second, at most 10 times, because on a
-    loaded host a first publish was once seen never to arrive) and ``wait_s`` more for extras."""
+async def _settled(nc: Any, *subs: Any) -> None:
+    """Return once every message the server had routed to ``subs`` (subscriptions of ``nc``) is in
+    their callbacks' hands: the server answers a flush after what it queued for the connection
+    before it, and the subscriptions' queues are then emptied by their callbacks. A publish flushed
+    by its sender before this is called has been routed (or refused) by then: so nothing that
+    arrives after it can be of that publish."""
+    await nc.flush()
+    await wait_until(lambda: all(s.pending_msgs == 0 for s in subs), what="the subscriptions' queues emptied")
+
+
+async def _received(nc: Any, subject: str, act: Any, expect: int = 0) -> list[Any]:
+    """What a subscription of ``nc`` to ``subject`` receives from ``act()`` (which flushes what it
+    publishes): everything that had arrived once ``act`` is done (refusals: nothing may arrive),
+    or, with ``expect``, once that many arrived (allowed messages: ``act`` is repeated each
+    second, at most 10 times, because on a loaded host a first publish was once seen never to
+    arrive) and what came with them."""
     got: list[Any] = []
     enough = asyncio.Event()
 
@@ -79,7 +92,7 @@ async def _received(nc: Any, subject: str, act: Any, wait_s: float = 0.4, expect
         if enough.is_set():
             break
         await act()
-    await asyncio.sleep(wait_s)
+    await _settled(nc, sub)
     await sub.unsubscribe()
     return got
 
@@ -120,7 +133,9 @@ async def test_rogue_registration_is_refused(env: Env) -> None:
         await kv.put("a", b"genuine")  # the instance itself may
         admin = await env.nc("admin")  # control: the same raw publish does write when allowed
         await _publish(admin, f"$KV.{S.instances_bucket}.control", b"x", reply=admin.new_inbox())
-        await asyncio.sleep(0.5)
+        # the control write comes after every rogue one (each flushed first): once it is seen, a
+        # rogue write that got through would have been seen before it
+        await wait_until(lambda: "control" in seen, what="the control write in the router's watch")
     finally:
         watch.cancel()
     assert seen == ["a", "control"]
@@ -170,11 +185,14 @@ async def test_an_estimator_asks_an_instance_to_resync(env: Env) -> None:
         stolen.append(msg)
 
     await own.subscribe(S.resync("a"), cb=answer)
+    steal_sub = None
     with contextlib.suppress(Exception):
-        await other.subscribe(S.resync("a"), cb=steal)
+        steal_sub = await other.subscribe(S.resync("a"), cb=steal)
     await own.flush()
+    await other.flush()  # its subscription (if the server took it) is in place before the request
     reply = await estimator.request(S.resync("a"), b"resync", timeout=5.0)
-    await asyncio.sleep(0.3)  # a subscription that got through would have its copy by now
+    if steal_sub is not None:  # the request was routed before it was answered: a copy would be here now
+        await _settled(other, steal_sub)
     assert reply.data == b"full state" and stolen == []
 
 
@@ -200,10 +218,11 @@ async def test_inboxes_are_private(env: Env) -> None:
     async def snoop(msg: Any) -> None:
         snooped.append(msg)
 
+    snoop_subs: list[tuple[Any, Any]] = []
     for nc in snoopers:
         for pattern in ("_INBOX.>", "_INBOX_client.>", ">"):
             with contextlib.suppress(Exception):
-                await nc.subscribe(pattern, cb=snoop)
+                snoop_subs.append((nc, await nc.subscribe(pattern, cb=snoop)))
         await nc.flush()
     inbox = client.new_inbox()
     assert inbox.startswith("_INBOX_client.")
@@ -212,11 +231,11 @@ async def test_inboxes_are_private(env: Env) -> None:
     await asyncio.wait_for(answered.wait(), 3.0)
     for nc in snoopers:  # injection: publishing straight into the client's inbox
         await _publish(nc, inbox, b"forged answer")
-    got = []
-    with contextlib.suppress(Exception):
-        while True:
-            got.append((await sub.next_msg(timeout=0.5)).data)
+    await client.flush()  # everything routed to the client by now (the chunks, any forgery) is queued
+    got = [(await sub.next_msg(timeout=HANG_S)).data for _ in range(sub.pending_msgs)]
     assert got == [b"chunk %d" % k for k in range(5)]
+    for nc, s in snoop_subs:
+        await _settled(nc, s)
     assert snooped == []
 
 
@@ -233,8 +252,11 @@ async def test_streams_cannot_be_deleted_or_purged(env: Env) -> None:
     js = admin.jetstream()
     await ensure_kv(js, "scratch")  # control: the same raw request deletes when allowed
     await _publish(admin, "$JS.API.STREAM.DELETE.KV_scratch", b"", reply=admin.new_inbox())
-    await asyncio.sleep(0.5)
-    assert "KV_scratch" not in [i.config.name for i in await js.streams_info()]
+
+    async def scratch_gone() -> bool:  # the control request, sent after every refused one, is done
+        return "KV_scratch" not in [i.config.name for i in await js.streams_info()]
+
+    await wait_until(scratch_gone, what="the control deletion of KV_scratch")
     for bucket in (S.queries_bucket, S.instances_bucket, S.calibration_bucket):
         info = await js.stream_info(f"KV_{bucket}")
         assert info.config.name == f"KV_{bucket}"

@@ -159,7 +159,7 @@ def run_writer(name: str, period_s: float = 0.005, deltas: bool = False, initial
                                  reason=3, with_ids=True))  # fmt: skip
             else:
                 w.write(delta_step(seq, d, free=free, dur=period_s))
-        time.sleep(period_s)
+        time.sleep(period_s)  # sleep: the engine's step time (a fake engine steps at a rate, not on events)
 
 
 if __name__ == "__main__":

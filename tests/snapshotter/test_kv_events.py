@@ -18,6 +18,8 @@ from bear.prefix.hashing import external
 from bear.protocol.messages import KvOp
 from bear.snapshotter.kv_events import KvEventsReader, connect_endpoint, to_ops
 
+from waiting import HANG_S, wait_until
+
 DATA = json.loads((Path(__file__).resolve().parent / "data" / "kv_batches_vllm.json").read_text())
 
 
@@ -42,11 +44,13 @@ def batch(ts: float, h: int) -> bytes:
 
 class FakeVllm:
     """vLLM's ZmqEventPublisher protocol: PUB (topic, seq, payload) and a ROUTER replay socket
-    that resends buffered batches from a seq, then (b"", END) — with a bounded buffer."""
+    that resends buffered batches from a seq, then (b"", END) — with a bounded buffer. The PUB
+    side is an XPUB (the same on the wire) so that the test can wait for the reader's subscription:
+    ZMQ drops what a publisher sends before a subscriber's subscription has reached it."""
 
     def __init__(self, tmp: Path, buffer: int) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub = self.ctx.socket(zmq.XPUB)
         self.ep, self.rep_ep = f"ipc://{tmp}/kv", f"ipc://{tmp}/kv-replay"
         self.pub.bind(self.ep)
         self.rep = self.ctx.socket(zmq.ROUTER)
@@ -54,6 +58,11 @@ class FakeVllm:
         self.buf: list[tuple[int, bytes]] = []
         self.buffer = buffer
         self.task = asyncio.create_task(self._serve())
+
+    async def subscribed(self, topic: bytes) -> None:
+        """Return once a subscriber's subscription to ``topic`` has reached the publisher."""
+        while await self.pub.recv() != b"\x01" + topic:
+            pass
 
     async def send(self, seq: int, payload: bytes, publish: bool = True) -> None:
         self.buf = [*self.buf, (seq, payload)][-self.buffer:]
@@ -84,14 +93,10 @@ async def test_reader_replays_history_fills_gaps_and_reports_losses(tmp_path: Pa
     for s in range(3):  # before the reader exists: only the replay buffer has them
         await vllm.send(s, batch(s, 100 + s), publish=False)
     task = asyncio.create_task(r.run())
-    await asyncio.sleep(0.3)  # the SUB socket connects (ZMQ drops what it publishes before)
+    await asyncio.wait_for(vllm.subscribed(b"kv"), HANG_S)  # the SUB socket's subscription arrived
 
     async def until(n: int) -> None:
-        for _ in range(100):
-            if len(got) >= n:
-                return
-            await asyncio.sleep(0.02)
-        raise AssertionError(got)
+        await wait_until(lambda: len(got) >= n, what=f"{n} batches delivered")
 
     await vllm.send(3, batch(3, 103))
     await until(4)

@@ -4,6 +4,7 @@ order, registry up/down, engine restarts, NATS restarts."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
@@ -24,6 +25,7 @@ from bear.snapshotter.service import Snapshotter, SnapshotterConfig
 from bear.snapshotter.shm import ShmReader, ShmWriter, shm_path
 
 from delta_check import check_mirror
+from waiting import wait_until, wait_until_sync
 
 FAKES = Path(__file__).with_name("snapshotter_fakes.py")
 
@@ -39,20 +41,51 @@ def shm_name() -> Iterator[str]:
 
 
 def start_engine(name: str, mode: str = "full") -> subprocess.Popen[bytes]:
+    """A fake engine process, returned once its ring is there (its own: a new engine's pid)."""
     p = subprocess.Popen([sys.executable, str(FAKES), name, "0.005", mode])
-    end = time.monotonic() + 10
-    while time.monotonic() < end:
+
+    def ring_is_ours() -> bool:
+        if p.poll() is not None:
+            raise AssertionError(f"the fake engine exited with code {p.returncode} before writing its ring")
         try:
             r = ShmReader(name)
-            if r.pid == p.pid:
-                r.close()
-                return p
-            r.close()
         except (FileNotFoundError, ValueError):
-            pass
-        time.sleep(0.02)
-    p.kill()
-    raise TimeoutError("fake engine did not start")
+            return False
+        try:
+            return r.pid == p.pid
+        finally:
+            r.close()
+
+    try:
+        wait_until_sync(ring_is_ours, what="the fake engine's ring")
+    except BaseException:
+        p.kill()
+        p.wait()
+        raise
+    return p
+
+
+@contextlib.asynccontextmanager
+async def beating(w: ShmWriter) -> AsyncIterator[None]:
+    """The plugin's heartbeat thread while the test waits: the engine is alive."""
+
+    async def beat() -> None:
+        while True:
+            w.heartbeat()
+            await asyncio.sleep(0.05)  # sleep: the plugin's heartbeat period (time passing, not an event)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def stepped(snaps: list[dict]) -> list[int]:
+    """The seqs of the snapshots of steps (an idle re-send repeats a step)."""
+    return [s["seq"] for s in snaps if not s.get("idle")]
 
 
 @pytest.fixture
@@ -72,16 +105,18 @@ async def _status(js_kv: object) -> dict:
     return unpack_map(entry.value)
 
 
-async def _wait_status(kv: object, want: str, within: float) -> float:
+async def _wait_status(kv: object, want: str) -> float:
+    """Wait until the registry entry's status is ``want``; how long that took (reported, not judged)."""
     t0 = time.monotonic()
-    while time.monotonic() - t0 < within:
+
+    async def is_want() -> bool:
         try:
-            if (await _status(kv))["status"] == want:
-                return time.monotonic() - t0
-        except Exception:
-            pass
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"status never became {want} within {within}s")
+            return (await _status(kv))["status"] == want
+        except Exception:  # no entry yet
+            return False
+
+    await wait_until(is_want, what=f"registry status {want!r}")
+    return time.monotonic() - t0
 
 
 async def test_every_step_in_order_then_down_on_kill_and_up_on_restart(
@@ -93,9 +128,13 @@ async def test_every_step_in_order_then_down_on_kill_and_up_on_restart(
     deltas: list[bytes] = []
     batches: list[dict] = []
 
+    states: set[tuple[int, int, float]] = set()  # (generation, seq, time): the states received in full
+
     async def on_snap(msg: nats.aio.msg.Msg) -> None:
-        snaps.append(unpack_map(msg.data))
+        m = unpack_map(msg.data)
+        snaps.append(m)
         raw_snaps.append(msg.data)
+        states.add((int(m.get("generation", 0)), int(m["seq"]), float(m["time"])))
 
     async def on_delta(msg: nats.aio.msg.Msg) -> None:
         deltas.append(msg.data)
@@ -113,18 +152,19 @@ async def test_every_step_in_order_then_down_on_kill_and_up_on_restart(
     engine = start_engine(shm_name)
     try:
         js = nc.jetstream()
-        for _ in range(100):
+
+        async def bucket() -> object:
             try:
-                kv = await js.key_value("bear_instances")
-                break
-            except Exception:
-                await asyncio.sleep(0.05)
-        await _wait_status(kv, "up", 5)
+                return await js.key_value("bear_instances")
+            except Exception:  # not created yet
+                return None
+
+        kv = await wait_until(bucket, what="the bear_instances bucket")
+        await _wait_status(kv, "up")
         entry = await _status(kv)
         assert entry["model"] == "tiny" and entry["base_url"] and entry["config"]["block_size"] == 128
-        await asyncio.sleep(1.0)
-        seqs = [s["seq"] for s in snaps if not s.get("idle")]  # idle re-sends repeat a step
-        assert len(seqs) > 50
+        await wait_until(lambda: len(stepped(snaps)) > 50 and batches, what="50 steps' snapshots and a batch record")
+        seqs = stepped(snaps)
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "a step is missing or out of order"
         assert all(s["v"] == "bear.snapshot/1" and s["instance"] == "i1" for s in snaps)
         libbea.Snapshot.from_dict(snaps[-1])
@@ -134,22 +174,23 @@ async def test_every_step_in_order_then_down_on_kill_and_up_on_restart(
 
         engine.send_signal(signal.SIGKILL)
         engine.wait()
-        assert await _wait_status(kv, "down", 2.0) < 2.0
+        print(f"registry status down {await _wait_status(kv, 'down'):.2f} s after the kill")  # with -s
 
         n_before = len(snaps)
         engine = start_engine(shm_name)  # a new engine: new region, seq restarts at 0
-        await _wait_status(kv, "up", 3.0)
-        await asyncio.sleep(0.5)
-        new = [s["seq"] for s in snaps[n_before:] if not s.get("idle")]
-        assert new and new[0] == 0 and new == list(range(len(new)))
+        await _wait_status(kv, "up")
+        await wait_until(lambda: len(stepped(snaps[n_before:])) >= 10, what="10 steps of the new engine")
+        new = stepped(snaps[n_before:])
+        assert new[0] == 0 and new == list(range(len(new)))
         # the per-step deltas rebuild every published state, across the engine restart
         assert len({s["generation"] for s in snaps if not s.get("idle")}) == 2
         await nc.flush()
-        # the deltas received so far; each one's base state went out (as a full snapshot) before
-        # it, but the two subscriptions' callbacks run as separate tasks: give the snapshot one
-        # time to catch up before the deltas are checked against it
+        # the deltas received so far; each state goes out as a delta, then in full, but the two
+        # subscriptions' callbacks run as separate tasks: wait until every one of these deltas'
+        # states has arrived in full before the deltas are checked against them
         n_deltas = len(deltas)
-        await asyncio.sleep(0.5)
+        wanted = {(d.generation, d.seq, d.time) for d in map(libbea.Delta.from_msgpack, deltas[:n_deltas])}
+        await wait_until(lambda: wanted <= states, what="the full snapshots of the deltas' states")
         mirror = check_mirror(list(raw_snaps), deltas[:n_deltas])
         assert mirror["differences"] == [] and mirror["compared"] >= len(seqs) + len(new) - 3, mirror
         assert mirror["restarts"] == 1 and mirror["unchained"] == 0, (mirror.get("unchained_at"), mirror)
@@ -164,17 +205,22 @@ async def test_nats_restart_resumes_publishing_and_never_stalls_the_engine(
 ) -> None:
     engine = start_engine(shm_name)
     reader = ShmReader(shm_name)
+    pub = service.metrics.publisher
     try:
-        await asyncio.sleep(0.5)
-        published0 = service.metrics.publisher.snapshots_published._value.get()  # type: ignore[attr-defined]
-        assert published0 > 20
+        await wait_until(lambda: pub.snapshots_published._value.get() > 20,  # type: ignore[attr-defined]
+                         what="20 snapshots published")
+        dropped = pub.snapshots_dropped.labels("disconnected")
+        dropped0 = dropped._value.get()  # type: ignore[attr-defined]
         nats_server.stop()
         count0 = reader.count
-        await asyncio.sleep(1.0)
-        # the engine kept stepping at full rate while NATS was down
-        assert reader.count - count0 > 100
+        # the outage as the snapshotter sees it: it drops what it reads (a stale snapshot is worse
+        # than none), and the engine goes on stepping meanwhile
+        await wait_until(lambda: dropped._value.get() > dropped0 and reader.count > count0,  # type: ignore[attr-defined]
+                         what="snapshots dropped while NATS is down, the engine stepping")
+        print(f"NATS down: the engine stepped {reader.count - count0} times until the outage was seen")  # with -s
+        count_restart = reader.count  # no await since it: the snapshotter read nothing newer yet
         t_restart = time.monotonic()
-        nats_server.restart()
+        await asyncio.to_thread(nats_server.restart)  # the snapshotter keeps reading (and dropping) meanwhile
         seen: list[int] = []
         got = asyncio.Event()
         nc = await nats.connect(nats_server.url)
@@ -184,10 +230,11 @@ async def test_nats_restart_resumes_publishing_and_never_stalls_the_engine(
             got.set()
 
         await nc.subscribe("bear.snapshot.i1", cb=on_snap)
-        await asyncio.wait_for(got.wait(), 5)
-        assert time.monotonic() - t_restart < 2.0
-        # nothing stale was flushed after the reconnect: the first snapshot received is recent
-        assert reader.count - 1 - seen[0] < 50
+        await wait_until(got.is_set, what="a snapshot after the NATS restart")
+        print(f"NATS restart: first snapshot {time.monotonic() - t_restart:.2f} s after it")  # with -s
+        # nothing stale was flushed after the reconnect: the first snapshot received is of a step
+        # the engine took after NATS came back up, none of those read during the outage
+        assert seen[0] >= count_restart, (seen[0], count_restart)
         await nc.close()
     finally:
         reader.close()
@@ -210,29 +257,40 @@ async def test_idle_engine_snapshot_is_resent_busy_one_ages(
 
     await nc.subscribe("bear.snapshot.i1", cb=on_snap)
     await nc.flush()
+    # when the publisher looked for an idle re-send (monotonic time of each look)
+    pub = service.publisher
+    looked: list[float] = []
+    resend_idle = pub.resend_idle
+
+    async def look() -> None:
+        t = time.monotonic()
+        await resend_idle()
+        looked.append(t)
+
+    pub.resend_idle = look  # type: ignore[method-assign]
     w = ShmWriter(shm_name, meta=meta())
-
-    async def beat_for(s: float) -> None:  # the plugin's heartbeat thread: the engine is alive
-        end = time.monotonic() + s
-        while time.monotonic() < end:
-            w.heartbeat()
-            await asyncio.sleep(0.05)
-
     try:
-        await beat_for(1.3)
-        assert len(snaps) >= 2 and all(s["idle"] and s["seq"] == 0 for s in snaps), snaps
-        assert snaps[0]["free_blocks"] == 999 and snaps[0]["running"] == [] and snaps[0]["waiting"] == []
-        libbea.Snapshot.from_dict(snaps[0])
-        w.write(raw_step(0, busy=False, free=990))  # one idle step
-        await beat_for(1.3)
-        after = [s for s in snaps if s["free_blocks"] == 990]
-        assert not after[0].get("idle") and len(after) >= 3 and all(s.get("idle") for s in after[1:])
-        assert all(b["time"] > a["time"] for a, b in itertools.pairwise(after))
-        req = {"id": "R", "prompt": 10, "computed": 11, "output": 1, "max_tokens": 100}
-        w.write(raw_step(1, sched={"R": 1}, cached={"R": 10}, running=[req]))  # busy, then silence
-        await beat_for(1.3)
-        busy = [s for s in snaps if s["seq"] == 1]
-        assert len(busy) == 1 and not busy[0].get("idle")
+        async with beating(w):
+            await wait_until(lambda: len(snaps) >= 2, what="two snapshots of an engine that never stepped")
+            assert all(s["idle"] and s["seq"] == 0 for s in snaps), snaps
+            assert snaps[0]["free_blocks"] == 999 and snaps[0]["running"] == [] and snaps[0]["waiting"] == []
+            libbea.Snapshot.from_dict(snaps[0])
+            w.write(raw_step(0, busy=False, free=990))  # one idle step
+            await wait_until(lambda: len([s for s in snaps if s["free_blocks"] == 990]) >= 3,
+                             what="an idle step's snapshot and two re-sends")
+            after = [s for s in snaps if s["free_blocks"] == 990]
+            assert not after[0].get("idle") and all(s.get("idle") for s in after[1:])
+            assert all(b["time"] > a["time"] for a, b in itertools.pairwise(after))
+            req = {"id": "R", "prompt": 10, "computed": 11, "output": 1, "max_tokens": 100}
+            w.write(raw_step(1, sched={"R": 1}, cached={"R": 10}, running=[req]))  # busy, then silence
+            await wait_until(lambda: any(s["seq"] == 1 for s in snaps), what="the busy step's snapshot")
+            t_busy = time.monotonic()  # it was sent before this
+            # the publisher has looked for a re-send when one would have been due (idle_snapshot_s
+            # after the busy snapshot went out), and sent none
+            await wait_until(lambda: any(t >= t_busy + pub.idle_snapshot_s for t in looked),
+                             what="a look for a re-send once one was due")
+            busy = [s for s in snaps if s["seq"] == 1]
+            assert len(busy) == 1 and not busy[0].get("idle"), busy
     finally:
         w.close()
         await nc.close()
@@ -254,13 +312,15 @@ async def test_deltas_without_a_full_record_ask_the_plugin_for_one(
     await nc.flush()
     engine = start_engine(shm_name, "deltas-no-initial-full")
     try:
-        await asyncio.sleep(1.5)
         m = service.metrics
+        await wait_until(lambda: len(stepped(snaps)) > 50 and m.records.labels("delta")._value.get() > 50  # type: ignore[attr-defined]
+                         and m.records.labels("resync")._value.get() >= 1,  # type: ignore[attr-defined]
+                         what="50 steps decoded from deltas after a resync")
         assert m.resync_requests._value.get() >= 1  # type: ignore[attr-defined]
         assert m.steps_undecodable._value.get() >= 1  # type: ignore[attr-defined]
         assert m.delta_mismatches._value.get() == 0  # type: ignore[attr-defined]
-        seqs = [s["seq"] for s in snaps if not s.get("idle")]
-        assert len(seqs) > 50 and seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        seqs = stepped(snaps)
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
         last = snaps[-1]
         assert last["running"][0]["computed_tokens"] == 10 + last["seq"]
         assert last["running"][0]["blocks"] == -(-last["running"][0]["computed_tokens"] // 128)
@@ -298,20 +358,18 @@ async def test_a_reader_behind_publishes_every_step_through_a_small_buffer(
                             full_every=1)  # fmt: skip
     svc = Snapshotter(cfg)
     task = asyncio.create_task(svc.run())
+    dropped = svc.metrics.publisher.snapshots_dropped
+
+    def n_dropped() -> int:
+        return sum(dropped.labels(why)._value.get()  # type: ignore[attr-defined]
+                   for why in ("coalesced", "disconnected", "publish_error"))  # fmt: skip
+
     try:
-        # Wait on progress, not on a fixed time: a host saturated by other work once delivered
-        # fewer than 600 in the 5 s this loop used to allow. Stalled for 10 s is a failure.
-        last, stalled_since = -1, time.monotonic()
-        while len(seqs) < 600 and time.monotonic() - stalled_since < 10.0:
-            w.heartbeat()
-            if len(seqs) != last:
-                last, stalled_since = len(seqs), time.monotonic()
-            await asyncio.sleep(0.05)
+        async with beating(w):
+            await wait_until(lambda: len(seqs) >= 600 or n_dropped(), what="600 snapshots")
         await nc.flush()
         assert seqs == list(range(600))
-        dropped = svc.metrics.publisher.snapshots_dropped
-        assert all(dropped.labels(why)._value.get() == 0  # type: ignore[attr-defined]
-                   for why in ("coalesced", "disconnected", "publish_error"))  # fmt: skip
+        assert n_dropped() == 0
     finally:
         svc.stop()
         await asyncio.wait_for(task, 10)
@@ -352,7 +410,7 @@ async def test_superseded_steps_skip_the_pool_description_while_it_is_slow(
         def paused(self: TrackedPool, snap: dict, extra: dict | None = None) -> bool:
             calls.append(1)
             if pause == "preempted":
-                time.sleep(0.002)
+                time.sleep(0.002)  # sleep: wall time passing off the processor (a preemption), not an event
             elif pause == "all_slow" or len(calls) == 1:
                 burn(0.03 if pause == "one_slow" else 0.002)
             return describe(self, snap, extra)
@@ -382,11 +440,9 @@ async def test_superseded_steps_skip_the_pool_description_while_it_is_slow(
     task = asyncio.create_task(svc.run())
     try:
         m = svc.metrics
-        for _ in range(200):
-            w.heartbeat()
-            if m.steps_read._value.get() >= 50 and last.get("seq") == 49:  # type: ignore[attr-defined]
-                break
-            await asyncio.sleep(0.05)
+        async with beating(w):
+            await wait_until(lambda: m.steps_read._value.get() >= 50 and last.get("seq") == 49,  # type: ignore[attr-defined]
+                             what="the 50 steps read and the newest published")
         await nc.flush()
         assert m.pool_described._value.get() == described  # type: ignore[attr-defined]
         assert m.pool_superseded._value.get() == 50 - described  # type: ignore[attr-defined]
@@ -408,7 +464,7 @@ async def test_a_loop_that_fails_stops_the_snapshotter_loudly(tmp_path: Path) ->
                                         model="m", base_url="http://127.0.0.1:1/v1"))
 
     async def broken() -> None:
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # the other loops are running when it fails
         raise TypeError("Object of type bytes is not JSON serializable")
 
     svc._read_loop = broken  # type: ignore[method-assign]
