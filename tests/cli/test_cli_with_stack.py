@@ -19,7 +19,8 @@ import pytest
 from bear_cli import all_gone, assert_one_line_error, make_bear, start_up
 from waiting import HANG_S, wait_until_sync
 
-pytestmark = pytest.mark.slow
+# `bear up` with its default ports (the gateway's 8000): one such test at a time (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("bear-up")]
 
 
 @pytest.fixture(scope="module")

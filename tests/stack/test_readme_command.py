@@ -23,7 +23,8 @@ import pytest
 
 from bear_cli import processes_with
 
-pytestmark = pytest.mark.slow
+# `bear up` with its default ports (the gateway's 8000): one such test at a time (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("bear-up")]
 REPO = Path(__file__).resolve().parents[2]
 
 

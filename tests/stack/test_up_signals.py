@@ -18,7 +18,8 @@ from bear.stack.stack import Stack, StackConfig, StackError
 from bear_cli import all_gone, assert_one_line_error, make_bear, start_up, wait_for
 from waiting import HANG_S, WaitTimeout, wait_until_sync
 
-pytestmark = pytest.mark.slow
+# `bear up` with its default ports (the gateway's 8000): one such test at a time (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("bear-up")]
 
 
 def outcome_count(up) -> int:

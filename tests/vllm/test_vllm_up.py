@@ -23,7 +23,8 @@ from bear.client.submit import submit
 from bear.runtime.nats_server import LocalNatsServer
 from bear.vllm_instance.launch import healthy
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# `bear up` with its default ports (the gateway's 8000): one such test at a time (docs/testing.md)
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.xdist_group("bear-up")]
 
 
 def _read_until(proc: subprocess.Popen[str], lines: list[str], marker: str, timeout_s: float) -> None:
