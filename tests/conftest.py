@@ -17,6 +17,14 @@ from bear.runtime.nats_server import LocalNatsServer
 from bear.vllm_instance.launch import make_tiny_model, vllm_python
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Under pytest-xdist, each worker's vLLM engines keep their OpenMP threads on a core of their own:
+# vLLM's automatic binding reserves a core for other processes and puts every engine on the same
+# remaining one, so two workers' engines would share it while the other core idles.
+if "PYTEST_XDIST_WORKER" in os.environ and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+    _cores = sorted(os.sched_getaffinity(0))
+    _k = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw") or 0)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_cores[_k % len(_cores)])
 TRACES = REPO / "tests" / "data" / "vllm-cpu-traces"  # recorded from vLLM (CPU build): README there
 
 
