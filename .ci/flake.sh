@@ -17,7 +17,7 @@ trap 'kill $BURNER 2>/dev/null || true' EXIT
 for i in $(seq 1 "$N"); do
   start=$(date +%s)
   # shellcheck disable=SC2086
-  "$VENV/bin/pytest" -q -m "slow or vllm" -p no:cacheprovider -n "$WORKERS" --dist loadgroup \
+  "$VENV/bin/pytest" -q -m "slow or vllm" -p no:cacheprovider -n "$WORKERS" \
     --junitxml="$OUT/run-$i.xml" ${BEAR_FLAKE_SELECT:-} > "$OUT/run-$i.log" 2>&1 || true
   echo "run $i: $(tail -n 1 "$OUT/run-$i.log") ($(( $(date +%s) - start )) s)"
 done

@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 source .ci/setup.sh
 "$VENV/bin/ruff" check services tests
 "$VENV/bin/pytest" -q -m "not slow and not vllm" -p no:cacheprovider -n "$WORKERS"
-"$VENV/bin/pytest" -q -m "slow or vllm" -p no:cacheprovider -n "$WORKERS" --dist loadgroup --durations=15
+"$VENV/bin/pytest" -q -m "slow or vllm" -p no:cacheprovider -n "$WORKERS" --durations=15

@@ -4,9 +4,11 @@ tiny local model."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -60,6 +62,16 @@ def sanitized_tool(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
         return build / target
 
     return tool
+
+
+@pytest.fixture(scope="module")
+def bear_up_ports() -> Iterator[None]:
+    """Held by the modules that start ``bear up`` with its default ports (the gateway's 8000, the
+    router's metrics 9464): a lock across pytest-xdist workers, so that two such stacks never run
+    at once (the second would find the ports taken)."""
+    with open(os.path.join(tempfile.gettempdir(), "bear-tests-default-ports.lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture

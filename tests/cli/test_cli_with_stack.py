@@ -19,8 +19,8 @@ import pytest
 from bear_cli import all_gone, assert_one_line_error, make_bear, start_up
 from waiting import HANG_S, wait_until_sync
 
-# `bear up` with its default ports (the gateway's 8000): one such test at a time (docs/testing.md)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("bear-up")]
+# `bear up` with its default ports (the gateway's 8000): one such module at a time (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("bear_up_ports")]
 
 
 @pytest.fixture(scope="module")

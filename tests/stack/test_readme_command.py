@@ -23,8 +23,8 @@ import pytest
 
 from bear_cli import processes_with
 
-# `bear up` with its default ports (the gateway's 8000): one such test at a time (docs/testing.md)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("bear-up")]
+# `bear up` with its default ports (the gateway's 8000): one such module at a time (docs/testing.md)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("bear_up_ports")]
 REPO = Path(__file__).resolve().parents[2]
 
 

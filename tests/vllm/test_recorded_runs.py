@@ -22,7 +22,7 @@ from recorded_runs import RECORDED, prefix_fidelity, read_cases, read_prompts, r
 
 from bear.protocol.jsonl import read_jsonl
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("recorded")]  # one worker computes the fixtures
+pytestmark = [pytest.mark.slow]
 
 
 def _recording(config: str) -> Path:

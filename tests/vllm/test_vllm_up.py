@@ -23,8 +23,8 @@ from bear.client.submit import submit
 from bear.runtime.nats_server import LocalNatsServer
 from bear.vllm_instance.launch import healthy
 
-# `bear up` with its default ports (the gateway's 8000): one such test at a time (docs/testing.md)
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.xdist_group("bear-up")]
+# `bear up` with its default ports (the gateway's 8000): one such module at a time (docs/testing.md)
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("bear_up_ports")]
 
 
 def _read_until(proc: subprocess.Popen[str], lines: list[str], marker: str, timeout_s: float) -> None:
