@@ -32,22 +32,22 @@ def _recording(config: str) -> Path:
     return where
 
 
+def _prefix_recording(config: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    rec = _recording(config)
+    res = prefix_fidelity(rec / "steps.jsonl.gz", read_prompts(rec / "prompts.json.gz"), config,
+                          tmp_path_factory.mktemp(config))
+    save_result(f"recorded-{config}", res)
+    return res
+
+
 @pytest.fixture(scope="module")
 def sessions(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    rec = _recording("prefix-sessions")
-    res = prefix_fidelity(rec / "steps.jsonl.gz", read_prompts(rec / "prompts.json.gz"), "prefix-sessions",
-                          tmp_path_factory.mktemp("sessions"))
-    save_result("recorded-prefix-sessions", res)
-    return res
+    return _prefix_recording("prefix-sessions", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def kv_pressure(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    rec = _recording("prefix-kv-pressure")
-    res = prefix_fidelity(rec / "steps.jsonl.gz", read_prompts(rec / "prompts.json.gz"), "prefix-kv-pressure",
-                          tmp_path_factory.mktemp("kv-pressure"))
-    save_result("recorded-prefix-kv-pressure", res)
-    return res
+    return _prefix_recording("prefix-kv-pressure", tmp_path_factory)
 
 
 @pytest.mark.parametrize("fixture", ["sessions", "kv_pressure"])
