@@ -139,7 +139,8 @@ async def test_every_step_published_and_replayed(
                overhead_us_median=sorted(overhead)[len(overhead) // 2], vllm=meta["vllm_version"],
                delta_mirror=mirror, published_deltas={k: v for k, v in delta_mirror.items() if k != "differences"},
                published_full_bytes=sum(map(len, raw_snaps)), connection_retries=retries(results),
-               engine_preemptions=sum(len(st.get("preempted") or ()) for st in steps))  # fmt: skip
+               engine_preemptions=sum(len(st.get("preempted") or ()) for st in steps),
+               breaks=_breaks(steps))  # fmt: skip
     save_result(config, fid)
     assert all(r["status"] == 200 for r in results), [r for r in results if r["status"] != 200][:3]
     # conservation: every record the engine wrote was logged once, in order, or counted as lost
@@ -152,7 +153,6 @@ async def test_every_step_published_and_replayed(
     # on the losses (the first record after each is not verified; a flake run at 5,227 lost of
     # 14,796 verified 9,554 of 9,569 with 4 seq gaps), so it is reported, with the breaks
     assert mirror["verified"] > 0, mirror
-    fid["breaks"] = _breaks(steps)
     assert not any(dropped.values()), dropped
     # every logged state went out on NATS, in order, once (idle re-sends repeat the last one)
     seqs = [s["seq"] for s in snaps if not s.get("idle")]
