@@ -144,7 +144,7 @@ void bind_engine(py::module_& m) {
   m.def(
       "engine_step_stats",
       [](Engine& e) -> py::object {
-        int64_t items = 0, tokens = 0, ctx = 0;
+        int64_t items = 0, tokens = 0, ctx = 0, prefill = 0;
         double attn = 0.0;
         BatchFeatures f;
         {
@@ -156,16 +156,17 @@ void bind_engine(py::module_& m) {
             ctx += it.context;
             const auto n = static_cast<double>(it.n);
             attn += n * static_cast<double>(it.context) + n * (n + 1.0) * 0.5;
+            if (!bea::is_decode(it.n, it.context, e.scheduler().reqs()[static_cast<size_t>(it.req)].P)) prefill += it.n;
           }
           e.scheduler().add_features(batch, f);
         }
         if (items == 0) return py::none();
-        return py::make_tuple(items, tokens, ctx, attn, f.decode_ctx, f.prefill_work);
+        return py::make_tuple(items, tokens, ctx, attn, f.decode_ctx, f.prefill_work, prefill);
       },
       py::arg("engine"),
       "schedule() one step and return its aggregate (requests, tokens, Σ context, Σ attention work over\n"
-      "all items, eq. 12's Σ decode context and Σ prefill work), or None when idle: what batch-time\n"
-      "models need, without per-request Python objects.");
+      "all items, eq. 12's Σ decode context and Σ prefill work, prefill tokens), or None when idle: what\n"
+      "batch-time models and the calibrator's θ need, without per-request Python objects.");
 
   m.def(
       "engine_finish_events",

@@ -62,6 +62,20 @@ Query query_from(py::handle h) {
   return query_from_value(to_value(h, 0));
 }
 
+std::vector<ReplayOptions::Later> later_from(py::handle h) {
+  std::vector<ReplayOptions::Later> out;
+  if (h.is_none()) return out;
+  for (auto item : py::reinterpret_borrow<py::sequence>(h)) {
+    if (!py::isinstance<py::dict>(item)) throw std::invalid_argument("later: a list of request dicts with after_s");
+    py::dict d = py::reinterpret_borrow<py::dict>(item).attr("copy")();
+    if (!d.contains("after_s")) throw std::invalid_argument("later.after_s is required");
+    const double after = d["after_s"].cast<double>();
+    PyDict_DelItemString(d.ptr(), "after_s");
+    out.push_back({after, query_from_value(to_value(d, 0))});
+  }
+  return out;
+}
+
 std::vector<Query> queries_from(py::handle h) {
   std::vector<Query> out;
   if (h.is_none()) return out;
@@ -217,7 +231,7 @@ void bind_replay(py::module_& m) {
       "estimate_many",
       [](std::vector<std::shared_ptr<PySnapshot>> snaps, py::handle request, std::vector<py::object> betas,
          int64_t default_output_tokens, double overrun_fraction, std::vector<double> ages, py::handle aheads,
-         std::vector<double> arrival_rates) {
+         std::vector<double> arrival_rates, py::handle laters) {
         if (!arrival_rates.empty() && arrival_rates.size() != snaps.size())
           throw std::invalid_argument("one arrival rate per snapshot");
         if (betas.size() != snaps.size()) throw std::invalid_argument("one beta per snapshot");
@@ -238,6 +252,11 @@ void bind_replay(py::module_& m) {
           if (!snaps[k]) throw std::invalid_argument("snapshot is None");
           opts.push_back(options(betas[k], false, true, default_output_tokens, overrun_fraction, 2'000'000,
                                  arrival_rates.empty() ? 0.0 : arrival_rates[k]));
+        }
+        if (!laters.is_none()) {
+          auto seq = py::reinterpret_borrow<py::sequence>(laters);
+          if (seq.size() != snaps.size()) throw std::invalid_argument("one later list per snapshot");
+          for (size_t k = 0; k < snaps.size(); ++k) opts[k].later = later_from(seq[k]);
         }
         for (size_t k = 0; k < snaps.size(); ++k) preps.push_back(snaps[k]->prepared_ptr(opts[k]));
         std::vector<std::vector<Query>> before(snaps.size());
@@ -269,11 +288,24 @@ void bind_replay(py::module_& m) {
       },
       py::arg("snapshots"), py::arg("request"), py::arg("betas"), py::arg("default_output_tokens") = -1,
       py::arg("overrun_fraction") = 0.5, py::arg("ages") = std::vector<double>{}, py::arg("aheads") = py::none(),
-      py::arg("arrival_rates") = std::vector<double>{},
+      py::arg("arrival_rates") = std::vector<double>{}, py::arg("laters") = py::none(),
       "Estimate one request against several instances in one call: [(ttft_s, n_batches, status), ...].\n"
+      "`laters` (the error decomposition's oracle): per snapshot, the later arrivals known exactly, as\n"
+      "request dicts with `after_s` (seconds after the query's arrival, ordered).\n"
       "`request`: one request for every snapshot, or a list with one per snapshot (a prompt length and\n"
       "prefix hit of its own at each instance).");
 
+  m.def(
+      "next_step_s",
+      [](PySnapshot& s, py::handle beta, int64_t default_output_tokens, double overrun_fraction) {
+        const ReplayOptions opt = options(beta, false, true, default_output_tokens, overrun_fraction, 1);
+        const auto held = s.prepared_ptr(opt);
+        py::gil_scoped_release nogil;
+        return next_step_s(*held, opt.beta);
+      },
+      py::arg("snapshot"), py::arg("beta"), py::arg("default_output_tokens") = -1, py::arg("overrun_fraction") = 0.5,
+      "Eq. 12 seconds of the step the engine runs next from this state (sync mode; 0 when idle or\n"
+      "async): how long the snapshot stays current while that step runs.");
   m.def(
       "batch_features",
       [](py::handle items) {

@@ -15,10 +15,11 @@ dominate a TTFT weigh least, so its TTFTs come out biased low — on the public 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 from scipy.optimize import nnls
@@ -26,6 +27,8 @@ from scipy.optimize import nnls
 from bear import libbea
 from bear.protocol.jsonl import read_jsonl
 from bear.protocol.messages import Calibration
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,39 @@ DEFAULT_OBJECTIVE = "absolute"
 MAX_FIT_MAPE = 1.0  # a fit that misses its records by more than this on average describes nothing
 
 
+@dataclass(frozen=True)
+class RefitPolicy:
+    """How ``bear calibrator`` refits online (and ``bear eval``'s simulated pool with it): the
+    last ``window`` batch records of an instance, every ``refit_s`` seconds once it has
+    ``min_records`` and something new."""
+
+    window: int = 2000
+    min_records: int = 50
+    refit_s: float = 5.0
+
+
+class BatchWindow(Generic[T]):
+    """The batches a refit reads: the newest ``window``, half of them kept for batches with a
+    prefill chunk. At light load nearly every step is a decode; one sliding window then holds a
+    few prefills, the fit loses the prefill terms of eq. 12, and the TTFTs it prices are those of
+    prefills (the 8B alone at 30 % load: 29 % TTFT MAPE so, 11 % with the profiled β)."""
+
+    def __init__(self, window: int) -> None:
+        self.prefill: deque[T] = deque(maxlen=max(1, window // 2))
+        self.decode: deque[T] = deque(maxlen=max(1, window - window // 2))
+        self.new = 0  # batches added since the last refit
+
+    def add(self, batch: T, has_prefill: bool) -> None:
+        (self.prefill if has_prefill else self.decode).append(batch)
+        self.new += 1
+
+    def __len__(self) -> int:
+        return len(self.prefill) + len(self.decode)
+
+    def batches(self) -> list[T]:
+        return [*self.decode, *self.prefill]
+
+
 def fit_arrays(x: np.ndarray, y: np.ndarray, objective: str = DEFAULT_OBJECTIVE) -> Fit:
     """NNLS of ``objective`` (OBJECTIVES); each column is scaled to unit norm for conditioning."""
     if len(y) < 4:
@@ -129,29 +165,35 @@ def prefill_throughput(records: Iterable[dict[str, Any]]) -> float:
 
 
 def robust_fit(records: list[dict[str, Any]], instance: str = "", objective: str = DEFAULT_OBJECTIVE) -> Calibration:
-    """The calibration that ``bear calibrator`` publishes (and ``bear eval`` uses): β by NNLS
-    after trimming outliers (records whose relative residual is beyond median + 3·1.4826·MAD:
-    GC pauses, preemption storms, co-located noise; at least half is always kept), and θ of
-    eq. 8 over the kept records. Outliers are found with a relative fit whatever the objective: a
-    least-squares first pass is pulled towards the long batches an outlier inflates, and then
-    misses exactly those (a 5 % share of 8× durations moved the final β by 30 %)."""
-    x, y = design_matrix(records)
+    """The calibration that ``bear calibrator`` publishes (and ``bear eval`` uses) from
+    ``bear.batch/1`` records: ``robust_fit_arrays`` of their eq. 12 rows."""
+    kept = [r for r in records if usable(r)]
+    x, y = design_matrix(kept)
+    prefill = np.array([sum(int(it["n"]) for it in r["items"] if not it.get("decode")) for r in kept], dtype=float)
+    return robust_fit_arrays(x, y, prefill, instance, objective)
+
+
+def robust_fit_arrays(x: np.ndarray, y: np.ndarray, prefill_tokens: np.ndarray, instance: str = "",
+                      objective: str = DEFAULT_OBJECTIVE) -> Calibration:
+    """β by NNLS after trimming outliers (records whose relative residual is beyond median +
+    3·1.4826·MAD: GC pauses, preemption storms, co-located noise; at least half is always kept),
+    and θ of eq. 8 over the kept records (``prefill_tokens``: each batch's prefill tokens).
+    Outliers are found with a relative fit whatever the objective: a least-squares first pass is
+    pulled towards the long batches an outlier inflates, and then misses exactly those (a 5 %
+    share of 8× durations moved the final β by 30 %)."""
     first = fit_arrays(x, y, "relative")
     rel = np.abs(predict(first.beta, x) - y) / y
     med = float(np.median(rel))
     mad = float(np.median(np.abs(rel - med)))
     cut = max(med + 3.0 * 1.4826 * mad, float(np.quantile(rel, 0.5)))
     keep = rel <= cut
-    if keep.sum() >= 4 and keep.sum() < len(y):
-        cal = fit_arrays(x[keep], y[keep], objective)
-    else:
-        cal = first
+    if keep.sum() < 4:
+        keep[:] = True
+    cal = fit_arrays(x[keep], y[keep], objective)
     if not cal.mape <= MAX_FIT_MAPE:
         raise ValueError(f"the fit misses its own records by {cal.mape:.0%} on average: not published")
-    kept = [r for r, k in zip([r for r in records if usable(r)], keep, strict=True) if k]
-    try:
-        theta: float | None = prefill_throughput(kept)
-    except ValueError:
-        theta = None
+    with_prefill = keep & (prefill_tokens > 0)
+    seconds = float(y[with_prefill].sum())
+    theta: float | None = float(prefill_tokens[with_prefill].sum()) / seconds if seconds > 0 else None
     return Calibration(instance=instance, beta=cal.beta, mape=cal.mape, n=cal.n, theta=theta, objective=objective,
                        updated=time.time())

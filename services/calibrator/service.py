@@ -12,13 +12,14 @@ import asyncio
 import contextlib
 import math
 from collections import OrderedDict, deque
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
 import structlog
 
-from bear.calibrator.fit import DEFAULT_OBJECTIVE, OBJECTIVES, robust_fit
+from bear.calibrator.fit import DEFAULT_OBJECTIVE, OBJECTIVES, BatchWindow, RefitPolicy, robust_fit
 from bear.protocol.codec import unpack
 from bear.protocol.errors import BearError
 from bear.protocol.messages import Calibration, Outcome, decode, encode
@@ -26,6 +27,8 @@ from bear.protocol.subjects import Subjects
 from bear.runtime.kv import ensure_kv
 from bear.runtime.service import connect, stop_event
 from bear.runtime.shutdown import cancel_all, close_nats
+
+B = TypeVar("B")
 
 log = structlog.get_logger("bear.calibrator")
 
@@ -59,8 +62,9 @@ def compact(r: dict[str, Any]) -> dict[str, Any]:
 
 
 class OnlineCalibrator:
-    def __init__(self, nc: Any, subjects: Subjects | None = None, *, window: int = 2000, min_records: int = 50,
-                 refit_s: float = 5.0, objective: str = DEFAULT_OBJECTIVE, ttft_window: int = 500) -> None:
+    def __init__(self, nc: Any, subjects: Subjects | None = None, *, window: int = RefitPolicy.window,
+                 min_records: int = RefitPolicy.min_records, refit_s: float = RefitPolicy.refit_s,
+                 objective: str = DEFAULT_OBJECTIVE, ttft_window: int = 500) -> None:
         if objective not in OBJECTIVES:
             raise ValueError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")
         self.nc = nc
@@ -71,8 +75,7 @@ class OnlineCalibrator:
         self.window = window
         self.min_records = min_records
         self.refit_s = refit_s
-        self.records: OrderedDict[str, deque[dict[str, Any]]] = OrderedDict()
-        self.new: dict[str, int] = {}
+        self.records: OrderedDict[str, BatchWindow[dict[str, Any]]] = OrderedDict()
         self.malformed = 0
         self.fits: dict[str, Calibration] = {}
         self._subs: list[Any] = []
@@ -105,24 +108,23 @@ class OnlineCalibrator:
         if not isinstance(group, list):
             self.malformed += 1
             return
-        buf = self._bounded(self.records, instance, self.window)
+        buf = self._bounded(self.records, instance, lambda: BatchWindow(self.window))
         for r in group:
             if not valid_record(r):
                 self.malformed += 1
                 continue
             if r.get("duration_s") and r["items"]:
-                buf.append(compact(r))
-                self.new[instance] = self.new.get(instance, 0) + 1
+                c = compact(r)
+                buf.add(c, any(not it["decode"] for it in c["items"]))
 
-    def _bounded(self, table: OrderedDict[str, deque[Any]], instance: str, maxlen: int) -> deque[Any]:
+    def _bounded(self, table: OrderedDict[str, B], instance: str, make: Callable[[], B]) -> B:
         """``table[instance]``, created if new; the least recently heard-of instance is forgotten
         past MAX_INSTANCES (made-up instance ids cannot grow the calibrator)."""
         buf = table.get(instance)
         if buf is None:
-            buf = table[instance] = deque(maxlen=maxlen)
+            buf = table[instance] = make()
             while len(table) > MAX_INSTANCES:
-                old, _ = table.popitem(last=False)
-                self.new.pop(old, None)
+                table.popitem(last=False)
         else:
             table.move_to_end(instance)
         return buf
@@ -134,7 +136,8 @@ class OnlineCalibrator:
         except BearError:
             return
         if o.method == "bea" and o.predicted_ttft_s is not None and o.ttft_s is not None and o.ttft_s > 0:
-            self._bounded(self.ttft, o.instance, self.ttft_window).append((o.predicted_ttft_s, o.ttft_s))
+            self._bounded(self.ttft, o.instance, lambda: deque(maxlen=self.ttft_window)).append(
+                (o.predicted_ttft_s, o.ttft_s))
 
     def ttft_error(self, instance: str) -> tuple[float | None, float | None, int]:
         """(MAPE, median relative error, n) of the recent BEA TTFTs at ``instance``."""
@@ -148,11 +151,11 @@ class OnlineCalibrator:
         """Refit every instance with enough new records; returns the instances updated."""
         done = []
         for instance, buf in list(self.records.items()):
-            if len(buf) < self.min_records or self.new.get(instance, 0) == 0:
+            if len(buf) < self.min_records or buf.new == 0:
                 continue
-            self.new[instance] = 0
+            buf.new = 0
             try:
-                cal = await asyncio.to_thread(robust_fit, list(buf), instance, self.objective)
+                cal = await asyncio.to_thread(robust_fit, buf.batches(), instance, self.objective)
             except ValueError as exc:
                 log.warning("calibration fit failed", instance=instance, error=str(exc))
                 continue

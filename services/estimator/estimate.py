@@ -1,7 +1,9 @@
 """The estimate of one query at its candidate instances, from what an estimator holds about them
 — no I/O, so the worker (``bear.estimate``) and ``bear eval`` run exactly this.
 
-Per candidate: a snapshot younger than ``max_age_s`` → BEA, the replay of vLLM's scheduler from
+Per candidate: a snapshot younger than ``max_age_s`` — counted from when the step the engine ran
+from it should have ended (eq. 12), since a sync engine's state stays current while one long
+prefill step runs and nothing is published — → BEA, the replay of vLLM's scheduler from
 that snapshot with the replay's inputs below; an older one, or none, or one whose delta chain broke
 (``resyncing``: never a BEA estimate from a state known to be behind), from an instance that is
 alive (a recent snapshot or registry heartbeat) → the analytic fallback (paper eq. 13-15); else
@@ -68,10 +70,12 @@ class ReplayInputs:
     ahead: list[dict[str, int]]
     arrival_tokens_per_s: float
     beta: list[float]
+    later: list[dict[str, Any]] | None = None  # the decomposition's oracle only: later arrivals known
 
 
 def replay_inputs(st: InstanceState, now: float, cfg: EstimatorConfig,
-                  keys_of: Callable[[bytes], list[int]] | None = None) -> ReplayInputs:
+                  keys_of: Callable[[bytes], list[int]] | None = None,
+                  later: list[dict[str, Any]] | None = None) -> ReplayInputs:
     """Everything the replay of ``st``'s snapshot needs besides the query (module doc);
     ``keys_of``: token ids → block keys, for the dispatches queued ahead of a pool described
     block by block."""
@@ -80,8 +84,10 @@ def replay_inputs(st: InstanceState, now: float, cfg: EstimatorConfig,
     return ReplayInputs(
         age_s=max(0.0, age) if compensate else 0.0,
         ahead=st.ahead(cfg.dispatch_grace_s, keys_of) if cfg.use_dispatches else [],
-        arrival_tokens_per_s=st.prompt_token_rate(now, cfg.rate_window_s) if cfg.arrival_fill else 0.0,
+        arrival_tokens_per_s=(st.prompt_token_rate(now, cfg.rate_window_s)
+                              if cfg.arrival_fill and later is None else 0.0),
         beta=list(st.calibration.beta),
+        later=later,
     )
 
 
@@ -150,10 +156,13 @@ def prompts_at(query: EstimateQuery, candidates: list[EstimateCandidate], store:
 
 
 def plan(query: EstimateQuery, candidates: list[EstimateCandidate], store: StateStore, now: float,
-         cfg: EstimatorConfig, on_parse: Any = None, tokens: Mapping[str, Sequence[int] | bytes] | None = None) -> Plan:
+         cfg: EstimatorConfig, on_parse: Any = None, tokens: Mapping[str, Sequence[int] | bytes] | None = None,
+         later: Mapping[str, list[dict[str, Any]]] | None = None) -> Plan:
     """Rows for every candidate: analytic and down ones filled in, BEA ones left as jobs.
     ``on_parse(result)`` sees each lazy snapshot parse (True kept, False malformed); ``tokens``:
-    the prompt's token ids per tokenizer id, either wire form (exact lengths, prefix hits)."""
+    the prompt's token ids per tokenizer id, either wire form (exact lengths, prefix hits);
+    ``later``: per instance, the later arrivals known exactly (``bear eval``'s error
+    decomposition only; a live estimator never knows them)."""
     p = Plan(query, [])
     ids = {tid: unpack(v) for tid, v in (tokens or {}).items()}  # packed bytes viewed, not copied
     for c, pa in zip(candidates, prompts_at(query, candidates, store, ids, cfg), strict=True):
@@ -169,10 +178,10 @@ def plan(query: EstimateQuery, candidates: list[EstimateCandidate], store: State
             on_parse(parsed)
         age = st.age(now)
         row.age_s = age
-        if age is not None and age <= cfg.max_age_s and not st.gapped:
+        if age is not None and not st.gapped and (age <= cfg.max_age_s or age - st.step_in_flight_s(cfg) <= cfg.max_age_s):
             st.apply_lengths()
             keys = _keys_for(st, store) if st.prefix_spec is not None and st.snap.tracked_blocks > 0 else None
-            inputs = replay_inputs(st, now, cfg, keys)
+            inputs = replay_inputs(st, now, cfg, keys, None if later is None else later.get(c.instance, []))
             row.ahead, row.pool_keyed = len(inputs.ahead), keys is not None
             p.jobs.append(Job(row, st, pa.hit, ptoks, inputs, st.snap, _pool_keys(keys, c, ids)))
             continue
@@ -224,12 +233,13 @@ def run_jobs(p: Plan, cfg: EstimatorConfig) -> list[tuple[float, int, str]]:
     for qd, j in zip(qds, p.jobs, strict=True):
         if j.keys:
             qd["block_keys"] = j.keys
+    laters = [j.inputs.later or [] for j in p.jobs] if any(j.inputs.later for j in p.jobs) else None
     try:
         res = libbea.estimate_many(
             [j.snap for j in p.jobs], qds, [j.inputs.beta for j in p.jobs],
             default_output_tokens=cfg.default_output_tokens, overrun_fraction=cfg.overrun_fraction,
             ages=[j.inputs.age_s for j in p.jobs], aheads=[j.inputs.ahead for j in p.jobs],
-            arrival_rates=[j.inputs.arrival_tokens_per_s for j in p.jobs])
+            arrival_rates=[j.inputs.arrival_tokens_per_s for j in p.jobs], laters=laters)
     except ValueError:  # one bad instance must not sink the others: one at a time
         res = [_one(j, qd, cfg) for j, qd in zip(p.jobs, qds, strict=True)]
     return list(res)
@@ -257,9 +267,10 @@ def finish(p: Plan, results: list[tuple[float, int, str]], cfg: EstimatorConfig)
 
 
 def estimate(query: EstimateQuery, candidates: list[EstimateCandidate], store: StateStore, now: float,
-             cfg: EstimatorConfig, tokens: Mapping[str, Sequence[int] | bytes] | None = None) -> list[EstimateRow]:
+             cfg: EstimatorConfig, tokens: Mapping[str, Sequence[int] | bytes] | None = None,
+             later: Mapping[str, list[dict[str, Any]]] | None = None) -> list[EstimateRow]:
     """Plan, replay and fill in one go (``bear eval``, tests)."""
-    p = plan(query, candidates, store, now, cfg, tokens=tokens)
+    p = plan(query, candidates, store, now, cfg, tokens=tokens, later=later)
     return finish(p, run_jobs(p, cfg), cfg)
 
 

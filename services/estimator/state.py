@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,7 @@ class InstanceState:
     feed: mirror.DeltaFeed = field(default_factory=mirror.DeltaFeed)
     on_event: Callable[[str], None] | None = None  # counts ingest events (the worker's metrics)
     seen: OrderedDict[str, None] = field(default_factory=OrderedDict)  # ids some snapshot has held
+    _in_flight: tuple[tuple[int, float], float] | None = None  # (state key, its step's eq. 12 seconds)
     dispatches: deque[Dispatch] = field(default_factory=deque)  # in time order
     mean_prompt: float | None = None
     mean_output: float | None = None
@@ -114,14 +115,18 @@ class InstanceState:
         """libbea applied a delta to ``snap``: the new capture time, the arrivals now seen."""
         self.snap_time = snap_time
         self.snap_received = received
-        seen = self.seen
-        for rid in added:
-            seen[rid] = None
-        while len(seen) > MAX_SEEN_IDS:
-            seen.popitem(last=False)
+        self.see(added)
         r = float(self.snap.n_running)
         if r > 0:
             self.mean_running = _ewma(self.mean_running, r)
+
+    def see(self, ids: Iterable[str]) -> None:
+        """Requests some state of the engine has shown: a dispatch among them is no longer ahead."""
+        seen = self.seen
+        for rid in ids:
+            seen[rid] = None
+        while len(seen) > MAX_SEEN_IDS:
+            seen.popitem(last=False)
 
     def event(self, name: str) -> None:
         if self.on_event is not None:
@@ -135,10 +140,7 @@ class InstanceState:
         self.snap = snap
         self.snap_time = snap_time
         self.snap_received = received
-        for rid in snap.request_ids if ids is None else ids:
-            self.seen[rid] = None
-        while len(self.seen) > MAX_SEEN_IDS:
-            self.seen.popitem(last=False)
+        self.see(snap.request_ids if ids is None else ids)
         self.max_num_seqs = int(snap.max_num_seqs)
         r = float(snap.n_running)
         if r > 0:
@@ -194,6 +196,22 @@ class InstanceState:
             return 0, 0, 0
         total = max(0, int(cfg.get("num_gpu_blocks") or 0) - 1)
         return int(cfg.get("block_size") or 0), max(0, total - int(self.snap.free_blocks)), total
+
+    def step_in_flight_s(self, cfg: Any) -> float:
+        """Eq. 12 seconds of the step the engine runs from the held state (sync mode): the state
+        stays current that long, however long the step (one cached per state)."""
+        snap = self.snap
+        if snap is None:
+            return 0.0
+        key = (snap.seq, self.snap_time)
+        if self._in_flight is None or self._in_flight[0] != key:
+            try:
+                s = libbea.next_step_s(snap, list(self.calibration.beta), cfg.default_output_tokens,
+                                       cfg.overrun_fraction)
+            except ValueError:  # a broken or malformed state: no credit for a step in flight
+                s = 0.0
+            self._in_flight = (key, s)
+        return self._in_flight[1]
 
     def age(self, now: float) -> float | None:
         """Seconds since the held snapshot's capture (None: never had one)."""

@@ -18,6 +18,7 @@ router side sees goes through the same pieces as on NATS:
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections import deque
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bear import libbea
-from bear.calibrator.fit import robust_fit
+from bear.calibrator.fit import BatchWindow, RefitPolicy, robust_fit, robust_fit_arrays
 from bear.estimator.estimate import EstimatorConfig, estimate
 from bear.estimator.state import StateStore
 from bear.evaluation.workload import QuerySet
@@ -61,6 +62,24 @@ class InstanceSpec:
         return int(self.profile.engine_config()["max_model_len"]) - MAX_TOKENS
 
 
+@dataclass(frozen=True)
+class Oracle:
+    """Inputs the estimator is handed exactly, to measure what each source of error costs (``bear
+    eval --experiment decomposition``); all off in every other run."""
+
+    lengths: bool = False  # every dispatch carries the query's true output length
+    step_times: bool = False  # the engines run on eq. 12 with their calibrated β, noise-free
+    arrivals: bool = False  # the replay knows the later arrivals (one instance only)
+
+    @property
+    def name(self) -> str:
+        on = [n for n in ("lengths", "step_times", "arrivals") if getattr(self, n)]
+        return "+".join(on) or "none"
+
+
+LATER_HORIZON_S = 60.0  # the arrivals oracle hands the replay the arrivals this far ahead
+
+
 @dataclass
 class _Live:
     arrival: float
@@ -83,6 +102,11 @@ class SimInstance:
     records: list[dict] | None = None  # bear.batch/1 records, when calibrating
     busy_s: float = 0.0
     running_s: float = 0.0  # ∫ running requests dt over busy time (mean concurrency = running_s / busy_s)
+    arrived: list[str] = field(default_factory=list)  # added since the last published state
+    shown: deque[tuple[float, str]] = field(default_factory=deque)  # (first state that holds it, id), undelivered
+    beta: list[float] | None = None  # set: steps take eq. 12's time with these coefficients, no noise (Oracle)
+    # the batch records the calibrator receives: (Σn, Σ decode context, Σ prefill work, prefill tokens, seconds)
+    batches: BatchWindow[tuple[float, float, float, float, float]] | None = None
 
     def __post_init__(self) -> None:
         self.engine = libbea.Engine(self.spec.profile.engine_config())
@@ -90,6 +114,9 @@ class SimInstance:
         self._publish(0.0)
 
     def _publish(self, t: float) -> None:
+        for rid in self.arrived:
+            self.shown.append((t, rid))
+        self.arrived.clear()
         self.snaps.append((t, libbea.engine_snapshot(self.engine, self.spec.name, self.spec.model, t)))
         while len(self.snaps) > 2 and self.snaps[1][0] < t - self.keep_s:
             self.snaps.popleft()
@@ -101,7 +128,15 @@ class SimInstance:
             dur = self._step_with_record()
         else:
             stats = libbea.engine_step_stats(self.engine)
-            dur = None if stats is None else self.roof.noisy(self.roof.mean_time_aggregate(*stats[:4]))
+            if stats is None:
+                dur = None
+            elif self.beta is not None:
+                b = self.beta
+                dur = b[0] + b[1] * stats[1] + b[2] * stats[4] + b[3] * stats[5]
+            else:
+                dur = self.roof.noisy(self.roof.mean_time_aggregate(*stats[:4]))
+            if dur is not None and self.batches is not None:
+                self.batches.add((stats[1], stats[4], stats[5], stats[6], dur), stats[6] > 0)
         if dur is None:
             self.busy, self.idle_since = False, t
             return None
@@ -142,11 +177,28 @@ class Cluster:
 
     def __init__(self, specs: list[InstanceSpec], calib: dict[str, Calibration], seed: int, delay_s: float = 0.0,
                  estimator: EstimatorConfig | None = None, prices: dict[str, tuple[float, float]] | None = None,
-                 history: dict[str, list[tuple[float, float | None]]] | None = None) -> None:
+                 history: dict[str, list[tuple[float, float | None]]] | None = None,
+                 oracle: Oracle | None = None, refit: RefitPolicy | None = RefitPolicy()) -> None:
         """``history``: (TTFT, TPOT) per instance observed before the run (the profiling runs), so
-        that the policies that read observed latencies start from what an operator has measured."""
+        that the policies that read observed latencies start from what an operator has measured;
+        ``oracle``: inputs handed to the estimator exactly (the error decomposition); ``refit``:
+        the calibrator's online refits of β and θ from the run's own batches, as ``bear
+        calibrator`` makes them live (None: the profiled calibration throughout; never under the
+        step-times oracle, whose engines run on the profiled β)."""
         self.cfg = estimator or EstimatorConfig()
+        self.oracle = oracle or Oracle()
+        if self.oracle.arrivals and len(specs) != 1:
+            raise ValueError("the arrivals oracle needs one instance (a pool's later routing is not known)")
         self.insts = [SimInstance(s, seed=seed * 1000 + k, keep_s=delay_s + 1.0) for k, s in enumerate(specs)]
+        if self.oracle.step_times:
+            refit = None
+            for inst in self.insts:
+                inst.beta = list(calib[inst.spec.name].beta)
+        self.refit = refit
+        self.next_refit = refit.refit_s if refit is not None else math.inf
+        if refit is not None:
+            for inst in self.insts:
+                inst.batches = BatchWindow(refit.window)
         self.delay_s = delay_s
         self.store = StateStore()
         self.infos: list[InstanceInfo] = []
@@ -193,12 +245,37 @@ class Cluster:
             te, k = heapq.heappop(self.events)
             self.now = te
             self._complete(te, k)
+            if te >= self.next_refit:
+                self._refit(te)
         self.now = max(self.now, t)
+        if t >= self.next_refit:
+            self._refit(t)
+
+    def _refit(self, t: float) -> None:
+        """The calibrator's pass at t (``RefitPolicy``): a new fit for every instance with enough
+        records and something new, installed where the estimator and the router read it."""
+        assert self.refit is not None
+        self.next_refit = t + self.refit.refit_s
+        for inst, info in zip(self.insts, self.infos, strict=True):
+            b = inst.batches
+            if b is None or len(b) < self.refit.min_records or b.new == 0:
+                continue
+            b.new = 0
+            a = np.asarray(b.batches(), dtype=float)
+            x = np.column_stack([np.ones(len(a)), a[:, 0], a[:, 1], a[:, 2]])
+            try:
+                cal = robust_fit_arrays(x, a[:, 4], a[:, 3], inst.spec.name)
+            except ValueError:  # the calibrator logs and keeps the last fit
+                continue
+            st = self.store.get(inst.spec.name)
+            st.calibration, st.calibrated = cal, True
+            info.calibration = cal
 
     def submit(self, k: int, rid: str, prompt_tokens: int, true_out: int, t: float) -> None:
         inst = self.insts[k]
         true_out = int(max(1, min(true_out, MAX_TOKENS)))
         inst.engine.add(rid, int(prompt_tokens), MAX_TOKENS, true_out, t)
+        inst.arrived.append(rid)
         self.live[rid] = _Live(arrival=t, true_out=true_out)
         if not inst.busy:
             end = inst.boundary(t)
@@ -207,10 +284,19 @@ class Cluster:
 
     # ------------------------------------------------------------------ router side
     def _deliver_snapshots(self, t: float) -> None:
-        """What reached the estimator by t: each instance's newest snapshot ``delay_s`` late."""
+        """What reached the estimator by t: each instance's newest snapshot ``delay_s`` late, and
+        every request some state published by then has shown — a live estimator applies every
+        step's delta and so sees each request, even one that came and went between two queries
+        (else its dispatch would stay "ahead" of the next query for ``dispatch_grace_s``)."""
         for inst in self.insts:
             snap_t, snap = inst.visible(t - self.delay_s)
             st = self.store.get(inst.spec.name)
+            shown = inst.shown
+            if shown and shown[0][0] <= t - self.delay_s:
+                ids = []
+                while shown and shown[0][0] <= t - self.delay_s:
+                    ids.append(shown.popleft()[1])
+                st.see(ids)
             if st.snap is not snap or snap_t > st.snap_time:
                 st.install(snap, snap_t, t)
 
@@ -224,7 +310,7 @@ class Cluster:
         query = EstimateQuery(id=qs.ids[i], prompt_tokens=int(qs.prompt_tokens[i, 0]), max_tokens=MAX_TOKENS)
         cands = [EstimateCandidate(instance=info.id, prompt_tokens=preds[info.predictor_model].prompt_tokens)
                  for info in self.infos]
-        rows = {r.instance: r for r in estimate(query, cands, self.store, t, self.cfg)}
+        rows = {r.instance: r for r in estimate(query, cands, self.store, t, self.cfg, later=self._later(qs, i, t))}
         cs, used = build_candidates(query.prompt_tokens, self.infos, preds, rows, t,
                                     default_output_tokens=self.cfg.default_output_tokens)
         d = policy.decide(QueryContext(qs.ids[i], target_s, lam, query.prompt_tokens), cs)
@@ -232,12 +318,37 @@ class Cluster:
             self.trace.append((cs, {inst.spec.name: int(self.store.get(inst.spec.name).snap.free_blocks)
                                     for inst in self.insts}))
         k = next(n for n, info in enumerate(self.infos) if info.id == d.candidate.instance)
-        self.store.get(self.infos[k].id).on_dispatch(dispatch_for(qs.ids[i], qs.ids[i], used[self.infos[k].id],
-                                                                   MAX_TOKENS, t))
+        sent = used[self.infos[k].id]
+        if self.oracle.lengths:
+            sent = dataclasses.replace(sent, out_len=float(self._true_out(qs, i, self.insts[k].spec.model)))
+        self.store.get(self.infos[k].id).on_dispatch(dispatch_for(qs.ids[i], qs.ids[i], sent, MAX_TOKENS, t))
         return k, policy.latency_estimate(d.candidate)
+
+    @staticmethod
+    def _true_out(qs: QuerySet, i: int, model: str) -> int:
+        return int(max(1, min(qs.true_output[i, qs.models.index(model)], MAX_TOKENS)))
+
+    def _later(self, qs: QuerySet, i: int, t: float) -> dict[str, list[dict]] | None:
+        """The arrivals oracle: the queries after i that reach the (only) instance within
+        LATER_HORIZON_S, as the replay's ``later`` requests."""
+        if not self.oracle.arrivals:
+            return None
+        spec = self.insts[0].spec
+        col = qs.models.index(spec.model)
+        out = []
+        for j in range(i + 1, len(qs)):
+            after = float(self._times[j]) - t
+            if after > LATER_HORIZON_S:
+                break
+            out.append({"id": qs.ids[j], "prompt_tokens": int(qs.prompt_tokens[j, col]), "max_tokens": MAX_TOKENS,
+                        "predicted_output": (self._true_out(qs, j, spec.model) if self.oracle.lengths
+                                             else int(max(1, min(round(qs.pred_len[j, col]), MAX_TOKENS)))),
+                        "after_s": max(0.0, after)})
+        return {spec.name: out}
 
     def run(self, qs: QuerySet, times: np.ndarray, targets: np.ndarray, policy: Policy, lam: float) -> list[Outcome]:
         self.arrival: dict[str, float] = {}
+        self._times = times
         chosen: list[tuple[int, int, float]] = []
         for i in range(len(qs)):
             t = float(times[i])

@@ -16,7 +16,7 @@ from bear.options import policy_list, positive_list
 # Kept here (not imported from bear.evaluation.run) so that `bear --help` stays fast; a test
 # checks that it equals run.experiment_names().
 EXPERIMENTS = ["rates", "estimator", "accuracy", "delta", "staleness", "lambda", "bursty", "sensitivity",
-               "highload", "tune", "lps", "estimates", "workload", "diagnose", "prefix", "all"]
+               "highload", "tune", "lps", "estimates", "workload", "diagnose", "decomposition", "prefix", "all"]
 HEADLINE_SEEDS = "2026,2027,2028"
 
 

@@ -285,3 +285,19 @@ def workload(result: dict[str, Any], out: Path) -> list[str]:
     axes[1].set(xlabel="response tokens", ylabel="queries", title="response lengths (Fig. 13)")
     axes[1].legend(fontsize=6, ncol=2)
     return [_save(fig, out / "workload.png")]
+
+
+def decomposition(result: dict[str, Any], out: Path) -> list[str]:
+    """TTFT MAPE of each instance alone per load, one bar per source handed over exactly."""
+    runs = result["alone"]
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4.3), squeeze=False)
+    for ax, r in zip(axes[0], runs, strict=True):
+        names = list(r["points"][0]["rows"])
+        width = 0.8 / len(names)
+        xs = np.arange(len(r["points"]))
+        for n, name in enumerate(names):
+            ax.bar(xs + n * width, [p["rows"][name]["mape"] * 100 for p in r["points"]], width, label=name)
+        ax.set_xticks(xs + 0.4 - width / 2, [f"{p['load']:g}" for p in r["points"]])
+        ax.set(xlabel="load (α/μ)", ylabel="TTFT MAPE (%)", title=f"{r['instance']} alone")
+    axes[0][0].legend(fontsize=7)
+    return [_save(fig, out / "decomposition.png")]

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from bear.evaluation import decomposition
 from bear.evaluation.plots import accuracy_index
 from bear.predictor.synth import OUTPUT_LENGTHS, PROMPT_LENGTHS
 
@@ -224,7 +225,8 @@ SECTIONS = {"rates": lambda r: rates_section(r, "OnTimeUtility at the paper's ar
             "highload": lambda r: rates_section(r, "Beyond the paper's rates (sensitivity)"),
             "delta": delta_section, "staleness": staleness_section, "lambda": lambda_section,
             "bursty": bursty_section, "sensitivity": sensitivity_section, "lps": lps_section,
-            "estimates": estimates_section, "workload": workload_section, "diagnose": diagnose_section}
+            "estimates": estimates_section, "workload": workload_section, "diagnose": diagnose_section,
+            "decomposition": lambda r: [*decomposition.table(r), ""]}
 
 
 def write_summary(results: dict[str, dict[str, Any]], out: Path, wall_s: float, workers: int) -> Path:
@@ -234,7 +236,7 @@ def write_summary(results: dict[str, dict[str, Any]], out: Path, wall_s: float, 
              f"queries per run; wall time {wall_s / 60:.1f} min with {workers} worker processes. "
              "Every number is the simulated pool of docs/evaluation.md; ranges are over seeds.", ""]
     for name in ("rates", "estimator", "accuracy", "delta", "staleness", "lambda", "bursty", "lps", "estimates",
-                 "workload", "diagnose", "sensitivity", "highload", "tune"):
+                 "decomposition", "workload", "diagnose", "sensitivity", "highload", "tune"):
         if name in results and name in SECTIONS:
             lines += SECTIONS[name](results[name])
     path = out / "summary.md"

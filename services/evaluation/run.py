@@ -15,23 +15,24 @@ from typing import Any
 
 import msgspec
 
-from bear.evaluation import diagnose, plots, single
+from bear.evaluation import decomposition, diagnose, plots, single
 from bear.evaluation.experiments import SENSITIVITY, Setup, Variant, run_cells, setup
 from bear.evaluation.suite import PAPER, registry
 from bear.evaluation.workload import length_distributions
 from bear.protocol.codec import json_safe
 
 SINGLE = {"lps": "Fig. 7", "estimates": "Figs. 4, 5", "workload": "Figs. 12, 13",
-          "diagnose": "evidence for Figs. 1 and 16"}
+          "diagnose": "evidence for Figs. 1 and 16", "decomposition": "beyond the paper: where the TTFT error comes from"}
 # `all`: the paper's experiments and the sensitivity studies. The prefix experiment (beyond the
 # paper, ≈ 200 CPU-seconds) runs alone: with it `all` took 15.7 min on the shared 2-core host.
-ALL = ["rates", "delta", "staleness", "lambda", "bursty", "sensitivity", "highload", *SINGLE]
+ALL = ["rates", "delta", "staleness", "lambda", "bursty", "sensitivity", "highload",
+       *(n for n in SINGLE if n != "decomposition")]  # the decomposition (≈ 80 runs) runs alone too
 PLOTS: dict[str, Callable[[dict[str, Any], Path], list[str]]] = {
     "rates": plots.rates, "estimator": functools.partial(plots.rates, stem="estimator"),
     "accuracy": functools.partial(plots.rates, stem="accuracy"), "highload": functools.partial(plots.rates, stem="highload"),
     "delta": plots.delta, "staleness": plots.staleness, "lambda": plots.lambdas, "bursty": plots.bursty,
     "sensitivity": plots.sensitivity, "tune": plots.tune, "prefix": plots.prefix, "lps": plots.lps, "estimates": plots.estimates,
-    "workload": plots.workload, "diagnose": lambda _r, _o: []}
+    "workload": plots.workload, "diagnose": lambda _r, _o: [], "decomposition": decomposition.write}
 VARIANTS = {v.name: v for v in SENSITIVITY}
 
 
@@ -64,6 +65,8 @@ def _single(name: str, s: Setup, k: Any = 0) -> dict[str, Any]:
         return single.lps(s, k)
     if name == "diagnose":
         return diagnose.traced_run(s, *k)
+    if name == "decomposition":
+        return decomposition.run_job(s, k)
     return single.estimator_scatter(s, k)
 
 
@@ -73,6 +76,8 @@ def run_single(names: Sequence[str], s: Setup, workers: int) -> dict[str, dict[s
         jobs += [("estimates", k) for k in range(len(s.pool))]
     if "diagnose" in names:
         jobs += [("diagnose", (e, r)) for e in diagnose.ENTRIES for r in diagnose.RATES]
+    if "decomposition" in names:
+        jobs += [("decomposition", j) for j in decomposition.jobs(s)]
     results: dict[str, Any] = {}
     if "workload" in names:
         results["workload"] = {"seed": s.seed, **length_distributions(s.queries)}
@@ -82,8 +87,13 @@ def run_single(names: Sequence[str], s: Setup, workers: int) -> dict[str, dict[s
         return results
     with ProcessPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as ex:
         outs = list(ex.map(_single, [j[0] for j in jobs], [s] * len(jobs), [j[1] for j in jobs]))
+    parts = [o for (name, _k), o in zip(jobs, outs, strict=True) if name == "decomposition"]
+    if parts:
+        results["decomposition"].update(decomposition.combine(parts, s.seed))
     for (name, _k), o in zip(jobs, outs, strict=True):
         r = results[name]
+        if name == "decomposition":
+            continue
         if name == "diagnose":
             r.setdefault("runs", []).append(o)
         elif name == "lps":

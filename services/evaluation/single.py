@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 
 from bear import libbea
-from bear.calibrator.fit import design_matrix, predict
+from bear.calibrator.fit import RefitPolicy, design_matrix, predict
 from bear.estimator.estimate import EstimatorConfig
-from bear.evaluation.cluster import Cluster
+from bear.evaluation.cluster import Cluster, Oracle
 from bear.evaluation.experiments import DEFAULT_LAMBDA, Setup, entries
 from bear.load.arrivals import poisson_arrivals
 from bear.load.metrics import Outcome
@@ -25,13 +25,14 @@ SATURATION_RATE = 50.0  # q/s: far above what any instance serves
 
 
 def run_alone(s: Setup, k: int, times: np.ndarray, policy: str = "bear", estimator: EstimatorConfig | None = None,
-              record: bool = False) -> tuple[list[Outcome], Cluster]:
-    """Every query of the setup to instance ``k`` of the pool, at ``times``."""
+              record: bool = False, oracle: Oracle | None = None, refit: bool = True) -> tuple[list[Outcome], Cluster]:
+    """Every query of the setup to instance ``k`` of the pool, at ``times`` (``oracle``: inputs the
+    estimator is handed exactly; ``refit``: the calibrator refits online, as live)."""
     spec = s.specs()[k]
     q = s.queries
     prices = {m: (float(q.price_in[j]), float(q.price_out[j])) for j, m in enumerate(q.models)}
     cl = Cluster([spec], s.calibration, seed=s.seed + 40 + k, estimator=estimator, prices=prices,
-                 history=s.history)
+                 history=s.history, oracle=oracle, refit=RefitPolicy() if refit else None)
     if record:
         cl.insts[0].records = []
     outs = cl.run(q, times, s.targets(), make_policy(policy), DEFAULT_LAMBDA)

@@ -83,3 +83,19 @@ def test_unknown_objective_is_refused() -> None:
 
     with pytest.raises(ValueError, match="unknown objective"):
         fit_arrays(np.ones((5, 4)), np.ones(5), "median")
+
+
+def test_the_refit_window_keeps_half_for_prefill_batches() -> None:
+    """At light load nearly every batch is a decode: the window still holds the newest prefills."""
+    from bear.calibrator.fit import BatchWindow
+
+    w: BatchWindow[int] = BatchWindow(10)
+    for k in range(3):
+        w.add(-k - 1, True)
+    for k in range(100):
+        w.add(k, False)
+    assert len(w) == 8 and w.new == 103
+    assert w.batches() == [95, 96, 97, 98, 99, -1, -2, -3]  # the newest decodes, then every prefill
+    for k in range(7):
+        w.add(-10 - k, True)
+    assert [b for b in w.batches() if b < 0] == [-12, -13, -14, -15, -16]

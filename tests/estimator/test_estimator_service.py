@@ -249,7 +249,7 @@ async def test_online_calibrator_publishes_beta(env) -> None:
                                                             method="analytic", t=time.time())))
         await nc.publish(S.batches("cal-a"), pack(recs[:50]))
         await nc.flush()
-        await wait_until(lambda: len(cal.ttft.get("cal-a", ())) == len(pairs) and cal.new.get("cal-a", 0) == 50)
+        await wait_until(lambda: len(cal.ttft.get("cal-a", ())) == len(pairs) and "cal-a" in cal.records and cal.records["cal-a"].new == 50)
         assert await cal.refit_once() == ["cal-a"]
         await wait_until(lambda: worker.store.get("cal-a").calibration.ttft_n == len(pairs))
         rel = [(p - o) / o for p, o in pairs]

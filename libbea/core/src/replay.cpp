@@ -58,16 +58,40 @@ class ArrivalFill {
 // Not with tracked blocks: the fast paths allocate outside the ledger's hooks.
 bool fast_path(const Prepared& p, const ReplayOptions& opt) {
   const Config& cfg = p.cfg;
-  return !cfg.async_scheduling && opt.collapse && !opt.trace && cfg.block_size <= 4096 && !p.tracked;
+  return !cfg.async_scheduling && opt.collapse && !opt.trace && cfg.block_size <= 4096 && !p.tracked &&
+         opt.later.empty();
 }
+
+Scheduler::Req query_req(const Query& q, double default_arrival, const ReplayOptions& opt);
+
+// The known later arrivals (ReplayOptions::later) due by the schedule() at `now` join the queue.
+class LaterArrivals {
+ public:
+  LaterArrivals(const ReplayOptions& opt, double arrival, double base_time)
+      : opt_(opt), arrival_(arrival), base_(base_time) {}
+  void admit(Scheduler& sched, double now) {
+    while (next_ < opt_.later.size() && arrival_ + opt_.later[next_].after_s <= now) {
+      const auto& l = opt_.later[next_++];
+      if (l.q.prompt_tokens > sched.config().max_model_len) throw std::invalid_argument("later.prompt_tokens exceeds max_model_len");
+      sched.add(query_req(l.q, base_ + arrival_ + l.after_s, opt_));
+    }
+  }
+
+ private:
+  const ReplayOptions& opt_;
+  double arrival_;
+  double base_;
+  size_t next_ = 0;
+};
 
 // The sync engine loop (§2) from `sched` as it stands, the query already queued; `now` is the
 // time since the snapshot's capture at which the first schedule() happens; the query arrived at
 // `arrival` (<= now). `fast`: the fast path driving `sched`, or nullptr for the stepwise replay.
 Estimate run_sync(Scheduler& sched, SyncFastPath* fast, int32_t query, const ReplayOptions& opt, double now,
-                  double arrival) {
+                  double arrival, double base_time) {
   Estimate est;
   ArrivalFill fill(opt.arrival_tokens_per_s, arrival);
+  LaterArrivals later(opt, arrival, base_time);
   if (fast != nullptr) {
     while (est.n_batches < opt.max_steps) {
       int64_t steps = 0;
@@ -88,13 +112,14 @@ Estimate run_sync(Scheduler& sched, SyncFastPath* fast, int32_t query, const Rep
     std::vector<Scheduler::Item> batch;
     batch.reserve(sched.reqs().size());
     while (est.n_batches < opt.max_steps) {
-      if (opt.collapse && !opt.trace) {
+      if (opt.collapse && !opt.trace && opt.later.empty()) {
         const int64_t k = fold_decode_stretch(sched, now, opt.beta, opt.max_steps - est.n_batches);
         if (k > 0) {
           est.n_batches += k;
           continue;
         }
       }
+      later.admit(sched, now);
       sched.schedule(batch);
       if (batch.empty()) {  // nothing runs and nothing will change: the query never starts
         est.status = Status::Unschedulable;
@@ -158,7 +183,7 @@ inline __attribute__((always_inline)) Estimate estimate_from(const Prepared& p, 
   if (!p.cfg.async_scheduling) {
     std::optional<SyncFastPath> fast;
     if (fast_path(p, opt)) fast.emplace(sched, p.decode_start);
-    Estimate e = run_sync(sched, fast ? &*fast : nullptr, query, opt, 0.0, 0.0);
+    Estimate e = run_sync(sched, fast ? &*fast : nullptr, query, opt, 0.0, 0.0, p.time);
     if (e.status != Status::Ok) e.ttft_s = std::numeric_limits<double>::infinity();
     return e;
   }
@@ -214,10 +239,36 @@ inline __attribute__((always_inline)) Estimate estimate_from(const Prepared& p, 
   return est;
 }
 
+void check_later(const Prepared& p, const ReplayOptions& opt) {
+  if (opt.later.empty()) return;
+  if (p.cfg.async_scheduling) throw std::invalid_argument("later: sync scheduling only");
+  if (p.tracked) throw std::invalid_argument("later: not with tracked_blocks");
+  double prev = 0.0;
+  for (const auto& l : opt.later) {
+    if (!std::isfinite(l.after_s) || l.after_s < prev) throw std::invalid_argument("later.after_s must be finite, >= 0 and ordered");
+    prev = l.after_s;
+  }
+}
+
 }  // namespace
+
+double next_step_s(const Prepared& p, const Coeffs& beta) {
+  if (p.cfg.async_scheduling) return 0.0;
+  Scheduler sched(p.cfg);
+  sched.load(p.reqs, p.n_running, p.free_blocks);
+  std::optional<TrackedLedger> ledger;
+  if (p.tracked) {
+    ledger.emplace(p);
+    sched.set_ledger(&*ledger);
+  }
+  std::vector<Scheduler::Item> batch;
+  sched.schedule(batch);
+  return batch.empty() ? 0.0 : sched.last_features().time(beta);
+}
 
 Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt, const std::vector<Query>& ahead) {
   if (q.prompt_tokens > p.cfg.max_model_len) throw std::invalid_argument("request.prompt_tokens exceeds max_model_len");
+  check_later(p, opt);
   if (!p.tracked) return estimate_from(p, q, opt, ahead, nullptr);
   TrackedLedger ledger(p);
   return estimate_from(p, q, tracked_options(opt), ahead, &ledger);
@@ -227,6 +278,7 @@ Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt, c
 Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions& opt, double age_s,
                          const std::vector<Query>& ahead) {
   if (q.prompt_tokens > p.cfg.max_model_len) throw std::invalid_argument("request.prompt_tokens exceeds max_model_len");
+  check_later(p, opt);
   if (p.cfg.async_scheduling || age_s <= 0.0) {
     Estimate e = estimate(p, q, opt, ahead);
     e.ttft_s -= std::max(0.0, age_s);
@@ -239,12 +291,12 @@ Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions&
     SyncFastPath fast(sched, p.decode_start);
     const AgeWindow w = advance_fast(fast, opt.beta, age_s);
     const int32_t query = enqueue(sched, q, ahead, p.time + age_s, opt, p.cfg.max_model_len, nullptr);
-    e = run_sync(sched, &fast, query, opt, w.join_s, age_s);
+    e = run_sync(sched, &fast, query, opt, w.join_s, age_s, p.time);
   } else {
     Advanced a = advance(p, opt.beta, age_s);
     const int32_t query = enqueue(a.sched, q, ahead, p.time + age_s, opt, p.cfg.max_model_len, a.ledger.get());
-    e = a.ledger ? run_sync(a.sched, nullptr, query, tracked_options(opt), a.join_s, age_s)
-                 : run_sync(a.sched, nullptr, query, opt, a.join_s, age_s);
+    e = a.ledger ? run_sync(a.sched, nullptr, query, tracked_options(opt), a.join_s, age_s, p.time)
+                 : run_sync(a.sched, nullptr, query, opt, a.join_s, age_s, p.time);
   }
   e.ttft_s = e.status == Status::Ok ? e.ttft_s - age_s : std::numeric_limits<double>::infinity();
   return e;

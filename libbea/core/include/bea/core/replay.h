@@ -39,4 +39,8 @@ Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt, c
 Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions& opt, double age_s,
                          const std::vector<Query>& ahead = {});
 
+// Seconds (eq. 12) of the step the engine runs next from this state (sync mode; 0 when nothing
+// would run or under async scheduling): how long the snapshot stays current while it runs.
+double next_step_s(const Prepared& p, const Coeffs& beta);
+
 }  // namespace bea

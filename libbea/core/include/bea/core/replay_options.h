@@ -3,8 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "bea/core/batch_time.h"
+#include "bea/core/snapshot.h"
 
 namespace bea {
 
@@ -22,6 +24,14 @@ struct ReplayOptions {
   // query (0: ignore). They queue behind the query, so they never change its schedule, but they
   // fill the budget the query's steps leave over and so lengthen those steps (sync mode).
   double arrival_tokens_per_s = 0.0;
+  // Later arrivals known exactly (the error decomposition's oracle, never a live input): each
+  // joins the waiting queue at the first schedule() at or after `after_s` seconds past the
+  // query's arrival. Sync mode, stepwise (no fast paths), no tracked blocks.
+  struct Later {
+    double after_s = 0.0;
+    Query q;
+  };
+  std::vector<Later> later;
 };
 
 }  // namespace bea
