@@ -305,6 +305,8 @@ async def test_worker_under_delta_loss_never_estimates_from_a_gapped_state(
         await pub.close()
         await nc_w.close()
         await nc_p.close()
+    while answers and answers[0] == "no_snapshot":  # asked before the first state arrived (a busy host)
+        answers.pop(0)
     statuses = {k: answers.count(k) for k in set(answers)}
     runs = sum(1 for a, b in zip(["ok", *answers], answers, strict=False) if a == "ok" and b != "ok")
     print(f"delta loss: {pub.dropped} dropped, answers {statuses}, {runs} stretches of resyncing, checked {checked}")
