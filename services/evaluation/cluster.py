@@ -71,11 +71,6 @@ class Oracle:
     step_times: bool = False  # the engines run on eq. 12 with their calibrated β, noise-free
     arrivals: bool = False  # the replay knows the later arrivals (one instance only)
 
-    @property
-    def name(self) -> str:
-        on = [n for n in ("lengths", "step_times", "arrivals") if getattr(self, n)]
-        return "+".join(on) or "none"
-
 
 LATER_HORIZON_S = 60.0  # the arrivals oracle hands the replay the arrivals this far ahead
 
