@@ -16,6 +16,7 @@ import numpy as np
 from bear.protocol.codec import pack
 from bear.protocol.subjects import Subjects
 from bear.runtime import aio
+from bear.runtime.measure import cpu_seconds
 
 PROFILE = "qwen3-8b-h100"
 
@@ -95,13 +96,6 @@ async def _publisher(url: str, snaps: list[dict[str, Any]], stop: asyncio.Event)
     await nc.close()
 
 
-def _cpu_seconds(pid: int) -> float:
-    """user + system CPU seconds of a process (Linux /proc)."""
-    import os
-
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_bench(nats_url: str | None, *, seconds: float = 5.0, concurrency: int = 32, n_instances: int = 3,
@@ -153,7 +147,7 @@ async def _run(url: str, seconds: float, concurrency: int, n_instances: int, res
     # Phase 1: unloaded latency (one request in flight).
     lat = await _client(url, latency_seconds, 1, instances, 99) if latency_seconds > 0 else None
     # Phase 2: throughput under load from separate client processes.
-    cpu0 = _cpu_seconds(worker_pid) if worker_pid else None
+    cpu0 = cpu_seconds(worker_pid, children=False) if worker_pid else None
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_client_proc, args=(url, seconds, max(1, concurrency // clients), instances, k, out))
@@ -163,7 +157,7 @@ async def _run(url: str, seconds: float, concurrency: int, n_instances: int, res
     results = [await asyncio.to_thread(out.get) for _ in procs]
     for p in procs:
         p.join()
-    cpu = _cpu_seconds(worker_pid) - cpu0 if worker_pid and cpu0 is not None else None
+    cpu = cpu_seconds(worker_pid, children=False) - cpu0 if worker_pid and cpu0 is not None else None
     stop.set()
     await pub
     n = sum(r["n"] for r in results)

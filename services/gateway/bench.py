@@ -28,9 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from bear.router.bench import _cpu_s
-from bear.router.bench import _pct as pct_ms
 from bear.runtime import aio
+from bear.runtime.measure import cpu_seconds, latency_ms
 
 PROMPTS = ("Explain KV caching briefly.", "What is the capital of France?", "Write a haiku about routers.",
            "Summarize the plot of Hamlet in two sentences.", "List three prime numbers.")
@@ -95,7 +94,7 @@ async def http_echo_floor(rate: float, n: int, seed: int) -> dict[str, float]:
                 await asyncio.sleep(float(rng.exponential(1.0 / rate)))
                 tasks.append(asyncio.create_task(one()))
             await asyncio.gather(*tasks)
-        return _pct(out)
+        return latency_ms(out)
     finally:
         proc.kill()
         proc.wait()
@@ -115,10 +114,6 @@ async def gateway_own_overhead(gateway_url: str) -> tuple[float, int]:
     return vals.get("bear_gateway_overhead_seconds_sum", 0.0), int(vals.get("bear_gateway_overhead_seconds_count", 0))
 
 
-def _pct(xs: list[float]) -> dict[str, float]:
-    if not xs:  # every request of the path failed: the errors say why
-        return {"p50_ms": float("nan"), "p90_ms": float("nan"), "p99_ms": float("nan"), "mean_ms": float("nan"), "n": 0}
-    return pct_ms(xs)
 
 
 async def _via_nats(nc: Any, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, float, bool]:
@@ -219,8 +214,8 @@ async def measure(nats_url: str, gateway_url: str, key: str, rate: float, durati
     res = {"rate_rps": rate, "sent": n, "achieved_rps": n / max(elapsed, 1e-9),
            "errors": {p: len(e) for p, e in errors.items()}, "error_examples": {p: e[:3] for p, e in errors.items()},
            "unrouted": unrouted,
-           "ttfb": {"gateway": _pct(g["ttfb"]), "nats": _pct(s["ttfb"])},
-           "residual": {"gateway": _pct(g["residual"]), "nats": _pct(s["residual"])}}
+           "ttfb": {"gateway": latency_ms(g["ttfb"]), "nats": latency_ms(s["ttfb"])},
+           "residual": {"gateway": latency_ms(g["residual"]), "nats": latency_ms(s["residual"])}}
     for kind in ("ttfb", "residual"):
         res[f"overhead_{kind}"] = {q: res[kind]["gateway"][q] - res[kind]["nats"][q] for q in ("p50_ms", "p99_ms")}
     return res
@@ -241,12 +236,12 @@ def run_bench(rates: list[float], duration: float, *, max_tokens: int = 1, seed:
         gw = stack.children["gateway"].proc
         for k, rate in enumerate(rates):
             floor = aio.run(http_echo_floor(rate / 2, min(1000, max(50, round(rate * duration / 2))), seed + k))
-            cpu0 = _cpu_s(gw.pid) if gw else float("nan")
+            cpu0 = cpu_seconds(gw.pid) if gw else float("nan")
             s0, n0 = aio.run(gateway_own_overhead(stack.gateway_url))
             r = aio.run(measure(stack.url, stack.gateway_url, key, rate, duration, max_tokens, seed + k,
                                 nats_options=stack.nats_options("client")))
             s1, n1 = aio.run(gateway_own_overhead(stack.gateway_url))
-            r["gateway_cpu_ms_per_request"] = (_cpu_s(gw.pid) - cpu0) * 1e3 / max(r["sent"] / 2 + WARMUP, 1) if gw else None
+            r["gateway_cpu_ms_per_request"] = (cpu_seconds(gw.pid) - cpu0) * 1e3 / max(r["sent"] / 2 + WARMUP, 1) if gw else None
             r["gateway_own_overhead_mean_ms"] = (s1 - s0) * 1e3 / max(n1 - n0, 1)
             r["http_echo_floor"] = floor
             runs.append(r)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from bear.runtime import aio
+from bear.runtime.measure import latency_ms
 
 WORDS = 20_000
 
@@ -79,12 +80,6 @@ def _prompts(tok: Any, vocab: list[str], n: int, prompt_tokens: int, docs: int, 
     return out
 
 
-def _pct(xs: list[float]) -> dict[str, float]:
-    a = np.asarray(xs) * 1e3
-    if not len(a):
-        return {"n": 0}
-    return {"p50_ms": float(np.percentile(a, 50)), "p90_ms": float(np.percentile(a, 90)),
-            "p99_ms": float(np.percentile(a, 99)), "mean_ms": float(a.mean()), "n": len(a)}
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -95,12 +90,12 @@ def _records(path: Path) -> list[dict[str, Any]]:
 
 
 def _summary(recs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"decision": _pct([r["decision_s"] for r in recs]),
-            "router_own": _pct([max(0.0, r["decision_s"] - r["wait_s"]) for r in recs]),
-            "estimator_reply": _pct([r["estimate_s"] for r in recs]),
-            "predictor_reply": _pct([r["predict_s"] for r in recs]),
-            "tokenize": _pct([r.get("tokenize_s", 0.0) for r in recs]),
-            "estimator_service": _pct([r["estimator_service_s"] for r in recs if r.get("estimator_service_s") is not None]),
+    return {"decision": latency_ms([r["decision_s"] for r in recs]),
+            "router_own": latency_ms([max(0.0, r["decision_s"] - r["wait_s"]) for r in recs]),
+            "estimator_reply": latency_ms([r["estimate_s"] for r in recs]),
+            "predictor_reply": latency_ms([r["predict_s"] for r in recs]),
+            "tokenize": latency_ms([r.get("tokenize_s", 0.0) for r in recs]),
+            "estimator_service": latency_ms([r["estimator_service_s"] for r in recs if r.get("estimator_service_s") is not None]),
             "tokens_exact": sum(r.get("tokens") == "exact" for r in recs),
             "prefix_hit_share": (sum(r.get("prefix_hit_tokens", 0) for r in recs)
                                  / max(1, sum(r.get("instance_prompt_tokens", r.get("prompt_tokens", 0)) for r in recs))),
@@ -154,4 +149,4 @@ def run_prefix_bench(rate: float, duration: float, prompt_tokens: int = 8192, do
     return {"rate_qps": rate, "duration_s": duration, "prompt_tokens": prompt_tokens, "documents": docs,
             "sent": res.sent, "errors": dict(res.errors), "wall_s": elapsed,
             "tokenize": on, "no_tokenize": off, "decision_overhead": ratio,
-            "encode_8k_in_process": _pct(t_enc), "cpus": os.cpu_count(), "host_load": os.getloadavg()}
+            "encode_8k_in_process": latency_ms(t_enc), "cpus": os.cpu_count(), "host_load": os.getloadavg()}

@@ -22,21 +22,7 @@ import numpy as np
 
 from bear.runtime import aio
 from bear.runtime.identity import CREDS_ENV
-
-
-def _pct(xs: list[float]) -> dict[str, float]:
-    a = np.asarray(xs) * 1e3
-    return {"p50_ms": float(np.percentile(a, 50)), "p90_ms": float(np.percentile(a, 90)),
-            "p99_ms": float(np.percentile(a, 99)), "mean_ms": float(a.mean()), "n": len(a)}
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process and its reaped children (Linux /proc)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+from bear.runtime.measure import cpu_seconds, latency_ms
 
 
 def _processes(stack: Any) -> dict[str, int]:
@@ -51,6 +37,7 @@ ECHO = """
 import asyncio, sys
 import nats
 from bear.runtime import aio
+from bear.runtime.measure import cpu_seconds, latency_ms
 from bear.runtime.service import auth_options
 
 async def main(url):
@@ -88,7 +75,7 @@ async def echo_rtt(url: str, rate: float, n: int, seed: int = 0, **nats_options:
             t = time.perf_counter()
             await nc.request("bench.echo", b"x" * 256, timeout=2.0)
             rtts.append(time.perf_counter() - t)
-        return _pct(rtts)
+        return latency_ms(rtts)
     finally:
         await nc.close()
 
@@ -117,11 +104,11 @@ def run_bench(rate: float, duration: float, seed: int = 0, routers: int = 1) -> 
             echo.kill()
             echo.wait()
         procs = _processes(stack)
-        cpu0 = {k: _cpu_s(pid) for k, pid in procs.items()}
+        cpu0 = {k: cpu_seconds(pid) for k, pid in procs.items()}
         t0 = time.time()
         res = stack.run_load(queries, times)
         elapsed = time.time() - t0
-        cpu1 = {k: _cpu_s(pid) for k, pid in procs.items()}
+        cpu1 = {k: cpu_seconds(pid) for k, pid in procs.items()}
     recs = [json.loads(line) for i in range(routers) for line in stack.outcome_log(i).read_text().splitlines()]
     recs = [r for r in recs if r.get("status") == "done" and not str(r["query_id"]).startswith("probe-")]
     dec = [r["decision_s"] for r in recs]
@@ -130,11 +117,11 @@ def run_bench(rate: float, duration: float, seed: int = 0, routers: int = 1) -> 
     return {
         "rate_qps": rate, "duration_s": duration, "routers": routers, "sent": res.sent, "done": len(res.outcomes),
         "errors": dict(res.errors), "achieved_qps": res.sent / max(float(times[-1]), 1e-9), "wall_s": elapsed,
-        "decision": _pct(dec), "router_own_overhead": _pct(own), "predictor_estimator_wait": _pct(wait),
+        "decision": latency_ms(dec), "router_own_overhead": latency_ms(own), "predictor_estimator_wait": latency_ms(wait),
         "nats_echo_rtt_floor": floor,
-        "predictor_reply": _pct([r["predict_s"] for r in recs]),
-        "estimator_reply": _pct([r["estimate_s"] for r in recs]),
-        "dedup_claim": _pct([r["claim_s"] for r in recs]),
+        "predictor_reply": latency_ms([r["predict_s"] for r in recs]),
+        "estimator_reply": latency_ms([r["estimate_s"] for r in recs]),
+        "dedup_claim": latency_ms([r["claim_s"] for r in recs]),
         "fallbacks": sum(bool(r["fallbacks"]) for r in recs), "host_load": os.getloadavg(),
         "cpus": os.cpu_count(), "event_loop": aio.loop_name(),
         # where the two cores go: CPU milliseconds per query of each process during the load

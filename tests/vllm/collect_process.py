@@ -6,13 +6,17 @@ server closes it as a slow consumer (a run here: ``unexpected EOF`` after seq 1,
 Here it reads on its own. It prints ``ready`` once subscribed; then it reads one line on stdin,
 the last seq the snapshotter published, waits until every subject has delivered it (an hour at
 most: a hang bound), writes each subject's messages to ``OUT/<n>.bin`` (4-byte big-endian
-length, then the bytes) and prints ``done``."""
+length, then the bytes), what befell its connection (disconnects, reconnects, errors such as a
+slow-consumer close: core NATS then drops what was sent meanwhile) to ``OUT/events.json``, and
+prints ``done``."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import struct
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -23,7 +27,15 @@ from bear.protocol.codec import unpack_map
 
 
 async def main(url: str, out: Path, subjects: list[str]) -> None:
-    nc = await nats.connect(url, max_reconnect_attempts=-1)
+    events: list[dict[str, object]] = []
+
+    def event(what: str) -> Callable[..., Awaitable[None]]:
+        async def cb(*args: object) -> None:
+            events.append({"time": time.time(), "event": what, "detail": " ".join(map(repr, args))})
+        return cb
+
+    nc = await nats.connect(url, max_reconnect_attempts=-1, disconnected_cb=event("disconnected"),
+                            reconnected_cb=event("reconnected"), error_cb=event("error"))
     got: dict[str, list[bytes]] = {s: [] for s in subjects}
     top: dict[str, int] = {s: -1 for s in subjects}
     changed = asyncio.Event()
@@ -48,8 +60,10 @@ async def main(url: str, out: Path, subjects: list[str]) -> None:
             await changed.wait()
 
     await asyncio.wait_for(all_in(), 3600)
+    seen = list(events)  # before draining: closing the connection calls disconnected_cb too
     await nc.drain()
     write_frames(out, [got[s] for s in subjects])
+    (out / "events.json").write_text(json.dumps(seen))
     print("done", flush=True)
 
 
