@@ -75,14 +75,15 @@ class Inboxes:
         self._queues.pop(inbox, None)
 
 
-async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1.0, max_tokens: int = 256,
+async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1.0, max_tokens: int | None = 256,
                  lam: float | None = None, query_id: str | None = None, messages: list[dict[str, Any]] | None = None,
                  prompt_tokens: int | None = None,
                  subjects: Subjects | None = None, accept_timeout_s: float = 2.0, idle_timeout_s: float = 30.0,
                  resubmits: int = 1, model: str | None = None, sampling: dict[str, Any] | None = None,
                  headers: dict[str, str] | None = None, inboxes: Inboxes | None = None,
                  session: str | None = None) -> AsyncIterator[dict[str, Any]]:
-    """``model``: only that model's instances are candidates (served or predictor name);
+    """``max_tokens`` None: up to the rest of the chosen engine's context (``max_tokens_rest``,
+    vLLM's default); ``model``: only that model's instances are candidates (served or predictor name);
     ``session``: the conversation the query belongs to (session-affinity routing);
     ``sampling``: engine sampling fields (``bear.protocol.sampling``); ``headers``: NATS headers of
     the submission (the trace context); ``inboxes``: a shared reply subscription (else one of its
@@ -92,7 +93,11 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
     subjects = subjects or Subjects()
     qid = query_id or uuid.uuid4().hex
     req: dict[str, Any] = {"v": "bear.submit/1", "query_id": qid, "ttft_target_s": ttft_target_s,
-                           "max_tokens": max_tokens, "deadline": time.time() + accept_timeout_s * (resubmits + 1)}
+                           "deadline": time.time() + accept_timeout_s * (resubmits + 1)}
+    if max_tokens is None:
+        req["max_tokens_rest"] = True
+    else:
+        req["max_tokens"] = max_tokens
     if messages is not None:
         req["messages"] = messages
     else:

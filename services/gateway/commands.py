@@ -40,8 +40,10 @@ def gateway(
                                           help="TTFT target of requests without x-slo-ttft-ms / bear.ttft_ms"),
     lam: float | None = typer.Option(None, "--lambda", min=0.0,
                                      help="λ of requests without x-bear-lambda / bear.lambda (default: the router's)"),
-    default_max_tokens: int = typer.Option(256, "--default-max-tokens", min=1,
-                                           help="max_tokens of chat requests that give none (completions: 16)"),
+    default_max_tokens: int | None = typer.Option(
+        None, "--default-max-tokens", min=1,
+        help="max_tokens of chat requests that give none; default: none, the rest of the chosen engine's context "
+             "(as vLLM and OpenAI; completions: 16)"),
     max_body_bytes: int = typer.Option(1024 * 1024, "--max-body-bytes", min=1024,
                                        help="Largest request body (413 above; also bounded by NATS max_payload)"),
     body_timeout: float = typer.Option(10.0, "--body-timeout", min=0.1,

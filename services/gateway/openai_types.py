@@ -41,6 +41,7 @@ class BearOptions(msgspec.Struct, forbid_unknown_fields=True):
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # OpenAI's padding of streamed events: nothing to pad here
+    continuous_usage_stats: bool | None = None  # vLLM's: the usage so far on every chunk
 
 
 class ContentPart(msgspec.Struct):
@@ -96,6 +97,23 @@ class ChatRequest(_Common, forbid_unknown_fields=True, kw_only=True):
     prompt_cache_options: Any = None
 
 
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's ``/tokenize`` body: ``prompt`` (encoded as /v1/completions encodes it, special tokens
+    added) or chat ``messages`` (through the model's chat template, as /v1/chat/completions)."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+    prompt: str | None = None
+    messages: Annotated[list[Message], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    add_special_tokens: bool | None = None  # as the endpoint the text is for (the only choice BEAR routes)
+    add_generation_prompt: bool | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+    tokens: Annotated[list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]], msgspec.Meta(max_length=1 << 20)]
+
+
 class CompletionRequest(_Common, forbid_unknown_fields=True, kw_only=True):
     prompt: str | list[Any]
     best_of: Any = None
@@ -142,7 +160,9 @@ class Defaults:
     alias: str = "bear"
     ttft_s: float = 1.0
     lam: float | None = None  # None: the router's default λ
-    max_tokens: int = 256  # chat completions without max_tokens / max_completion_tokens
+    # chat completions without max_tokens / max_completion_tokens: None, the rest of the chosen
+    # engine's context (vLLM's and OpenAI's default); a number caps them
+    max_tokens: int | None = None
     max_tokens_completions: int = 16  # OpenAI's default for /v1/completions
 
 
@@ -155,12 +175,13 @@ class Submission:
     route_model: str | None  # the candidates' model; None: the routing alias (BEAR chooses)
     stream: bool
     include_usage: bool
-    max_tokens: int
+    max_tokens: int | None  # None: the rest of the chosen engine's context
     ttft_target_s: float
     lam: float | None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
 
 
 def _param_of(exc: msgspec.ValidationError) -> str | None:
@@ -217,7 +238,7 @@ def _targets(req: _Common, headers: Mapping[str, str], d: Defaults) -> tuple[flo
     return (d.ttft_s if ttft_ms is None else ttft_ms / 1e3), (d.lam if lam is None else lam)
 
 
-def _messages(msgs: list[Message]) -> list[dict[str, Any]]:
+def router_messages(msgs: list[Message]) -> list[dict[str, Any]]:
     """OpenAI messages as the router submits them: text content as one string (text parts joined
     with newlines, as vLLM joins them), ``developer`` as ``system``."""
     out = []
@@ -248,7 +269,7 @@ def _messages(msgs: list[Message]) -> list[dict[str, Any]]:
 
 
 def _common(req: _Common, chat: bool, headers: Mapping[str, str], d: Defaults, max_tokens: int | None,
-            default_max: int) -> Submission:
+            default_max: int | None) -> Submission:
     _check_supported(req)
     ttft_s, lam = _targets(req, headers, d)
     opts = req.stream_options
@@ -256,6 +277,7 @@ def _common(req: _Common, chat: bool, headers: Mapping[str, str], d: Defaults, m
         raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
     return Submission(chat=chat, model=req.model, route_model=None if req.model == d.alias else req.model,
                       stream=bool(req.stream), include_usage=bool(opts and opts.include_usage),
+                      continuous_usage=bool(opts and opts.continuous_usage_stats),
                       max_tokens=max_tokens or default_max, ttft_target_s=ttft_s, lam=lam,
                       sampling=sampling_of(req))
 
@@ -266,7 +288,7 @@ _RULED = {t: tuple(f for f in t.__struct_fields__ if f in UNSUPPORTED) for t in 
 def parse_chat(body: bytes, headers: Mapping[str, str], d: Defaults) -> Submission:
     req: ChatRequest = decode(body, ChatRequest)
     sub = _common(req, True, headers, d, req.max_completion_tokens or req.max_tokens, d.max_tokens)
-    sub.messages = _messages(req.messages)
+    sub.messages = router_messages(req.messages)
     return sub
 
 
@@ -281,3 +303,108 @@ def parse_completion(body: bytes, headers: Mapping[str, str], d: Defaults) -> Su
     sub = _common(req, False, headers, d, req.max_tokens, d.max_tokens_completions)
     sub.prompt = prompt
     return sub
+
+
+def _error_schema() -> dict[str, Any]:
+    return {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+
+def _completion_schema(chat: bool) -> dict[str, Any]:
+    if chat:
+        choice = {"type": "object", "required": ["index", "message", "finish_reason"], "properties": {
+            "index": {"type": "integer"}, "finish_reason": {"type": ["string", "null"]}, "logprobs": {},
+            "message": {"type": "object", "required": ["role", "content"], "properties": {
+                "role": {"type": "string"}, "content": {"type": ["string", "null"]},
+                "refusal": {"type": ["string", "null"]}}}}}
+    else:
+        choice = {"type": "object", "required": ["index", "text", "finish_reason"], "properties": {
+            "index": {"type": "integer"}, "text": {"type": "string"}, "logprobs": {},
+            "finish_reason": {"type": ["string", "null"]}}}
+    usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+             "properties": {k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
+        "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
+        "model": {"type": "string"}, "choices": {"type": "array", "items": choice}, "usage": usage,
+        "bear": {"type": "object"}}}
+
+
+ERROR_STATUSES = ("400", "401", "404", "408", "409", "413", "415", "429", "500", "503", "504")
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3.1 description of the gateway: request bodies from the msgspec types that
+    decode them (so the document cannot drift from what is accepted), OpenAI's response shapes,
+    every error as an OpenAI error object."""
+    from bear import __version__
+
+    (chat, comp, tok, detok), components = msgspec.json.schema_components(
+        (ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest), ref_template="#/components/schemas/{name}")
+    components.update(ErrorResponse=_error_schema(), ChatCompletion=_completion_schema(True),
+                      Completion=_completion_schema(False))
+    err = {"description": "an OpenAI error object",
+           "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+
+    def post(body: dict[str, Any], answer: str, summary: str) -> dict[str, Any]:
+        return {"post": {"summary": summary, "security": [{"bearer": []}],
+                         "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+                         "responses": {"200": {"description": "the answer (JSON; with stream: true, server-sent "
+                                                              "events of chunks, then data: [DONE])",
+                                               "content": {"application/json": {"schema": {
+                                                   "$ref": f"#/components/schemas/{answer}"}},
+                                                   "text/event-stream": {"schema": {"type": "string"}}}},
+                                       **{s: err for s in ERROR_STATUSES}}}}
+
+    def get(summary: str, schema: dict[str, Any], *, auth: bool, params: list[Any] | None = None) -> dict[str, Any]:
+        op: dict[str, Any] = {"summary": summary, "responses": {
+            "200": {"description": "OK", "content": {"application/json": {"schema": schema}}},
+            **{s: err for s in (("401", "404") if auth else ()) + ("500", "503")}}}
+        if auth:
+            op["security"] = [{"bearer": []}]
+        if params:
+            op["parameters"] = params
+        return {"get": op}
+
+    def tokenize_op(body: dict[str, Any], summary: str, answer: dict[str, Any]) -> dict[str, Any]:
+        return {"post": {"summary": summary, "security": [{"bearer": []}],
+                         "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+                         "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": answer}}},
+                                       **{s: err for s in ("400", "401", "404", "408", "413", "500", "503")}}}}
+
+    model_card = {"type": "object", "required": ["id", "object", "created", "owned_by"],
+                  "properties": {"id": {"type": "string"}, "object": {"type": "string"},
+                                 "created": {"type": "integer"}, "owned_by": {"type": "string"},
+                                 "root": {"type": ["string", "null"]}, "parent": {"type": ["string", "null"]},
+                                 "max_model_len": {"type": ["integer", "null"]}, "bear": {"type": "object"}}}
+    ping = get("liveness (vLLM's /ping): 200 while NATS is connected", {"type": "object"}, auth=False)
+    ping["post"] = ping["get"]
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "BEAR gateway (OpenAI API)", "version": __version__},
+        "components": {"schemas": components,
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "paths": {
+            "/v1/chat/completions": post(chat, "ChatCompletion", "a chat completion, routed by BEAR"),
+            "/v1/completions": post(comp, "Completion", "a text completion, routed by BEAR"),
+            "/v1/models": get("the served models and the routing alias",
+                              {"type": "object", "properties": {"object": {"type": "string"},
+                                                                "data": {"type": "array", "items": model_card}}},
+                              auth=True),
+            "/v1/models/{model}": get("one model", model_card, auth=True,
+                                      params=[{"name": "model", "in": "path", "required": True,
+                                               "schema": {"type": "string"}}]),
+            "/tokenize": tokenize_op(tok, "vLLM's /tokenize: the ids the routed request gets", {
+                "type": "object", "required": ["count", "tokens"],
+                "properties": {"count": {"type": "integer"}, "max_model_len": {"type": ["integer", "null"]},
+                               "tokens": {"type": "array", "items": {"type": "integer"}},
+                               "token_strs": {"type": ["array", "null"], "items": {"type": "string"}}}}),
+            "/detokenize": tokenize_op(detok, "vLLM's /detokenize", {
+                "type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}),
+            "/health": get("readiness: NATS and the healthy instances", {"type": "object"}, auth=False),
+            "/ping": ping,
+            "/version": get("the gateway's version", {"type": "object", "properties": {"version": {"type": "string"}}},
+                            auth=False),
+        },
+    }

@@ -1,7 +1,8 @@
 """OpenAI's response shapes, written by the gateway: error objects with their HTTP status, the
 non-streaming bodies, and the SSE chunks of a streamed answer (``data: {...}`` events, a final
 chunk with ``finish_reason``, the usage chunk of ``stream_options.include_usage``, ``data:
-[DONE]``). The router's messages carry text only, so every answer has one choice (index 0)."""
+[DONE]``; with ``continuous_usage_stats``, vLLM's usage on every chunk). The router's messages
+carry text only, so every answer has one choice (index 0)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from bear.protocol.errors import ErrorCode
 STATUS: dict[str, tuple[int, str]] = {
     ErrorCode.BAD_REQUEST: (400, "invalid_request_error"),
     ErrorCode.TOO_LARGE: (413, "invalid_request_error"),
+    # OpenAI and vLLM answer a context overflow with 400: the SDK's BadRequestError, LiteLLM's
+    # ContextWindowExceededError (413 reads as a generic API error to both)
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: (400, "invalid_request_error"),
     ErrorCode.NOT_FOUND: (404, "invalid_request_error"),
     ErrorCode.DUPLICATE: (409, "invalid_request_error"),
     ErrorCode.OVERLOADED: (429, "rate_limit_error"),
@@ -35,8 +39,9 @@ class ApiError(Exception):
     """An error answered as an OpenAI error object with HTTP ``status``."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, close: bool = False) -> None:
         super().__init__(message)
+        self.close = close  # answered before the body was read through: close the connection after it
         self.status = status
         self.message = message
         self.param = param
@@ -44,12 +49,14 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     @classmethod
-    def from_router(cls, error: dict[str, Any], retry_after_s: int) -> ApiError:
-        """The router's (or the NATS client's) ``bear.error/1`` ``error`` map as an HTTP error."""
+    def from_router(cls, error: dict[str, Any], retry_after_s: int, prompt_param: str = "messages") -> ApiError:
+        """The router's (or the NATS client's) ``bear.error/1`` ``error`` map as an HTTP error
+        (a context overflow names the prompt's field, ``prompt_param``, as OpenAI does)."""
         code = str(error.get("code", ErrorCode.INTERNAL))
         status, _ = STATUS.get(code, (500, "internal_error"))
         headers = {"Retry-After": str(retry_after_s)} if status in (429, 503) else None
-        return cls(status, str(error.get("message", "")), code=code, headers=headers)
+        param = prompt_param if code == ErrorCode.CONTEXT_LENGTH_EXCEEDED else None
+        return cls(status, str(error.get("message", "")), code=code, headers=headers, param=param)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": TYPES.get(self.status, "api_error"),
@@ -70,19 +77,29 @@ SSE_DONE = b"data: [DONE]\n\n"
 class Answer:
     """One answer's constant parts (id, object kinds, created, model) and its chunk encoders."""
 
-    __slots__ = ("chat", "created", "id", "include_usage", "model")
+    __slots__ = ("chat", "completion_tokens", "continuous", "created", "id", "include_usage", "model",
+                 "prompt_tokens")
 
-    def __init__(self, chat: bool, query_id: str, created: int, model: str, include_usage: bool) -> None:
+    def __init__(self, chat: bool, query_id: str, created: int, model: str, include_usage: bool,
+                 continuous: bool = False, prompt_tokens: int = 0) -> None:
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + query_id
         self.created = created
         self.model = model
         self.include_usage = include_usage
+        # vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far (the
+        # prompt as the router counted it; the final usage chunk is the engine's own count)
+        self.continuous = continuous and include_usage
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
 
     def _chunk(self, choice: dict[str, Any]) -> bytes:
         d: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                              "created": self.created, "model": self.model, "choices": [choice]}
-        if self.include_usage:
+        if self.continuous:
+            d["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                          "total_tokens": self.prompt_tokens + self.completion_tokens}
+        elif self.include_usage:
             d["usage"] = None
         return sse(d)
 
@@ -94,6 +111,7 @@ class Answer:
                             "finish_reason": None})
 
     def text_chunk(self, text: str) -> bytes:
+        self.completion_tokens += 1  # one router chunk per engine token
         if self.chat:
             return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None})
         return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
@@ -107,7 +125,9 @@ class Answer:
             choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
         d: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                              "created": self.created, "model": self.model, "choices": [choice], "bear": bear}
-        if self.include_usage:
+        if self.continuous:
+            d["usage"] = usage
+        elif self.include_usage:
             d["usage"] = None
         out = sse(d)
         if self.include_usage:
@@ -118,7 +138,7 @@ class Answer:
     def body(self, text: str, finish_reason: str, usage: dict[str, int], bear: dict[str, Any]) -> dict[str, Any]:
         """The non-streaming response."""
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
                                       "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}

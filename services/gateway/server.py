@@ -16,17 +16,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import time
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
 
 import structlog
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from bear.client.submit import Inboxes, submit
 from bear.gateway.auth import ApiKeys
 from bear.gateway.metrics import metrics
-from bear.gateway.openai_types import Defaults, Submission, parse_chat, parse_completion
+from bear.gateway.openai_types import (
+    Defaults,
+    DetokenizeRequest,
+    Submission,
+    TokenizeRequest,
+    decode,
+    openapi_document,
+    parse_chat,
+    parse_completion,
+    router_messages,
+)
 from bear.gateway.openai_wire import (
     Answer,
     ApiError,
@@ -44,6 +57,39 @@ log = structlog.get_logger("bear.gateway")
 
 ENDPOINTS = ("chat", "completions")
 NATS_HEADROOM = 64 * 1024  # room for the submission's other fields within NATS's max_payload
+REQUEST_ID = "x-request-id"
+REQUEST_ID_KEY = web.RequestKey("request_id", str)
+_CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # a client's id is echoed if it is this
+LINGER_S = 1.0  # after an error answered before the body was read: let the client read it, then close
+
+
+class _OpenAIErrorsHandler(RequestHandler):
+    """aiohttp's connection handler, but what its HTTP parser rejects (header folding, both
+    Content-Length and Transfer-Encoding, an oversized header line) is answered with an OpenAI
+    error object too, not aiohttp's plain text."""
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        log.debug("malformed request", status=status, error=repr(exc))
+        if request.writer.output_size > 0:  # as aiohttp: part of a response went out already
+            raise ConnectionError("Response is sent already, cannot send another response with the error message")
+        why = getattr(exc, "message", None) or str(exc or "") or HTTPStatus(status).phrase
+        resp = web.Response(body=dumps(ApiError(status, f"malformed HTTP request: {why}").body()), status=status,
+                            content_type="application/json")
+        resp.force_close()
+        return resp
+
+
+class _OpenAIErrorsServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _OpenAIErrorsHandler(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _OpenAIErrorsServer  # the same server, its connections handled as above
+        return server
 
 
 class ClientGone(Exception):
@@ -87,6 +133,7 @@ class Gateway:
         self.inflight = 0
         self.started = int(time.time())
         self._runner: web.AppRunner | None = None
+        self._tokenizers: Any = None  # bear.tokenizer.cache.TokenizerCache, made at the first /tokenize
 
     # ------------------------------------------------------------------ lifecycle
     def app(self) -> web.Application:
@@ -97,14 +144,20 @@ class Gateway:
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_route("GET", "/ping", self.ping)
+        app.router.add_route("POST", "/ping", self.ping)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         return app
 
     async def start(self) -> None:
         await self.registry.start(observe=False)
         await self.inboxes.start()
         # handler_cancellation: a client that disconnects cancels its handler (and so its generation)
-        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
-                                     shutdown_timeout=self.cfg.drain_s, keepalive_timeout=75.0)
+        self._runner = _Runner(self.app(), access_log=None, handler_cancellation=True,
+                               shutdown_timeout=self.cfg.drain_s, keepalive_timeout=75.0, lingering_time=LINGER_S)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.cfg.host, self.cfg.port, backlog=1024).start()
         log.info("gateway serving", url=self.base_url, auth=self.keys is not None, prefix=self.cfg.prefix)
@@ -112,6 +165,8 @@ class Gateway:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()  # stops listening, lets requests in progress end (drain_s)
+        if self._tokenizers is not None:
+            await self._tokenizers.close()
         await self.inboxes.stop()
         await self.registry.stop()
 
@@ -122,15 +177,28 @@ class Gateway:
     # ------------------------------------------------------------------ plumbing
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """Every error as an OpenAI error object, aiohttp's own (404 path, 405, 413) included."""
+        """Every error as an OpenAI error object, aiohttp's own (404 path, 405 with its ``Allow``,
+        413) and a bug's included; ``x-request-id`` on every response: the client's own (printable,
+        at most 128 characters), else a fresh one."""
+        rid = request.headers.get(REQUEST_ID, "")
+        if not _CLIENT_REQUEST_ID.fullmatch(rid):
+            rid = os.urandom(16).hex()
+        request[REQUEST_ID_KEY] = rid
         try:
-            return await handler(request)
+            resp = await handler(request)
         except ApiError as exc:
-            return self._error(exc)
+            resp = self._error(exc)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return self._error(ApiError(exc.status, exc.reason))
+            allow = exc.headers.get("Allow")
+            resp = self._error(ApiError(exc.status, exc.reason, headers={"Allow": allow} if allow else None))
+        except Exception as exc:  # a bug: still an OpenAI error (logged with its traceback)
+            log.exception("request failed", path=request.path)
+            resp = self._error(ApiError(500, f"internal error: {exc!r}"))
+        if not resp.prepared:  # a streamed answer got it with its headers (_start_stream)
+            resp.headers[REQUEST_ID] = rid
+        return resp
 
     def _error(self, exc: ApiError, force_close: bool = False) -> web.Response:
         resp = web.Response(body=dumps(exc.body()), status=exc.status, content_type="application/json",
@@ -157,6 +225,12 @@ class Gateway:
             raise ApiError(408, f"request body not received within {self.cfg.body_timeout_s:g} s") from None
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(413, f"request body exceeds {limit} bytes") from None
+        except (web.HTTPException, OSError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # e.g. Content-Encoding: gzip on a body that is not gzip
+            enc = request.headers.get("Content-Encoding") or "identity"
+            raise ApiError(400, f"the request body could not be read ({enc} encoding): {' '.join(str(exc).split())}",
+                           close=True) from None
 
     # ------------------------------------------------------------------ completions
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -182,7 +256,7 @@ class Gateway:
                                         f"({self.nc.max_payload} bytes)")
             except ApiError as exc:
                 status = str(exc.status)
-                return self._error(exc, force_close=exc.status in (408, 413))
+                return self._error(exc, force_close=exc.close or exc.status in (408, 413))
             self.inflight += 1
             self.m.inflight.inc()
             counted = True
@@ -270,7 +344,8 @@ class Gateway:
                         await resp.write_eof()
                         return resp
                     if v == "bear.error/1":
-                        err = ApiError.from_router(m.get("error") or {}, self.cfg.retry_after_s)
+                        err = ApiError.from_router(m.get("error") or {}, self.cfg.retry_after_s,
+                                                   "messages" if sub.chat else "prompt")
                         span.error(err.message)
                         return await self._fail(resp, err)
         except TimeoutError:
@@ -303,7 +378,9 @@ class Gateway:
     def _new_answer(self, sub: Submission, qid: str, routed: dict[str, Any] | None,
                     done: dict[str, Any] | None = None) -> Answer:
         model = (done or {}).get("model") or (routed or {}).get("model") or sub.model
-        return Answer(sub.chat, qid, int(time.time()), str(model), sub.include_usage)
+        prompt = (routed or {}).get("prompt_tokens")
+        return Answer(sub.chat, qid, int(time.time()), str(model), sub.include_usage, sub.continuous_usage,
+                      prompt if isinstance(prompt, int) and not isinstance(prompt, bool) else 0)
 
     def _headers(self, qid: str, routed: dict[str, Any] | None, done: dict[str, Any] | None = None) -> dict[str, str]:
         h = decision_headers(qid, routed)
@@ -314,7 +391,7 @@ class Gateway:
 
     async def _start_stream(self, request: web.Request, qid: str, routed: dict[str, Any] | None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           **self._headers(qid, routed)})
+                                           REQUEST_ID: request[REQUEST_ID_KEY], **self._headers(qid, routed)})
         await resp.prepare(request)
         return resp
 
@@ -333,7 +410,11 @@ class Gateway:
         return out
 
     def _model_entry(self, name: str, instances: list[str]) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": self.started, "owned_by": "bear",
+        """vLLM's model card (``root``, ``parent``, ``max_model_len``: the largest context among
+        the instances, None when none registered one) and BEAR's instances."""
+        lens = [i.max_model_len for i in self.registry.healthy() if i.id in instances and i.max_model_len]
+        return {"id": name, "object": "model", "created": self.started, "owned_by": "bear", "root": name,
+                "parent": None, "max_model_len": max(lens) if lens else None,
                 "bear": {"instances": sorted(instances), "routing_alias": name == self.cfg.defaults.alias}}
 
     async def models(self, request: web.Request) -> web.Response:
@@ -356,6 +437,76 @@ class Gateway:
                 raise ApiError(404, f"the model {name!r} is not served by any healthy instance", param="model")
             entry = self._model_entry(name, ids)
         return web.Response(body=dumps(entry), content_type="application/json")
+
+    # ------------------------------------------------------------------ tokenize, detokenize
+    async def _tokenizer(self, model: str | None) -> tuple[Any, int | None]:
+        """The tokenizer of the instances ``model`` names (the routing alias or none: all of
+        them, which must then share one) and their largest ``max_model_len``."""
+        from bear.tokenizer.cache import TokenizerCache
+
+        name = model or self.cfg.defaults.alias
+        insts = [i for i in self.registry.healthy()
+                 if name == self.cfg.defaults.alias or name in (i.model, i.predictor_model)]
+        if not insts:
+            raise ApiError(404, f"the model {name!r} is not served by any healthy instance", param="model")
+        ids = {i.tokenizer for i in insts}
+        if "" in ids:
+            raise ApiError(404, f"an instance of {name!r} registered no tokenizer", param="model")
+        if len(ids) > 1:
+            raise ApiError(400, f"the instances of {name!r} tokenize differently: name one model", param="model")
+        if self._tokenizers is None:
+            self._tokenizers = TokenizerCache(self.nc, self.subjects.tokenizers_bucket)
+        tok = await self._tokenizers.get(ids.pop(), timeout_s=10.0)
+        if tok is None:
+            raise ApiError(503, f"the tokenizer of {name!r} could not be fetched; try again",
+                           headers={"Retry-After": str(self.cfg.retry_after_s)})
+        lens = [i.max_model_len for i in insts if i.max_model_len]
+        return tok, max(lens) if lens else None
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: the ids the engine will see for a prompt or chat messages."""
+        self._authorize(request)
+        req: TokenizeRequest = decode(await self._body(request), TokenizeRequest)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "exactly one of prompt or messages is required", param="prompt")
+        chat = req.messages is not None
+        if req.add_special_tokens not in (None, not chat) or req.add_generation_prompt not in (None, True):
+            raise ApiError(400, "the ids are those the routed request gets: add_special_tokens "
+                                f"{not chat} and add_generation_prompt true", param="add_special_tokens")
+        tok, max_len = await self._tokenizer(req.model)
+        messages = router_messages(req.messages) if req.messages is not None else None
+        ids = await self._tokenizers.run(lambda: tok.encode(req.prompt, messages))
+        if ids is None:
+            raise ApiError(400, "the model's tokenizer has no chat template", param="messages")
+        strs = await self._tokenizers.run(lambda: [tok.tokenizer.id_to_token(i) for i in ids]) \
+            if req.return_token_strs else None
+        return web.Response(body=dumps({"count": len(ids), "max_model_len": max_len, "tokens": ids,
+                                        "token_strs": strs}), content_type="application/json")
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        req: DetokenizeRequest = decode(await self._body(request), DetokenizeRequest)
+        tok, _ = await self._tokenizer(req.model)
+        size = tok.tokenizer.get_vocab_size(with_added_tokens=True)
+        if any(t >= size for t in req.tokens):
+            raise ApiError(400, f"token ids must be below the vocabulary size {size}", param="tokens")
+        text = await self._tokenizers.run(lambda: tok.tokenizer.decode(req.tokens, skip_special_tokens=False))
+        return web.Response(body=dumps({"prompt": text}), content_type="application/json")
+
+    async def ping(self, _: web.Request) -> web.Response:
+        """vLLM's liveness probe (GET or POST, no key): 200 while NATS is connected, else 503."""
+        ok = bool(self.nc.is_connected)
+        return web.Response(body=b"{}", status=200 if ok else 503, content_type="application/json")
+
+    async def version(self, _: web.Request) -> web.Response:
+        from bear import __version__
+
+        return web.Response(body=dumps({"version": __version__}), content_type="application/json")
+
+    async def openapi(self, _: web.Request) -> web.Response:
+        """The OpenAPI 3.1 document of what this gateway serves (its request bodies from the
+        same msgspec types that decode them)."""
+        return web.Response(body=dumps(openapi_document()), content_type="application/json")
 
     async def health(self, _: web.Request) -> web.Response:
         ok = bool(self.nc.is_connected)

@@ -9,6 +9,8 @@ from typing import Any
 class ErrorCode(StrEnum):
     BAD_REQUEST = "bad_request"  # malformed or missing fields
     TOO_LARGE = "too_large"  # message or field beyond the service's limit
+    # prompt + max_tokens beyond every candidate engine's context (OpenAI's and vLLM's own code)
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     DEADLINE_EXCEEDED = "deadline_exceeded"  # the request's absolute deadline passed
     UNAVAILABLE = "unavailable"  # a dependency (NATS, model, instance) is not reachable
     OVERLOADED = "overloaded"  # bounded queue full; retry elsewhere

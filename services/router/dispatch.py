@@ -25,8 +25,8 @@ REFUSED_STATUSES = (400, 413, 422)  # the request's own fault; 404/408/409/429 a
 # that instant, be reset, and count as the instance unavailable (rerouted, the instance backed
 # off). The router lets its connections go before the engine does.
 ENGINE_KEEPALIVE_S = 4.0
-_TOO_LARGE = re.compile(r"max_model_len|maximum context length|context length|too long|too large|exceeds",
-                        re.IGNORECASE)
+_CONTEXT = re.compile(r"max_model_len|maximum context length|context length|context window", re.IGNORECASE)
+_TOO_LARGE = re.compile(r"too long|too large|exceeds", re.IGNORECASE)
 
 
 class InstanceUnavailable(Exception):
@@ -35,15 +35,16 @@ class InstanceUnavailable(Exception):
 
 
 class InstanceRefused(Exception):
-    """The engine refused this request for good (HTTP 400/413/422): ``code`` is ``too_large`` for
-    a request beyond the engine's limits (context length, size), else ``bad_request``; ``reason``
-    is the engine's own message."""
+    """The engine refused this request for good (HTTP 400/413/422): ``code`` is
+    ``context_length_exceeded`` for a request beyond the engine's context, ``too_large`` for one
+    beyond its other limits (size), else ``bad_request``; ``reason`` is the engine's own message."""
 
     def __init__(self, status: int, reason: str) -> None:
         super().__init__(f"HTTP {status}: {reason}")
         self.status = status
         self.reason = reason
-        self.code = ErrorCode.TOO_LARGE if status == 413 or _TOO_LARGE.search(reason) else ErrorCode.BAD_REQUEST
+        self.code = (ErrorCode.CONTEXT_LENGTH_EXCEEDED if _CONTEXT.search(reason)
+                     else ErrorCode.TOO_LARGE if status == 413 or _TOO_LARGE.search(reason) else ErrorCode.BAD_REQUEST)
 
 
 def engine_reason(text: str) -> str:
@@ -71,12 +72,14 @@ class Piece:
     finish_reason: str | None = None
 
 
-def request_body(model: str, prompt: str | None, messages: list[dict[str, Any]] | None, max_tokens: int,
+def request_body(model: str, prompt: str | None, messages: list[dict[str, Any]] | None, max_tokens: int | None,
                  extra: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
     """(path, JSON body) of a streaming completion or chat completion; ``extra``: further body
-    fields (the query's sampling fields, the sim engine's length hints)."""
-    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": True,
-                            "stream_options": {"include_usage": True}}
+    fields (the query's sampling fields, the sim engine's length hints); ``max_tokens`` None:
+    none in the body, so the engine generates up to the rest of its context (vLLM's default)."""
+    body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
     if messages is not None:
         body["messages"] = messages
         path = "/chat/completions"

@@ -54,6 +54,7 @@ log = structlog.get_logger("bear.router")
 
 SUBMIT_SCHEMA = "bear.submit/1"
 MAX_PROMPT_BYTES = 4 * 1024 * 1024
+REST_UNKNOWN_MAX_TOKENS = 1 << 20  # max_tokens_rest where no candidate registered its context: the estimate's cap
 MAX_MESSAGE_DEPTH = 8  # chat messages: role/content maps, content parts, their fields
 DISPATCH_MARGIN_S = 0.05  # a query is not dispatched this close to its client's deadline
 RESEND_S = 3.0  # terminal messages sent this long before a reconnect are sent again after it
@@ -113,6 +114,16 @@ class Query:
     inbox: str = ""  # where the answer goes (a cancel must name it)
     deciding: bool = True  # counted in Admission.deciding until dispatched or finished
     session: str | None = None  # the conversation it belongs to (session-affinity routing)
+    # max_tokens_rest: no cap of the client's; the engine generates up to the rest of its context
+    # (vLLM's default), and ``max_tokens`` is the largest such rest, for the estimate
+    rest_of_context: bool = False
+
+    def max_tokens_at(self, max_model_len: int | None, prompt_tokens: int) -> int | None:
+        """The query's output cap at an instance: the client's ``max_tokens``, or with
+        ``rest_of_context`` the rest of that instance's context (None: its context is unknown)."""
+        if not self.rest_of_context:
+            return self.max_tokens
+        return max(1, max_model_len - prompt_tokens) if max_model_len else None
 
     @property
     def text(self) -> str:
@@ -163,14 +174,19 @@ def parse_submit(data: bytes, cfg: RouterConfig) -> Query:
     session = d.get("session")
     if session is not None and (not isinstance(session, str) or not session or len(session) > 256):
         raise BearError(ErrorCode.BAD_REQUEST, "session must be a non-empty string (≤ 256 chars)")
-    max_tokens = num("max_tokens", cfg.default_max_tokens, 1)
+    rest = d.get("max_tokens_rest", False)
+    if not isinstance(rest, bool):
+        raise BearError(ErrorCode.BAD_REQUEST, "max_tokens_rest must be a boolean")
+    if rest and d.get("max_tokens") is not None:
+        raise BearError(ErrorCode.BAD_REQUEST, "max_tokens_rest and max_tokens exclude each other")
+    max_tokens = REST_UNKNOWN_MAX_TOKENS if rest else num("max_tokens", cfg.default_max_tokens, 1)
     if max_tokens > 2**31 - 1:
         raise BearError(ErrorCode.BAD_REQUEST, "max_tokens must be < 2^31")
     q = Query(query_id=qid, prompt=prompt, messages=messages,
               ttft_target_s=num("ttft_target_s", cfg.default_ttft_target_s, 0.0),
               max_tokens=int(max_tokens), lam=num("lam", cfg.lam, 0.0),
               prompt_tokens=pt, model=model, sampling=check_sampling(d.get("sampling")),
-              deadline=None if deadline is None else float(deadline), session=session)
+              deadline=None if deadline is None else float(deadline), session=session, rest_of_context=rest)
     if len(q.text.encode()) > MAX_PROMPT_BYTES:
         raise BearError(ErrorCode.TOO_LARGE, f"prompt larger than {MAX_PROMPT_BYTES} bytes")
     return q
@@ -494,14 +510,18 @@ class RouterService:
             await out.error(ErrorCode.UNAVAILABLE, f"no healthy instance{what} registered")
             self.m.queries.labels(status="unavailable").inc()
             return
-        need = (q.prompt_tokens or 0) + q.max_tokens  # tokens the query needs at least
+        need = (q.prompt_tokens or 0) + (1 if q.rest_of_context else q.max_tokens)  # tokens the query needs at least
         fits = [i for i in insts if i.max_model_len is None or need <= i.max_model_len]
+        if q.rest_of_context and fits and all(i.max_model_len for i in fits):
+            q.max_tokens = max(max(1, (i.max_model_len or 0) - q.token_estimate()) for i in fits)
         if not fits:
             most = max(i.max_model_len or 0 for i in insts)
-            reason = (f"the query needs ≥ {need} tokens (prompt + max_tokens); the largest max_model_len of the "
-                      f"candidate instances is {most}")
-            await out.error(ErrorCode.TOO_LARGE, reason)
-            self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "too_large", "reason": reason,
+            # vLLM's and OpenAI's wording: clients (LiteLLM) recognise a context overflow by it
+            reason = (f"This model's maximum context length is {most} tokens. However, you requested {need} "
+                      f"tokens (prompt + max_tokens; the largest max_model_len of the candidate instances).")
+            await out.error(ErrorCode.CONTEXT_LENGTH_EXCEEDED, reason)
+            self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "context_length_exceeded",
+                                  "reason": reason,
                                   "policy": self.policy.name, "target_s": q.ttft_target_s})
             return
         insts = fits
@@ -554,7 +574,8 @@ class RouterService:
             p = used[inst.id]
             request_id = f"bear-{uuid.uuid4().hex}"
             await self.nc.publish(self.subjects.dispatch(inst.id), encode(dispatch_for(
-                q.query_id, request_id, p, q.max_tokens, time.time(), d.candidate.prefix_hit_tokens,
+                q.query_id, request_id, p, q.max_tokens_at(inst.max_model_len, p.prompt_tokens), time.time(),
+                d.candidate.prefix_hit_tokens,
                 dispatch_tokens(asked.tokens, inst.tokenizer, rows.get(inst.id) if rows else None))))
             q.served_by = inst.id
             decision_s = time.perf_counter() - t0
@@ -570,7 +591,9 @@ class RouterService:
                             "predicted_ttft_s": _finite(self.policy.latency_estimate(d.candidate)),
                             "ttft_method": d.candidate.ttft_method, "feasible": d.feasible,
                             "policy": self.policy.name, "decision_s": decision_s, "attempt": attempt,
-                            "backend": inst.backend})
+                            "backend": inst.backend,
+                            "prompt_tokens": d.candidate.prompt_tokens or p.prompt_tokens,
+                            "prompt_tokens_exact": d.candidate.tokens_exact})
             try:
                 await self._stream(q, out, inst, d, p, request_id, max(1, p.prompt_tokens - d.candidate.prefix_hit_tokens),
                                    t0, decision_s, asked, fallbacks, cands, attempt)
@@ -597,7 +620,9 @@ class RouterService:
     async def _stream(self, q: Query, out: ClientStream, inst: InstanceInfo, d: Decision, p: ModelPrediction,
                       request_id: str, uncached: int, t0: float, decision_s: float, asked: Asked,
                       fallbacks: list[str], cands: list[Candidate], attempt: int) -> None:
-        path, body = request_body(inst.model, q.prompt, q.messages, q.max_tokens, dict(q.sampling))
+        # the rest of the context: no max_tokens in the body, so the engine applies its own rest
+        path, body = request_body(inst.model, q.prompt, q.messages, None if q.rest_of_context else q.max_tokens,
+                                  dict(q.sampling))
         first: float | None = None
         usage: dict[str, int] = {}
         finish = None
@@ -673,7 +698,9 @@ class RouterService:
             "router": self.name, "instance": inst.id, "model": inst.model, "predictor_model": inst.predictor_model,
             "target_s": q.ttft_target_s, "lam": q.lam, "prompt_tokens": q.token_estimate(),  # what the estimate was asked
             "instance_prompt_tokens": p.prompt_tokens, "tokens": "exact" if d.candidate.tokens_exact else "estimated",
-            "prefix_hit_tokens": d.candidate.prefix_hit_tokens, "max_tokens": q.max_tokens,
+            "prefix_hit_tokens": d.candidate.prefix_hit_tokens,
+            "max_tokens": q.max_tokens_at(inst.max_model_len, p.prompt_tokens) if q.rest_of_context else q.max_tokens,
+            "max_tokens_rest": q.rest_of_context,
             "predicted_ttft_s": predicted, "ttft_method": d.candidate.ttft_method, "feasible": d.feasible,
             "observed_ttft_s": ttft, "on_time": on_time, "utility": utility,
             "predicted_utility": d.candidate.utility(q.lam), "decision_s": decision_s, "wait_s": asked.wait_s,

@@ -265,15 +265,22 @@ def _banner(console: Any, stack: Any, escape: Any) -> None:
     if stack.cfg.backend == "sim":
         console.print("  (simulated instances: they stream placeholder text — lorem ipsum — with the timing of "
                       "the real models)", soft_wrap=True)
+    if stack.gateway_url:
+        key = stack.cfg.gateway_key_file
+        console.print(f"  OpenAI gateway   {stack.gateway_url} (model `bear`: BEAR chooses; API key "
+                      f"{escape(str(key)) if key else 'none: --no-auth, loopback only'})", soft_wrap=True)
     for url in stack.describe()["metrics"]:
         console.print(f"  router metrics   {url}")
     console.print(f"  logs             {escape(str(stack.log_dir))}/ (one file per process)", soft_wrap=True)
     console.print(f"  outcome log      {escape(str(stack.outcome_log(0)))}", soft_wrap=True)
     console.print(f"\nTry:  {escape(bear)} submit \"Explain KV caching briefly\" --ttft-ms 500", soft_wrap=True)
     console.print(f"      {escape(bear)} load --rate 8 --duration 30", soft_wrap=True)
-    if bear != "bear" and os.environ.get("VIRTUAL_ENV") is None and Path(bear).parent.name == "bin":
-        console.print(f"      (`source {escape(str(Path(bear).parent / 'activate'))}` puts `bear` on PATH)",
-                      soft_wrap=True)
+    if stack.gateway_url:
+        key = stack.cfg.gateway_key_file
+        auth = f' -H "Authorization: Bearer $(cat {key})"' if key else ""
+        body = '{"model": "bear", "messages": [{"role": "user", "content": "Hi"}]}'
+        curl = f"curl {stack.gateway_url}/chat/completions{auth} -H 'Content-Type: application/json' -d '{body}'"
+        console.print(f"      {escape(curl)}", soft_wrap=True)
 
 
 def bench_router(

@@ -154,6 +154,20 @@ class TokenizerCache:
         finally:
             self._loading.pop(bid, None)
 
+    async def get(self, bid: str, timeout_s: float) -> Loaded | None:
+        """The bundle ``bid``, fetched first if need be (waiting at most ``timeout_s``); None
+        when it cannot be had (not in the store, does not load, too slow)."""
+        self.want([bid])
+        task = self._loading.get(bid)
+        if task is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        return self.loaded.get(bid)
+
+    async def run(self, job: Callable[[], Any]) -> Any:
+        """``job`` in the encoding threads (off the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, job)
+
     async def encode(self, ids: Iterable[str], prompt: str | None,
                      messages: Sequence[Mapping[str, Any]] | None) -> dict[str, bytes]:
         """The prompt's token ids for each loaded tokenizer among ``ids``, packed. Encoded inline

@@ -8,12 +8,14 @@ stops everything and leaves nothing behind."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from bear_cli import all_gone, assert_one_line_error, make_bear, start_up
@@ -69,15 +71,15 @@ def test_prompt_from_stdin_and_file(up) -> None:
 
 def test_engine_refusals_are_one_line_and_not_retried(up) -> None:
     (up.bear.cwd / "long.txt").write_text("word " * 40_000)  # ≈ 50k tokens > max_model_len 40960, < 1 MB
-    assert_one_line_error(up.bear("submit", "--file", "long.txt", "--query-id", "too-long"), 1, "too_large",
-                          "refused the query", "max_model_len", only=False)
+    assert_one_line_error(up.bear("submit", "--file", "long.txt", "--query-id", "too-long"), 1,
+                          "context_length_exceeded", "refused the query", "max_model_len", only=False)
     # max_tokens beyond every registered max_model_len: refused by the router before dispatch
     assert_one_line_error(up.bear("submit", "hi", "--max-tokens", "10000000", "--query-id", "too-many"), 1,
-                          "too_large", "max_model_len", only=False)
+                          "context_length_exceeded", "maximum context length", only=False)
     recs = wait_until_sync(lambda: records_of(up, {"too-long", "too-many"}), what="both queries' outcome records")
-    assert recs["too-long"]["status"] == "too_large" and recs["too-long"]["attempt"] == 1
+    assert recs["too-long"]["status"] == "context_length_exceeded" and recs["too-long"]["attempt"] == 1
     assert recs["too-long"]["http_status"] == 400
-    assert recs["too-many"]["status"] == "too_large" and "http_status" not in recs["too-many"]
+    assert recs["too-many"]["status"] == "context_length_exceeded" and "http_status" not in recs["too-many"]
     res = up.bear("submit", "still routed", "--max-tokens", "2")  # no instance was held against it
     assert res.rc == 0, res.err
 
@@ -113,7 +115,7 @@ def test_load_finds_the_stack_and_explains_its_summary(up) -> None:
 
 def test_load_that_completes_nothing_fails_in_one_line(up) -> None:
     res = up.bear("load", "--rate", "3", "--duration", "1", "--max-tokens", "10000000", timeout=120)
-    assert_one_line_error(res, 1, "no query completed", "too_large", only=False)
+    assert_one_line_error(res, 1, "no query completed", "context_length_exceeded", only=False)
 
 
 def test_second_up_refuses_here_and_names_the_port_elsewhere(up, tmp_path) -> None:
@@ -124,3 +126,26 @@ def test_second_up_refuses_here_and_names_the_port_elsewhere(up, tmp_path) -> No
     other.mkdir()
     assert_one_line_error(up.bear("up", "--metrics-port", port, cwd=other), 1, port, "already in use")
     assert not (other / ".bear-up" / "runs").exists() or not list((other / ".bear-up" / "runs").iterdir())
+
+
+def test_banner_names_the_gateway_its_key_and_a_curl_line_that_works(up) -> None:
+    def banner() -> str | None:
+        text = up.log.read_text()
+        return text if " curl " in text else None
+
+    text = wait_until_sync(banner, what="the banner's curl line")
+    line = next(ln for ln in text.splitlines() if "OpenAI gateway" in ln)
+    url = line.split()[2]
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/v1") and "gateway-api-key" in line
+    curl = next(ln.strip() for ln in text.splitlines() if ln.strip().startswith("curl "))
+    assert curl.startswith(f"curl {url}/chat/completions") and "Authorization: Bearer $(cat " in curl
+    key = (up.bear.cwd / ".bear-up" / "gateway-api-key").read_text().strip()
+
+    r = httpx.post(f"{url}/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=HANG_S,
+                   json={"model": "bear", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
+
+    if shutil.which("curl"):  # the line as printed, run by a shell in the stack's directory
+        res = subprocess.run(["bash", "-c", curl.replace('"content": "Hi"}]}', '"content": "Hi"}], "max_tokens": 3}')],
+                             cwd=up.bear.cwd, capture_output=True, text=True, timeout=HANG_S)
+        assert res.returncode == 0 and json.loads(res.stdout)["object"] == "chat.completion", res

@@ -31,6 +31,7 @@ from waiting import HANG_S, wait_until
 KEY = "test-key-0123456789abcdef"
 PROFILES = {"sim-small": "qwen3-0.6b-h100", "sim-big": "qwen3-8b-h100"}
 RECORDER_MODEL = "rec/echo"
+RECORDER_MAX_MODEL_LEN = 40960  # registered (the router's context check), not enforced by it
 
 
 class RecordingEngine:
@@ -92,6 +93,17 @@ async def _serve(runner: web.AppRunner) -> int:
     return port
 
 
+async def _tiny_tokenizer(nc: Any, tmp_path: Any) -> str:
+    """The tiny test tokenizer (with a chat template) in the pool's object store: the recorder's."""
+    from bear.tokenizer.bundle import from_model_dir
+    from bear.tokenizer.store import put_bundle
+    from bear.vllm_instance.tiny_model import write_tokenizer
+
+    (tmp_path / "recorder-tokenizer").mkdir(parents=True, exist_ok=True)
+    write_tokenizer(tmp_path / "recorder-tokenizer")
+    return await put_bundle(nc.jetstream(), Subjects().tokenizers_bucket, from_model_dir(tmp_path / "recorder-tokenizer"))
+
+
 async def make_pool(nats_url: str, tmp_path: Any, *, gateway_cfg: GatewayConfig | None = None,
                     keys: ApiKeys | None = None, auth: bool = True, router_cfg: RouterConfig | None = None,
                     profiles: dict[str, str] | None = None, recorder: bool = True, router: bool = True) -> Pool:
@@ -99,9 +111,11 @@ async def make_pool(nats_url: str, tmp_path: Any, *, gateway_cfg: GatewayConfig 
     tasks: list[asyncio.Task[Any]] = []
     runners: list[web.AppRunner] = []
 
-    def register(name: str, model: str, port: int, backend: str, price: float = 0.2) -> None:
+    def register(name: str, model: str, port: int, backend: str, price: float = 0.2,
+                 config: dict[str, Any] | None = None, tokenizer: str = "") -> None:
         rec = instance_record(name, model, f"http://127.0.0.1:{port}/v1", price_input_per_mtok=price / 2,
-                              price_output_per_mtok=price, backend=backend)
+                              price_output_per_mtok=price, backend=backend, config=config)
+        rec.tokenizer = tokenizer
         tasks.append(asyncio.create_task(Registration(nc, rec, Subjects(), heartbeat_s=1.0).run()))
 
     sims = {}
@@ -109,14 +123,15 @@ async def make_pool(nats_url: str, tmp_path: Any, *, gateway_cfg: GatewayConfig 
         sim = SimEngine(load_profile(prof), name, None, seed=0)
         runner = SimApi(sim).runner()
         runners.append(runner)
-        register(name, sim.model_name, await _serve(runner), "sim")
+        register(name, sim.model_name, await _serve(runner), "sim", config={"max_model_len": sim.max_model_len})
         tasks.append(asyncio.create_task(sim.run()))
         sims[name] = sim
     rec_engine = RecordingEngine()
     if recorder:
         runner = web.AppRunner(rec_engine.app(), access_log=None)
         runners.append(runner)
-        register("recorder", RECORDER_MODEL, await _serve(runner), "vllm", price=1e4)  # chosen only when named
+        register("recorder", RECORDER_MODEL, await _serve(runner), "vllm", price=1e4,  # chosen only when named
+                 config={"max_model_len": RECORDER_MAX_MODEL_LEN}, tokenizer=await _tiny_tokenizer(nc, tmp_path))
     log_path = tmp_path / "outcomes.jsonl"
     rcfg = router_cfg or RouterConfig(predict_budget_s=0.02, predict_try_s=0.01, estimate_budget_s=0.02,
                                       estimate_try_s=0.01)

@@ -45,6 +45,19 @@ def test_parse_submit_validates() -> None:
         parse_submit(b"\xc1", cfg)
 
 
+def test_max_tokens_rest_is_the_rest_of_each_instance_context() -> None:
+    cfg = RouterConfig()
+    q = parse_submit(pack({"query_id": "a", "prompt": "hi", "max_tokens_rest": True}), cfg)
+    assert q.rest_of_context and q.max_tokens_at(4096, 100) == 3996 and q.max_tokens_at(None, 100) is None
+    assert q.max_tokens_at(50, 100) == 1  # a prompt that fills the context still asks one token
+    capped = parse_submit(pack({"query_id": "b", "prompt": "hi", "max_tokens": 7}), cfg)
+    assert not capped.rest_of_context and capped.max_tokens_at(4096, 100) == 7
+    for bad in ({"max_tokens_rest": 1}, {"max_tokens_rest": True, "max_tokens": 5}):
+        with pytest.raises(BearError) as e:
+            parse_submit(pack({"query_id": "c", "prompt": "x", **bad}), cfg)
+        assert e.value.code == "bad_request"
+
+
 def test_instance_rate_window_and_ttft_percentiles() -> None:
     """The incremental completion rate and cached percentiles equal the direct computation."""
     import numpy as np
@@ -201,7 +214,8 @@ async def test_fallbacks_and_reroute_when_instance_unreachable(router_env) -> No
 
 
 @pytest.mark.parametrize(("status", "message", "code"), [
-    (400, "This model's maximum context length is 40960 tokens. However, you requested 50000 tokens", "too_large"),
+    (400, "This model's maximum context length is 40960 tokens. However, you requested 50000 tokens",
+     "context_length_exceeded"),
     (413, "request entity too large", "too_large"),
     (400, "temperature must be non-negative", "bad_request"),
     (422, "field required: model", "bad_request"),
