@@ -33,6 +33,7 @@ from recorded_runs import keep_recording, live_pool_fidelity, prefix_fidelity, r
 from bear.client.submit import submit
 from bear.estimator.estimate import EstimatorConfig
 from bear.estimator.worker import EstimatorWorker
+from bear.prefix.hits import Hashers, Target, prefix_hits
 from bear.protocol.codec import unpack
 from bear.protocol.messages import EstimateRequest, decode
 from bear.protocol.subjects import Subjects
@@ -206,11 +207,33 @@ async def test_live_router_exact_tokens_and_mirrored_hits(vllm_py: str, tiny_mod
             def mirrored() -> bool:  # the estimator applied every KV event the snapshotter read
                 st = worker.store.peek("vllm-0")
                 return st is not None and st.prefix.synced and st.prefix.seq == svc.publisher.kv.mirror.seq
+            hashers = Hashers()
+
+            def holds_prefill_of(prev: list[int], ids: list[int]) -> bool:
+                """The estimator's mirror holds every full block of the previous prompt this one
+                shares: the engine cached them when it prefilled that prompt, before its first
+                token (a CI run on a busy host decided turn 3 with them still on their way)."""
+                st = worker.store.peek("vllm-0")
+                if st is None or st.prefix_spec is None:
+                    return False
+                bs = st.prefix_spec.block_size
+                shared = next((k for k, (a, b) in enumerate(zip(prev, ids, strict=False)) if a != b),
+                              min(len(prev), len(ids)))
+                want = min(shared // bs, (len(ids) - 1) // bs) * bs
+                return prefix_hits(ids, [Target(st.prefix, st.prefix_spec)], hashers)[0] >= want
+
             dones: dict[str, dict[str, Any]] = {}
             for s in range(3):
                 msgs: list[dict[str, Any]] = [{"role": "system", "content": "You answer in riddles. " * (10 + s)}]
+                prev: list[int] | None = None
                 for t in range(4):
                     msgs.append({"role": "user", "content": f"session {s} turn {t}: " + "why " * (60 + 20 * t)})
+                    ids = router.tokenizers.loaded[tid].encode(None, msgs)
+                    assert ids is not None
+                    if prev is not None:
+                        await wait_until(lambda p=prev, i=ids: holds_prefill_of(p, i),
+                                         what="the estimator's mirror holding the previous prompt's blocks")
+                    prev = ids
                     qid = f"s{s}-t{t}"
                     out = [m async for m in submit(nc, messages=list(msgs), ttft_target_s=10.0, max_tokens=24,
                                                    query_id=qid, idle_timeout_s=60.0, session=f"s{s}")]

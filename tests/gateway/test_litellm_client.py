@@ -1,0 +1,34 @@
+"""LiteLLM through the gateway (issue 27), with both of its providers that reach an OpenAI-style
+server — ``openai/`` and ``hosted_vllm/``: answers, streaming, and a context overflow raised as
+LiteLLM's ``ContextWindowExceededError`` (what its context-window fallbacks act on)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the price list at import
+import litellm
+
+from gateway_helpers import KEY
+
+CHAT = [{"role": "user", "content": "Explain KV caching."}]
+PROVIDERS = ["openai", "hosted_vllm"]
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+async def test_litellm_answers_and_streams(remote, provider: str) -> None:
+    kw = {"model": f"{provider}/bear", "api_base": remote.base_url, "api_key": KEY, "messages": CHAT}
+    r = await litellm.acompletion(max_tokens=4, **kw)
+    assert len(r.choices[0].message.content.split()) == 4 and r.usage.completion_tokens == 4
+    stream = await litellm.acompletion(max_tokens=3, stream=True, **kw)
+    text = "".join([ch.choices[0].delta.content or "" async for ch in stream])
+    assert len(text.split()) == 3
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+async def test_litellm_context_overflow_is_context_window_exceeded(remote, provider: str) -> None:
+    with pytest.raises(litellm.ContextWindowExceededError):
+        await litellm.acompletion(model=f"{provider}/bear", api_base=remote.base_url, api_key=KEY, messages=CHAT,
+                                  max_tokens=100_000, num_retries=0)
