@@ -513,7 +513,7 @@ class RouterService:
         need = (q.prompt_tokens or 0) + (1 if q.rest_of_context else q.max_tokens)  # tokens the query needs at least
         fits = [i for i in insts if i.max_model_len is None or need <= i.max_model_len]
         if q.rest_of_context and fits and all(i.max_model_len for i in fits):
-            q.max_tokens = max(max(1, (i.max_model_len or 0) - q.token_estimate()) for i in fits)
+            q.max_tokens = max(q.max_tokens_at(i.max_model_len, q.token_estimate()) or 1 for i in fits)
         if not fits:
             most = max(i.max_model_len or 0 for i in insts)
             # vLLM's and OpenAI's wording: clients (LiteLLM) recognise a context overflow by it
@@ -699,7 +699,7 @@ class RouterService:
             "target_s": q.ttft_target_s, "lam": q.lam, "prompt_tokens": q.token_estimate(),  # what the estimate was asked
             "instance_prompt_tokens": p.prompt_tokens, "tokens": "exact" if d.candidate.tokens_exact else "estimated",
             "prefix_hit_tokens": d.candidate.prefix_hit_tokens,
-            "max_tokens": q.max_tokens_at(inst.max_model_len, p.prompt_tokens) if q.rest_of_context else q.max_tokens,
+            "max_tokens": q.max_tokens_at(inst.max_model_len, p.prompt_tokens),
             "max_tokens_rest": q.rest_of_context,
             "predicted_ttft_s": predicted, "ttft_method": d.candidate.ttft_method, "feasible": d.feasible,
             "observed_ttft_s": ttft, "on_time": on_time, "utility": utility,
