@@ -84,6 +84,10 @@ class InstancePublisher:
         self._last: dict[str, Any] | None = None  # the newest snapshot sent (idle re-sends)
         self._last_sent = 0.0  # monotonic
         self._wake = asyncio.Event()
+        # One sender of states at a time: the snapshotter's reader and ``run()`` both call
+        # ``publish_snapshots``, and ``nc.publish`` can yield (its buffer full, a loaded host), so
+        # without it one caller's full snapshot went out after the other caller's newer states.
+        self._sending = asyncio.Lock()
         self._closed = False
         self.kv = KvStream(instance, self.subjects) if kv_events else None
         self.log = log.bind(instance=instance)
@@ -138,8 +142,12 @@ class InstancePublisher:
             self.metrics.snapshots_dropped.labels("disconnected").inc(len(self._pending))
             self._pending.clear()
             return
+        async with self._sending:
+            await self._send_pending()
+
+    async def _send_pending(self) -> None:
         m = self.metrics
-        while self._pending:
+        while self._pending:  # a caller that waited for the lock finds what the other one left
             snap = self._pending.popleft()
             full, delta = self.stream.encode(snap)
             ok = True
@@ -194,9 +202,13 @@ class InstancePublisher:
         last = self._last if self._last is not None else self.initial()
         if last is None or last.get("running") or last.get("waiting"):
             return
+        if self._sending.locked():
+            return  # states are going out: the engine is not idle
         beat = {**last, "v": SNAPSHOT_SCHEMA, "instance": self.instance, "time": time.time(), "idle": True}
         beat.setdefault("generation", self.generation)
-        if await self._send(self._snap_subject, pack(beat)):
+        async with self._sending:
+            sent = await self._send(self._snap_subject, pack(beat))
+        if sent:
             self._last_sent = time.monotonic()
             self._last = beat
             self.stream.sent_full(beat)

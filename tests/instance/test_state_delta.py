@@ -6,6 +6,7 @@ anything; the publisher's stream (full snapshots every N, resync answers, rate l
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
 import zlib
@@ -255,3 +256,39 @@ def test_resync_answer_rate_limit_and_errors() -> None:
     assert got[0]["seq"] == state["seq"] and got[0]["generation"] == 5
     assert got[2]["error"]["code"] == "overloaded"
     assert libbea.snapshot_difference(libbea.Snapshot.from_dict(got[0]), libbea.Snapshot.from_dict(state)) is None
+
+
+class _YieldingNats:
+    """A NATS client whose ``publish`` queues the message, then now and then yields to the event
+    loop, as nats-py's does when its pending buffer is full (a loaded host): the interleaving that
+    once sent a full snapshot after newer states while the deltas stayed in order."""
+
+    is_connected = True
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, int]] = []
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        self.sent.append((subject.split(".")[1], unpack_map(payload)["seq"]))  # queued, in call order
+        if len(self.sent) % 3 == 1:
+            await asyncio.sleep(0)  # then a flush waits for the socket
+
+
+def test_concurrent_publishers_send_states_in_order() -> None:
+    """The snapshotter's reader and the publisher's loop both call ``publish_snapshots``: each
+    subject still carries every state once, oldest first."""
+    states = engine_states("kv-pressure", 120, seed=9)
+    nc = _YieldingNats()
+    pub = InstancePublisher(nc, "i", full_every=1)
+
+    async def main() -> None:
+        for st in states:
+            pub.snapshot(dict(st))
+        await asyncio.gather(*(pub.publish_snapshots() for _ in range(3)))
+
+    asyncio.run(main())
+    seqs = [st["seq"] for st in states]
+    fulls = [seq for kind, seq in nc.sent if kind == "snapshot"]
+    deltas = [seq for kind, seq in nc.sent if kind == "delta"]
+    assert fulls == seqs and deltas == seqs[1:], nc.sent
+    assert pub.pending == 0 and pub.metrics.snapshots_published._value.get() == len(states)
