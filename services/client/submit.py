@@ -81,11 +81,13 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
                  subjects: Subjects | None = None, accept_timeout_s: float = 2.0, idle_timeout_s: float = 30.0,
                  resubmits: int = 1, model: str | None = None, sampling: dict[str, Any] | None = None,
                  headers: dict[str, str] | None = None, inboxes: Inboxes | None = None,
-                 session: str | None = None) -> AsyncIterator[dict[str, Any]]:
+                 session: str | None = None, engine: dict[str, Any] | None = None) -> AsyncIterator[dict[str, Any]]:
     """``max_tokens`` None: up to the rest of the chosen engine's context (``max_tokens_rest``,
     vLLM's default); ``model``: only that model's instances are candidates (served or predictor name);
     ``session``: the conversation the query belongs to (session-affinity routing);
-    ``sampling``: engine sampling fields (``bear.protocol.sampling``); ``headers``: NATS headers of
+    ``sampling``: engine sampling fields (``bear.protocol.sampling``); ``engine``: more engine
+    fields, forwarded verbatim (``bear.protocol.engine_fields``: the answer's chunks then carry
+    the engine's ``choices``); ``headers``: NATS headers of
     the submission (the trace context); ``inboxes``: a shared reply subscription (else one of its
     own per call)."""
     from nats.errors import TimeoutError as NatsTimeout
@@ -103,7 +105,7 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
     else:
         req["prompt"] = prompt or ""
     for key, val in (("lam", lam), ("prompt_tokens", prompt_tokens), ("model", model), ("sampling", sampling or None),
-                     ("session", session)):
+                     ("session", session), ("engine", engine or None)):
         if val is not None:
             req[key] = val
     payload = pack(req)

@@ -288,7 +288,7 @@ async def _stream(url: str, subjects: Any, mode: str, fulls: list[bytes], deltas
 
     import nats
 
-    from bear.estimator.service_bench import _cpu_seconds
+    from bear.runtime.measure import cpu_seconds
 
     nc = await nats.connect(url, pending_size=64 * 1024 * 1024)
     names = [f"{mode}-{k}" for k in range(instances)]
@@ -297,7 +297,7 @@ async def _stream(url: str, subjects: Any, mode: str, fulls: list[bytes], deltas
     await nc.flush()
     await asyncio.sleep(1.0)  # the worker has subscribed long before: let it settle
     payloads = fulls[1:] if mode == "full" else deltas
-    cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
+    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
     sent = nbytes = 0
     for k, raw in enumerate(payloads):
         target = t0 + k / STEPS_PER_S
@@ -309,7 +309,7 @@ async def _stream(url: str, subjects: Any, mode: str, fulls: list[bytes], deltas
         await nc.flush()
     await asyncio.sleep(0.5)  # let the worker drain
     elapsed = time.perf_counter() - t0
-    cpu = _cpu_seconds(pid) - cpu0
+    cpu = cpu_seconds(pid) - cpu0
     await nc.close()
     return {"messages": sent, "bytes": nbytes, "elapsed_s": elapsed, "worker_cpu_s": cpu,
             "cpu_us_per_message": 1e6 * cpu / max(sent, 1), "worker_cpu_share": cpu / elapsed}

@@ -2,14 +2,16 @@
 ``/v1/completions`` — decoded and validated in one pass by msgspec, and turned into what is
 submitted to the routers.
 
-Every field of OpenAI's API is known here. The sampling fields (``bear.protocol.sampling``,
-inherited) go to the engine; the rest is either handled by the gateway (model, messages/prompt,
-max tokens, stream options, the ``bear`` extension), accepted and ignored because it asks nothing
-of the engine (``user``, ``metadata``, ``safety_identifier``, ``prompt_cache_key``,
-``service_tier`` auto/default), or — when it asks for something BEAR cannot deliver through the
-router's one text stream (``n > 1``, logprobs, tools, audio, structured outputs …) — rejected with
-a 400 that names the field and says why. Unknown fields are rejected, as OpenAI does. Why each
-field is where it is: docs/gateway.md."""
+Every field of OpenAI's API and of vLLM's OpenAI server (0.32) is known here. The sampling fields
+(``bear.protocol.sampling``, inherited) go to the engine; the fields the gateway handles (model,
+messages/prompt, max tokens, stream options, the ``bear`` extension) shape the submission; the
+rest of vLLM's fields — tools, ``n``, logprobs, structured outputs, chat-template options … — are
+engine fields (``bear.protocol.engine_fields``): forwarded to the chosen engine verbatim, its
+answer relayed choice by choice. Fields of OpenAI's that no vLLM engine serves (audio, web search,
+``functions`` …) are either accepted and ignored because they ask nothing of the engine (``user``,
+``metadata``, ``service_tier`` auto/default …) or rejected with a 400 that names the field and
+says why. Unknown fields are rejected, as OpenAI does. Why each field is where it is:
+docs/gateway.md."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from typing import Annotated, Any
 import msgspec
 
 from bear.gateway.openai_wire import ApiError
-from bear.protocol.sampling import Sampling, sampling_of
+from bear.protocol.engine_fields import MAX_N
+from bear.protocol.sampling import SAMPLING_FIELDS, Sampling, sampling_of
 
 MAX_TOKENS_LIMIT = 1_000_000
 MAX_MESSAGES = 4096
@@ -54,8 +57,10 @@ class Message(msgspec.Struct, forbid_unknown_fields=True):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     refusal: str | None = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning: str | None = None  # vLLM: an assistant turn's reasoning, given back
+    reasoning_content: str | None = None
     function_call: Any = None
     audio: Any = None
 
@@ -65,10 +70,43 @@ class _Common(Sampling, forbid_unknown_fields=True, kw_only=True):
     max_tokens: PositiveTokens | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: Any = None
-    logprobs: Any = None
     user: str | None = None
     bear: BearOptions | None = None
+    request_id: str | None = None  # vLLM's: the router names the engine's request (docs/gateway.md)
+    # engine fields (vLLM 0.32's request models): forwarded verbatim
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] | None = None
+    priority: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)] | None = None
+    logprobs: Any = None
+    echo: Any = None
+    response_format: Any = None
+    structured_outputs: Any = None
+    prompt_logprobs: Any = None
+    logprob_token_ids: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    include_stop_str_in_output: Any = None
+    length_penalty: Any = None
+    use_beam_search: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    return_token_ids: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_offsets: Any = None
+    truncate_prompt_tokens: Any = None
+    truncation_side: Any = None
+    add_special_tokens: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    vllm_xargs: Any = None
+    mm_payload: Any = None
+    return_mm_kwargs: Any = None
+    repetition_detection: Any = None
+    routed_experts_prompt_start: Any = None
+    session_id: Any = None
+    stream_interval: Any = None
+    thinking_token_budget: Any = None
+    watermarking: Any = None
 
 
 class ChatRequest(_Common, forbid_unknown_fields=True, kw_only=True):
@@ -78,13 +116,22 @@ class ChatRequest(_Common, forbid_unknown_fields=True, kw_only=True):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
+    reasoning_effort: Any = None
+    include_reasoning: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+    media_io_kwargs: Any = None
+    mm_processor_kwargs: Any = None
+    return_prompt_text: Any = None
+    # OpenAI's, served by no vLLM engine
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
-    reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
     store: Any = None
@@ -116,41 +163,34 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 
 class CompletionRequest(_Common, forbid_unknown_fields=True, kw_only=True):
     prompt: str | list[Any]
-    best_of: Any = None
-    echo: Any = None
-    suffix: Any = None
+    suffix: Any = None  # forwarded: vLLM answers it (0.32: "not currently supported")
+    prompt_embeds: Any = None
+    best_of: Any = None  # OpenAI's; vLLM's V1 engine has none
 
 
 def _is(*allowed: Any) -> Callable[[Any], bool]:
     return lambda v: any(v is a or (v == a and type(v) is type(a)) for a in allowed)
 
 
-# field → (is the value one BEAR honours?, why not otherwise)
+# field → (is the value one BEAR honours?, why not otherwise): OpenAI's fields no vLLM engine serves
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (_is(None, 1), "must be 1: the router streams one answer per query (send n requests)"),
-    "best_of": (_is(None, 1), "must be 1: the router streams one answer per query"),
-    "logprobs": (_is(None, False, 0), "log-probabilities are not carried by the router's stream"),
-    "top_logprobs": (_is(None, 0), "log-probabilities are not carried by the router's stream"),
-    "echo": (_is(None, False), "echoing the prompt is not supported"),
-    "suffix": (_is(None), "insertion (suffix) is not supported"),
-    "tools": (lambda v: v is None or v == [], "tool calls are not supported: the router streams text only"),
-    "tool_choice": (_is(None, "none"), "tool calls are not supported: the router streams text only"),
-    "parallel_tool_calls": (_is(None), "tool calls are not supported: the router streams text only"),
-    "functions": (_is(None), "function calls are not supported: the router streams text only"),
-    "function_call": (_is(None, "none"), "function calls are not supported: the router streams text only"),
-    "response_format": (lambda v: v is None or v == {"type": "text"},
-                        "structured outputs are not supported (only {\"type\": \"text\"})"),
+    "best_of": (_is(None, 1), "must be 1: vLLM's V1 engine has no best_of (use n)"),
+    "functions": (_is(None), "the deprecated function-calling fields are not served: use tools"),
+    "function_call": (_is(None, "none"), "the deprecated function-calling fields are not served: use tool_choice"),
     "audio": (_is(None), "audio output is not supported"),
     "modalities": (lambda v: v is None or v == ["text"], "only the text modality is supported"),
     "prediction": (_is(None), "predicted outputs are not supported"),
-    "reasoning_effort": (_is(None), "reasoning effort is not a setting of the pool's engines"),
     "verbosity": (_is(None), "verbosity is not a setting of the pool's engines"),
     "web_search_options": (_is(None), "web search is not supported"),
     "store": (_is(None, False), "BEAR stores no completions"),
     "moderation": (_is(None), "moderation is not supported"),
     "service_tier": (_is(None, "auto", "default"), "BEAR has one service tier (auto/default)"),
 }
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# handled by the gateway itself (or accepted and ignored): not forwarded as engine fields
+CONSUMED = frozenset({"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stream",
+                      "stream_options", "user", "bear", "request_id", "metadata", "safety_identifier",
+                      "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options"})
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 @dataclass
@@ -181,6 +221,7 @@ class Submission:
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)  # engine fields: the answer comes as the engine's choices
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
 
 
@@ -240,17 +281,18 @@ def _targets(req: _Common, headers: Mapping[str, str], d: Defaults) -> tuple[flo
 
 def router_messages(msgs: list[Message]) -> list[dict[str, Any]]:
     """OpenAI messages as the router submits them: text content as one string (text parts joined
-    with newlines, as vLLM joins them), ``developer`` as ``system``."""
+    with newlines, as vLLM joins them), ``developer`` as ``system``; tool calls, tool results and
+    reasoning kept as they are (the engine's chat template renders them)."""
     out = []
     for i, m in enumerate(msgs):
         role = ROLES.get(m.role)
         if role is None:
-            why = "tool calls are not supported" if m.role in ("tool", "function") else "unknown role"
-            raise ApiError(400, f"messages[{i}].role {m.role!r}: {why} (system, developer, user, assistant)",
+            why = "the deprecated function role is not served: use tool" if m.role == "function" else "unknown role"
+            raise ApiError(400, f"messages[{i}].role {m.role!r}: {why} (system, developer, user, assistant, tool)",
                            param=f"messages[{i}].role")
-        for extra in ("tool_calls", "tool_call_id", "function_call", "audio"):
-            if getattr(m, extra) not in (None, []):
-                raise ApiError(400, f"messages[{i}].{extra}: tool calls and audio are not supported",
+        for extra in ("function_call", "audio"):
+            if getattr(m, extra) is not None:
+                raise ApiError(400, f"messages[{i}].{extra}: not served (use tool_calls; no audio)",
                                param=f"messages[{i}].{extra}")
         content = m.content
         if isinstance(content, list):
@@ -262,8 +304,12 @@ def router_messages(msgs: list[Message]) -> list[dict[str, Any]]:
                 texts.append(part.text)
             content = "\n".join(texts)
         d: dict[str, Any] = {"role": role, "content": content or ""}
-        if m.name is not None:
-            d["name"] = m.name
+        if content is None and m.tool_calls:
+            d["content"] = None  # an assistant turn that only called tools
+        for name in ("name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content"):
+            v = getattr(m, name)
+            if v is not None:
+                d[name] = v
         out.append(d)
     return out
 
@@ -279,10 +325,14 @@ def _common(req: _Common, chat: bool, headers: Mapping[str, str], d: Defaults, m
                       stream=bool(req.stream), include_usage=bool(opts and opts.include_usage),
                       continuous_usage=bool(opts and opts.continuous_usage_stats),
                       max_tokens=max_tokens or default_max, ttft_target_s=ttft_s, lam=lam,
-                      sampling=sampling_of(req))
+                      sampling=sampling_of(req),
+                      engine={f: v for f in _ENGINE[type(req)] if (v := getattr(req, f)) is not None})
 
 
 _RULED = {t: tuple(f for f in t.__struct_fields__ if f in UNSUPPORTED) for t in (ChatRequest, CompletionRequest)}
+# the engine fields of each request type: every field neither consumed, sampling nor refused
+_ENGINE = {t: tuple(f for f in t.__struct_fields__ if f not in CONSUMED and f not in SAMPLING_FIELDS
+                    and f not in UNSUPPORTED) for t in (ChatRequest, CompletionRequest)}
 
 
 def parse_chat(body: bytes, headers: Mapping[str, str], d: Defaults) -> Submission:

@@ -1,8 +1,10 @@
 """OpenAI's response shapes, written by the gateway: error objects with their HTTP status, the
 non-streaming bodies, and the SSE chunks of a streamed answer (``data: {...}`` events, a final
 chunk with ``finish_reason``, the usage chunk of ``stream_options.include_usage``, ``data:
-[DONE]``; with ``continuous_usage_stats``, vLLM's usage on every chunk). The router's messages
-carry text only, so every answer has one choice (index 0)."""
+[DONE]``; with ``continuous_usage_stats``, vLLM's usage on every chunk). A plain query's answer
+is the router's text pieces, one choice (index 0); a query with engine fields (tools, ``n``,
+logprobs …) gets the engine's choices as the router relays them, verbatim when streamed and
+merged into whole choices (``merge_choices``) when not."""
 
 from __future__ import annotations
 
@@ -116,9 +118,36 @@ class Answer:
             return self._chunk({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None})
         return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
 
-    def final_chunks(self, finish_reason: str, usage: dict[str, int], bear: dict[str, Any]) -> bytes:
+    def choices_chunk(self, choices: list[Any]) -> bytes:
+        """A chunk of the engine's own choices (a query with engine fields), verbatim."""
+        self.completion_tokens += sum(1 for c in choices if isinstance(c, dict) and c.get("finish_reason") is None)
+        return self._chunk_of(choices)
+
+    def _chunk_of(self, choices: list[Any]) -> bytes:
+        d: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                             "created": self.created, "model": self.model, "choices": choices}
+        if self.continuous:
+            d["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                          "total_tokens": self.prompt_tokens + self.completion_tokens}
+        elif self.include_usage:
+            d["usage"] = None
+        return sse(d)
+
+    def final_chunks(self, finish_reason: str, usage: dict[str, int], bear: dict[str, Any], *,
+                     relayed: bool = False) -> bytes:
         """The chunk with ``finish_reason`` (and BEAR's decision as ``bear``), the usage chunk when
-        asked for, and ``[DONE]``."""
+        asked for, and ``[DONE]``. ``relayed``: the engine's choices came with their own finish
+        reasons, so the decision goes out on a chunk without choices."""
+        if relayed:
+            d = orjson.loads(self._chunk_of([])[6:])
+            d["bear"] = bear
+            if self.continuous:
+                d["usage"] = usage
+            out = sse(d)
+            if self.include_usage:
+                out += sse({"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                            "created": self.created, "model": self.model, "choices": [], "usage": usage})
+            return out + SSE_DONE
         if self.chat:
             choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
         else:
@@ -135,8 +164,12 @@ class Answer:
                         "created": self.created, "model": self.model, "choices": [], "usage": usage})
         return out + SSE_DONE
 
-    def body(self, text: str, finish_reason: str, usage: dict[str, int], bear: dict[str, Any]) -> dict[str, Any]:
-        """The non-streaming response."""
+    def body(self, text: str, finish_reason: str, usage: dict[str, int], bear: dict[str, Any],
+             choices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The non-streaming response (``choices``: the engine's, merged; else one of ``text``)."""
+        if choices is not None:
+            return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                    "created": self.created, "model": self.model, "choices": choices, "usage": usage, "bear": bear}
         if self.chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
                                       "logprobs": None, "finish_reason": finish_reason}
@@ -144,6 +177,91 @@ class Answer:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice], "usage": usage, "bear": bear}
+
+
+def _concat(into: dict[str, Any], key: str, value: Any) -> None:
+    """Append a streamed piece: strings and lists concatenate, maps merge key by key."""
+    if value is None:
+        return
+    have = into.get(key)
+    if isinstance(value, str) and isinstance(have, str):
+        into[key] = have + value
+    elif isinstance(value, list) and isinstance(have, list):
+        have.extend(value)
+    elif isinstance(value, dict) and isinstance(have, dict):
+        for k, v in value.items():
+            _concat(have, k, v)
+    else:
+        into[key] = value if not isinstance(value, list | dict) else orjson.loads(orjson.dumps(value))
+
+
+def _merge_tool_calls(message: dict[str, Any], calls: list[Any]) -> None:
+    """Streamed tool-call deltas (``index``, then the id, name and argument pieces) into calls."""
+    have: list[dict[str, Any]] = message.setdefault("tool_calls", [])
+    for call in calls:
+        if not isinstance(call, dict):
+            continue
+        k = call.get("index", len(have))
+        while len(have) <= k:
+            have.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+        slot = have[k]
+        for key, v in call.items():
+            if key == "index" or v is None:
+                continue
+            if key == "function" and isinstance(v, dict):
+                for fk, fv in v.items():
+                    if isinstance(fv, str):
+                        slot["function"][fk] = slot["function"].get(fk, "") + fv
+            else:
+                slot[key] = v
+
+
+def merge_choices(chat: bool, chunks: list[list[Any]]) -> list[dict[str, Any]]:
+    """The whole choices of a non-streaming answer from the engine's streamed chunks, as vLLM's
+    non-streaming response has them: per ``index``, the text (chat: the message's content, tool
+    calls, reasoning), the log-probabilities (lists concatenated) and the last finish reason."""
+    merged: dict[int, dict[str, Any]] = {}
+    for choices in chunks:
+        for c in choices:
+            if not isinstance(c, dict):
+                continue
+            k = int(c.get("index", 0))
+            if k not in merged:
+                merged[k] = ({"index": k, "message": {"role": "assistant", "content": None, "refusal": None},
+                              "logprobs": None, "finish_reason": None} if chat
+                             else {"index": k, "text": "", "logprobs": None, "finish_reason": None})
+            m = merged[k]
+            for key, v in c.items():
+                if key in ("index", "delta", "text"):
+                    continue
+                if key in ("finish_reason", "stop_reason"):
+                    if v is not None:
+                        m[key] = v
+                else:
+                    _concat(m, key, v)
+            if chat:
+                delta = c.get("delta") or {}
+                msg = m["message"]
+                for key, v in delta.items():
+                    if key == "role" or v is None:
+                        continue
+                    if key == "tool_calls":
+                        _merge_tool_calls(msg, v)
+                    elif key == "content" and msg["content"] is None:
+                        msg["content"] = v
+                    else:
+                        _concat(msg, key, v)
+            elif isinstance(c.get("text"), str):
+                m["text"] += c["text"]
+    out = [merged[k] for k in sorted(merged)]
+    if chat:
+        for m in out:
+            msg = m["message"]
+            if msg.get("tool_calls") == []:
+                del msg["tool_calls"]
+            elif msg.get("tool_calls") and not msg.get("content"):
+                msg["content"] = None  # OpenAI's: a turn that only calls tools has no content
+    return out
 
 
 def sse_error(err: ApiError) -> bytes:

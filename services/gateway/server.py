@@ -46,6 +46,7 @@ from bear.gateway.openai_wire import (
     decision_headers,
     decision_of,
     dumps,
+    merge_choices,
     sse_error,
     usage_of,
 )
@@ -289,13 +290,15 @@ class Gateway:
         span.set(**{"bear.query_id": qid})
         it = submit(self.nc, sub.prompt, messages=sub.messages, ttft_target_s=sub.ttft_target_s,
                     max_tokens=sub.max_tokens, lam=sub.lam, query_id=qid, model=sub.route_model,
-                    sampling=sub.sampling, headers=span.headers, subjects=self.subjects,
+                    sampling=sub.sampling, engine=sub.engine, headers=span.headers, subjects=self.subjects,
                     accept_timeout_s=self.cfg.accept_timeout_s, idle_timeout_s=self.cfg.idle_timeout_s,
                     inboxes=self.inboxes)
         routed: dict[str, Any] | None = None
         resp: web.StreamResponse | None = None
         answer: Answer | None = None
         texts: list[str] = []
+        raw: list[list[Any]] = []  # the engine's choices, chunk by chunk (non-streaming, engine fields)
+        relayed = False
         chunks = 0
         own = time.perf_counter() - t0  # the gateway's own time before the submission
         try:
@@ -305,6 +308,23 @@ class Gateway:
                     if v == "bear.routed/1":
                         routed = m
                         span.event("routed", instance=m.get("instance"), attempt=m.get("attempt"))
+                        continue
+                    if v == "bear.chunk/1" and "choices" in m:  # engine fields: the engine's choices
+                        choices = m["choices"] if isinstance(m["choices"], list) else []
+                        chunks += 1
+                        relayed = True
+                        if not sub.stream:
+                            raw.append(choices)
+                            continue
+                        if resp is None:
+                            t_msg = time.perf_counter()
+                            answer = self._new_answer(sub, qid, routed)
+                            resp = await self._start_stream(request, qid, routed)
+                            await resp.write(answer.choices_chunk(choices))
+                            self._first_byte(endpoint, t0, own, t_msg, span)
+                        else:
+                            assert answer is not None
+                            await resp.write(answer.choices_chunk(choices))
                         continue
                     if v == "bear.chunk/1":
                         text = str(m.get("text", ""))
@@ -329,7 +349,8 @@ class Gateway:
                         bear = decision_of(routed, m)
                         if not sub.stream:
                             answer = self._new_answer(sub, qid, routed, m)
-                            out = web.Response(body=dumps(answer.body("".join(texts), finish, usage, bear)),
+                            merged = merge_choices(sub.chat, raw) if relayed else None
+                            out = web.Response(body=dumps(answer.body("".join(texts), finish, usage, bear, merged)),
                                                content_type="application/json",
                                                headers=self._headers(qid, routed, m))
                             self._first_byte(endpoint, t0, own, t_msg, span)
@@ -340,7 +361,7 @@ class Gateway:
                             await resp.write(answer.role_chunk())
                             self._first_byte(endpoint, t0, own, t_msg, span)
                         assert answer is not None
-                        await resp.write(answer.final_chunks(finish, usage, bear))
+                        await resp.write(answer.final_chunks(finish, usage, bear, relayed=relayed))
                         await resp.write_eof()
                         return resp
                     if v == "bear.error/1":

@@ -71,10 +71,12 @@ class LocalLoad:
 def build_candidates(prompt_tokens: int, insts: Sequence[InstanceView],
                      preds: Mapping[str, ModelPrediction] | None, rows: Mapping[str, EstimateRow] | None,
                      now: float, *, default_output_tokens: int, local: LocalLoad | None = None,
-                     exact_tokens: Mapping[str, int] | None = None) -> tuple[list[Candidate], dict[str, ModelPrediction]]:
+                     exact_tokens: Mapping[str, int] | None = None,
+                     sequences: int = 1) -> tuple[list[Candidate], dict[str, ModelPrediction]]:
     """One Candidate per instance, and the prediction each used (by instance id). Prompt lengths
     are per instance: ``exact_tokens`` (its tokenizer's count), else the prediction's (per model),
-    else ``prompt_tokens``."""
+    else ``prompt_tokens``. ``sequences``: the engine generates that many answers (``n``), each
+    paid for: the cost counts the predicted output once per sequence, the prompt once."""
     cands: list[Candidate] = []
     used: dict[str, ModelPrediction] = {}
     for inst in insts:
@@ -88,7 +90,8 @@ def build_candidates(prompt_tokens: int, insts: Sequence[InstanceView],
         theta = inst.calibration.prefill_tps()
         p50, p90 = inst.obs.percentiles()
         ttft95, tpot90 = inst.obs.semantic_router_percentiles()
-        c = Candidate(instance=inst.id, model=inst.predictor_model, acc=p.acc, cost=p.cost_usd * MUSD,
+        extra = (sequences - 1) * p.out_len * inst.price_out if sequences > 1 and math.isfinite(p.out_len) else 0.0
+        c = Candidate(instance=inst.id, model=inst.predictor_model, acc=p.acc, cost=p.cost_usd * MUSD + extra,
                       out_len=p.out_len, out_p90=p.out_p90, prefill_tps=theta, tpot=inst.obs.tpot,
                       throughput_rps=inst.obs.throughput_rps(now), observed_ttft_p50=p50, observed_ttft_p90=p90,
                       observed_ttft_p95=ttft95, observed_tpot_p90=tpot90,

@@ -70,6 +70,18 @@ class Piece:
     text: str = ""
     usage: dict[str, int] | None = None
     finish_reason: str | None = None
+    choices: list[Any] | None = None  # raw mode: the chunk's choices, verbatim
+    produced: bool = False  # raw mode: the chunk carries output (text, a tool call, log-probabilities)
+
+
+def _produced(choice: Any) -> bool:
+    """Whether one streamed choice carries output (not only the role or a finish reason)."""
+    if not isinstance(choice, dict):
+        return False
+    if choice.get("text") or choice.get("logprobs") or choice.get("token_ids"):
+        return True
+    delta = choice.get("delta")
+    return isinstance(delta, dict) and any(v not in (None, "", []) for k, v in delta.items() if k != "role")
 
 
 def request_body(model: str, prompt: str | None, messages: list[dict[str, Any]] | None, max_tokens: int | None,
@@ -102,9 +114,11 @@ def engine_session(**kw: Any) -> Any:
 
 async def stream_completion(session: Any, base_url: str, request_id: str, path: str, body: dict[str, Any], *,
                             connect_timeout_s: float = 2.0, idle_timeout_s: float = 60.0,
-                            headers: dict[str, str] | None = None) -> AsyncIterator[Piece]:
-    """``headers``: extra request headers (the trace context). Closing the iterator early (the
-    query was cancelled) closes the connection, which makes the instance abort the request."""
+                            headers: dict[str, str] | None = None, raw: bool = False) -> AsyncIterator[Piece]:
+    """``headers``: extra request headers (the trace context); ``raw``: every chunk with choices
+    is yielded with them verbatim (``Piece.choices``), for answers that are more than one text.
+    Closing the iterator early (the query was cancelled) closes the connection, which makes the
+    instance abort the request."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=idle_timeout_s)
@@ -134,9 +148,9 @@ async def stream_completion(session: Any, base_url: str, request_id: str, path: 
                         if payload == b"[DONE]":
                             done = True
                             break
-                        piece = parse_chunk(json.loads(payload))
+                        piece = parse_chunk(json.loads(payload), raw)
                         if piece is not None:
-                            started = started or bool(piece.text)
+                            started = started or bool(piece.text) or piece.produced
                             yield piece
     except (InstanceUnavailable, InstanceRefused, StreamBroken):
         raise
@@ -146,8 +160,8 @@ async def stream_completion(session: Any, base_url: str, request_id: str, path: 
         raise InstanceUnavailable(f"{type(exc).__name__}: {exc}") from exc
 
 
-def parse_chunk(d: dict[str, Any]) -> Piece | None:
-    """One SSE chunk of vLLM's completions or chat completions stream."""
+def parse_chunk(d: dict[str, Any], raw: bool = False) -> Piece | None:
+    """One SSE chunk of vLLM's completions or chat completions stream (``raw``: keep its choices)."""
     if d.get("object") == "error" or "error" in d:
         raise StreamBroken(str(d.get("message") or d.get("error")))
     piece = Piece()
@@ -156,12 +170,15 @@ def parse_chunk(d: dict[str, Any]) -> Piece | None:
         c = choices[0]
         piece.text = c.get("text") or (c.get("delta") or {}).get("content") or ""
         piece.finish_reason = c.get("finish_reason")
+        if raw:
+            piece.choices = choices
+            piece.produced = any(_produced(x) for x in choices)
     usage = d.get("usage")
     if isinstance(usage, dict):
         piece.usage = {k: int(v) for k, v in usage.items() if isinstance(v, int)}
         details = usage.get("prompt_tokens_details")  # vLLM --enable-prompt-tokens-details: the prefix-cache hit
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             piece.usage["cached_tokens"] = int(details["cached_tokens"])
-    if not piece.text and piece.usage is None and piece.finish_reason is None:
+    if not piece.text and piece.usage is None and piece.finish_reason is None and piece.choices is None:
         return None
     return piece

@@ -25,6 +25,8 @@ import structlog
 
 from bear.estimator.client import EstimatorClient
 from bear.protocol.codec import pack, unpack_map
+from bear.protocol.engine_fields import check_engine, check_json, renders_own_prompt, sequences
+from bear.protocol.engine_fields import priority as engine_priority
 from bear.protocol.errors import BearError, ErrorCode, error_reply
 from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateRow, Outcome, encode
 from bear.protocol.sampling import check_sampling
@@ -108,6 +110,7 @@ class Query:
     prompt_tokens: int | None
     model: str | None = None  # only this model's instances are candidates (served or predictor name)
     sampling: dict[str, Any] = field(default_factory=dict)  # engine sampling fields, validated
+    engine: dict[str, Any] = field(default_factory=dict)  # more engine fields, verbatim (bear.protocol.engine_fields)
     trace: dict[str, str] | None = None  # trace-context headers for the calls this query makes
     served_by: str | None = None  # the instance it was last dispatched to
     deadline: float | None = None  # the client stops waiting for the start then (epoch s)
@@ -166,7 +169,7 @@ def parse_submit(data: bytes, cfg: RouterConfig) -> Query:
         raise BearError(ErrorCode.BAD_REQUEST, "model must be a non-empty string (≤ 256 chars)")
     if messages is not None:
         for m in messages:
-            _check_json(m, "messages", MAX_MESSAGE_DEPTH)
+            check_json(m, "messages", MAX_MESSAGE_DEPTH)
     deadline = d.get("deadline")
     if deadline is not None and (not isinstance(deadline, int | float) or isinstance(deadline, bool)
                                  or not math.isfinite(deadline)):
@@ -186,31 +189,11 @@ def parse_submit(data: bytes, cfg: RouterConfig) -> Query:
               ttft_target_s=num("ttft_target_s", cfg.default_ttft_target_s, 0.0),
               max_tokens=int(max_tokens), lam=num("lam", cfg.lam, 0.0),
               prompt_tokens=pt, model=model, sampling=check_sampling(d.get("sampling")),
+              engine=check_engine(d.get("engine")),
               deadline=None if deadline is None else float(deadline), session=session, rest_of_context=rest)
     if len(q.text.encode()) > MAX_PROMPT_BYTES:
         raise BearError(ErrorCode.TOO_LARGE, f"prompt larger than {MAX_PROMPT_BYTES} bytes")
     return q
-
-
-def _check_json(v: Any, where: str, depth: int) -> None:
-    """``v`` is what the engine's JSON body can carry: maps with string keys, lists, strings,
-    finite numbers, booleans, null — at most ``depth`` levels (a msgpack timestamp or bytes would
-    fail only after dispatch, inside the HTTP client)."""
-    if depth < 0:
-        raise BearError(ErrorCode.BAD_REQUEST, f"{where} nested too deeply")
-    if isinstance(v, dict):
-        for k, x in v.items():
-            if not isinstance(k, str):
-                raise BearError(ErrorCode.BAD_REQUEST, f"{where}: keys must be strings")
-            _check_json(x, where, depth - 1)
-    elif isinstance(v, list):
-        for x in v:
-            _check_json(x, where, depth - 1)
-    elif isinstance(v, float):
-        if not math.isfinite(v):
-            raise BearError(ErrorCode.BAD_REQUEST, f"{where}: numbers must be finite")
-    elif not (v is None or isinstance(v, str | int | bool)):
-        raise BearError(ErrorCode.BAD_REQUEST, f"{where}: {type(v).__name__} values are not JSON")
 
 
 class _Peek(msgspec.Struct):
@@ -443,8 +426,9 @@ class RouterService:
                 await out.error(ErrorCode.INTERNAL, "no terminal message")
 
     async def _tokenize(self, q: Query, insts: list[InstanceInfo]) -> dict[str, bytes]:
-        """The query's token ids per tokenizer of its candidates, packed (those loaded; {} when none)."""
-        if not self.cfg.tokenize:
+        """The query's token ids per tokenizer of its candidates, packed (those loaded; {} when none,
+        or when engine fields such as tools change the prompt the engine renders)."""
+        if not self.cfg.tokenize or renders_own_prompt(q.engine):
             return {}
         ids = [i.tokenizer for i in insts if i.tokenizer]
         if not ids:
@@ -485,7 +469,8 @@ class RouterService:
             cands = [EstimateCandidate(instance=i.id, tokenizer=i.tokenizer, prompt_tokens=count(tokens[i.tokenizer]))
                      if i.tokenizer in tokens else EstimateCandidate(instance=i.id) for i in insts]
             return await _traced("router.estimate", q.trace, lambda h: ask_estimator(
-                self.estimators, EstimateQuery(id=q.query_id, prompt_tokens=ptoks, max_tokens=q.max_tokens),
+                self.estimators, EstimateQuery(id=q.query_id, prompt_tokens=ptoks, max_tokens=q.max_tokens,
+                                              priority=engine_priority(q.engine)),
                 cands, self.cfg.estimate_budget_s, headers=h, tokens=tokens))
 
         (claimed, tc), (preds, tp), (reply, te) = await asyncio.gather(
@@ -543,7 +528,7 @@ class RouterService:
         asked.decided_at = time.time()
         cands, used = build_candidates(ptoks, insts, preds, rows, asked.decided_at,
                                        default_output_tokens=self.cfg.default_output_tokens, local=self.local,
-                                       exact_tokens=asked.exact_tokens)
+                                       exact_tokens=asked.exact_tokens, sequences=sequences(q.engine))
         ctx = QueryContext(q.query_id, q.ttft_target_s, q.lam, ptoks, session=q.session)
         if q.deadline is not None and cands and rows is not None:
             soonest = min(c.ttft for c in cands)
@@ -622,7 +607,8 @@ class RouterService:
                       fallbacks: list[str], cands: list[Candidate], attempt: int) -> None:
         # the rest of the context: no max_tokens in the body, so the engine applies its own rest
         path, body = request_body(inst.model, q.prompt, q.messages, None if q.rest_of_context else q.max_tokens,
-                                  dict(q.sampling))
+                                  {**q.sampling, **q.engine})
+        raw = bool(q.engine)  # engine fields may shape the answer (choices, tool calls): relay it verbatim
         first: float | None = None
         usage: dict[str, int] = {}
         finish = None
@@ -644,8 +630,18 @@ class RouterService:
             try:
                 async for piece in stream_completion(self._session, inst.base_url, request_id, path, body,
                                                      connect_timeout_s=self.cfg.connect_timeout_s,
-                                                     idle_timeout_s=self.cfg.idle_timeout_s, headers=headers):
-                    if piece.text:
+                                                     idle_timeout_s=self.cfg.idle_timeout_s, headers=headers,
+                                                     raw=raw):
+                    if piece.choices is not None:
+                        if first is None and piece.produced:
+                            first = time.perf_counter()
+                            local.pending_prefill_tokens[inst.id] -= uncached
+                            pending_open = False
+                            span.event("first_token")
+                        await out.send({"v": "bear.chunk/1", "seq": seq, "choices": piece.choices})
+                        seq += 1
+                        answer_chars = MAX_PRIMED_CHARS + 1  # choices and tool calls: not one text to prime
+                    elif piece.text:
                         if first is None:
                             first = time.perf_counter()
                             local.pending_prefill_tokens[inst.id] -= uncached

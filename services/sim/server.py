@@ -10,11 +10,15 @@ HTTP 400, as vLLM does. The request id is the ``X-Request-Id`` header when prese
 router can name the request in ``bear.dispatch`` the way the instance's snapshots name it.
 
 The text is placeholder — the words of "lorem ipsum", one per token — not an answer: the sim
-engine models an instance's timing, not its model.
+engine models an instance's timing, not its model. The answer's shape follows vLLM's
+(``bear.sim.shapes``): ``n`` choices (``n`` engine requests, named ``<i>_<id>`` as vLLM names its
+child requests), log-probabilities, a schema-valid call of a named tool, schema-valid JSON for
+structured outputs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -25,6 +29,7 @@ from aiohttp import web
 
 from bear.runtime import tracing
 from bear.sim.engine import SimEngine, SimRequest
+from bear.sim.shapes import Shape, ShapeError, chat_logprobs, completion_logprobs, shape_of
 
 FILLER = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit")
 CHAT_TEMPLATE_TOKENS_PER_MESSAGE = 4
@@ -192,10 +197,19 @@ class SimApi:
                 raise ApiError(400, "priority must be an integer")
             rid = request.headers.get("X-Request-Id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             try:
-                hashes = self.hasher.hashes(ids) if ids and self.hasher is not None else None
-                req = self.sim.submit(rid, ptoks, max_tokens, self.sim.lengths.tokens(rid, max_tokens), priority,
-                                      block_hashes=hashes)
+                shape = shape_of(body, chat)
+            except (ShapeError, ValueError, TypeError) as exc:
+                raise ApiError(400, str(exc)) from exc
+            hashes = self.hasher.hashes(ids) if ids and self.hasher is not None else None
+            rids = [rid] if shape.n == 1 else [f"{i}_{rid}" for i in range(shape.n)]  # vLLM's child ids
+            reqs: list[SimRequest] = []
+            try:
+                for r in rids:
+                    length = shape.length(max_tokens) or self.sim.lengths.tokens(r, max_tokens)
+                    reqs.append(self.sim.submit(r, ptoks, max_tokens, length, priority, block_hashes=hashes))
             except ValueError as exc:
+                for q in reqs:
+                    self.sim.abort(q.id)
                 raise ApiError(409 if "duplicate" in str(exc) else 400, str(exc)) from exc
         except json.JSONDecodeError:
             return error_response(400, "body is not valid JSON")
@@ -203,97 +217,153 @@ class SimApi:
             return error_response(exc.status, exc.message)
 
         # the router's trace context (traceparent header): the engine's part of the query's trace
+        req = reqs[0]
         with tracing.child("sim.generate", request.headers, kind="server", instance=self.sim.instance,
                            request_id=req.id, prompt_tokens=ptoks) as span:
             try:
                 if body.get("stream"):
                     opts = body.get("stream_options") or {}
                     usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
-                    return await self._stream(request, req, chat, usage)
-                return await self._complete(req, chat)
+                    return await self._stream(request, reqs, chat, usage, shape, rid)
+                return await self._complete(reqs, chat, shape, rid)
             finally:
-                if not req.finished:  # client went away: free the engine's slot like vLLM's abort
-                    self.sim.abort(req.id)
+                for q in reqs:
+                    if not q.finished:  # client went away: free the engine's slot like vLLM's abort
+                        self.sim.abort(q.id)
                 if req.first_token_at is not None:
                     span.event("first_token", at=req.first_token_at)
-                span.set(output_tokens=req.output_tokens, aborted=req.aborted, ttft_s=req.ttft_s)
+                span.set(output_tokens=sum(q.output_tokens for q in reqs), aborted=req.aborted, ttft_s=req.ttft_s)
 
     async def _wait_done(self, req: SimRequest) -> None:
         while not req.finished:
             await req.changed.wait()
             req.changed.clear()
 
-    def _usage(self, req: SimRequest) -> dict[str, Any]:
+    async def _wait_any(self, reqs: list[SimRequest]) -> None:
+        """Until one of ``reqs`` changes (one request: its event, without a task)."""
+        if len(reqs) == 1:
+            await reqs[0].changed.wait()
+        elif not any(q.changed.is_set() for q in reqs):
+            waits = [asyncio.ensure_future(q.changed.wait()) for q in reqs]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+        for q in reqs:
+            q.changed.clear()
+
+    def _usage(self, reqs: list[SimRequest]) -> dict[str, Any]:
+        out = sum(q.output_tokens for q in reqs)
         u: dict[str, Any] = {
-            "prompt_tokens": req.prompt_tokens,
-            "completion_tokens": req.output_tokens,
-            "total_tokens": req.prompt_tokens + req.output_tokens,
+            "prompt_tokens": reqs[0].prompt_tokens,
+            "completion_tokens": out,
+            "total_tokens": reqs[0].prompt_tokens + out,
         }
         if self.sim.engine.prefix_caching:  # as vLLM reports it with --enable-prompt-tokens-details
-            u["prompt_tokens_details"] = {"cached_tokens": max(0, self.sim.engine.prefix_hit_tokens(req.id))}
+            u["prompt_tokens_details"] = {"cached_tokens": max(0, self.sim.engine.prefix_hit_tokens(reqs[0].id))}
         return u
 
-    async def _complete(self, req: SimRequest, chat: bool) -> web.Response:
-        await self._wait_done(req)
-        text = filler(0, req.output_tokens)
-        reason = req.finish_reason
+    @staticmethod
+    def _text(shape: Shape, start: int, count: int) -> str:
+        return "".join(shape.piece(k, filler(k, 1)) for k in range(start, start + count))
+
+    def _logprobs(self, shape: Shape, chat: bool, start: int, count: int, offset: int) -> Any:
+        """The log-probabilities of tokens ``start`` … of one choice (None: not asked for)."""
+        k = shape.top_logprobs
+        if k is None:
+            return None
+        parts = [shape.piece(j, filler(j, 1)) for j in range(start, start + count)]
         if chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": reason,
-            }
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            return {"content": [c for p in parts for c in chat_logprobs(p, k)["content"]]}
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for p in parts:
+            for key, v in completion_logprobs(p, k, offset).items():
+                out[key].extend(v)
+            offset += len(p)
+        return out
+
+    def _choice(self, shape: Shape, chat: bool, index: int, req: SimRequest, rid: str) -> dict[str, Any]:
+        text = self._text(shape, 0, req.output_tokens)
+        lp = self._logprobs(shape, chat, 0, req.output_tokens, 0)
+        if not chat:
+            return {"index": index, "text": text, "finish_reason": req.finish_reason, "logprobs": lp}
+        msg: dict[str, Any] = {"role": "assistant", "content": text}
+        reason = req.finish_reason
+        if shape.tool is not None:
+            msg = {"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"chatcmpl-tool-{index}-{rid[-12:]}", "type": "function",
+                 "function": {"name": shape.tool, "arguments": text}}]}
+            reason = "tool_calls" if reason == "stop" else reason
+        return {"index": index, "message": msg, "finish_reason": reason, "logprobs": lp}
+
+    async def _complete(self, reqs: list[SimRequest], chat: bool, shape: Shape, rid: str) -> web.Response:
+        for q in reqs:
+            await self._wait_done(q)
         return web.json_response(
             {
-                "id": req.id,
+                "id": rid,
                 "object": "chat.completion" if chat else "text_completion",
-                "created": int(req.arrival),
+                "created": int(reqs[0].arrival),
                 "model": self.sim.model_name,
-                "choices": [choice],
-                "usage": self._usage(req),
+                "choices": [self._choice(shape, chat, i, q, rid) for i, q in enumerate(reqs)],
+                "usage": self._usage(reqs),
             }
         )
 
-    async def _stream(self, request: web.Request, req: SimRequest, chat: bool, include_usage: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, reqs: list[SimRequest], chat: bool, include_usage: bool,
+                      shape: Shape, rid: str) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
-        created = int(req.arrival)
+        created = int(reqs[0].arrival)
+        tool = shape.tool
 
-        def chunk(text: str | None, reason: str | None, role: bool = False) -> bytes:
+        def chunk(index: int, k: int, reason: str | None, offset: int) -> bytes:
+            """Token ``k`` of choice ``index`` (k < 0: the role chunk of a chat answer)."""
+            text = None if k < 0 else shape.piece(k, filler(k, 1))
+            lp = None if k < 0 else self._logprobs(shape, chat, k, 1, offset)
             if chat:
-                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-                if text is not None:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if k < 0 else {}
+                if text is not None and tool is None:
                     delta["content"] = text
-                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": reason}
+                elif text is not None:
+                    call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+                    if k == 0:
+                        call.update(id=f"chatcmpl-tool-{index}-{rid[-12:]}", type="function")
+                        call["function"]["name"] = tool
+                    delta["tool_calls"] = [call]
+                if tool is not None and reason == "stop":
+                    reason = "tool_calls"
+                choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
-            payload = {"id": req.id, "object": obj, "created": created, "model": self.sim.model_name, "choices": [choice]}
+                choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
+            payload = {"id": rid, "object": obj, "created": created, "model": self.sim.model_name, "choices": [choice]}
             return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
         if chat:
-            await resp.write(chunk(None, None, role=True))
-        sent = 0
+            await resp.write(b"".join(chunk(i, -1, None, 0) for i in range(len(reqs))))
+        sent = [0] * len(reqs)
+        offsets = [0] * len(reqs)
         while True:
-            await req.changed.wait()
-            req.changed.clear()
-            if req.aborted:
+            await self._wait_any(reqs)
+            if any(q.aborted for q in reqs):
                 break
             # Coalesce: everything produced since the last wake-up goes out in one write.
             out = bytearray()
-            while sent < req.output_tokens:
-                last = req.finished and sent == req.output_tokens - 1
-                out += chunk(filler(sent, 1), req.finish_reason if last else None)
-                sent += 1
+            for i, q in enumerate(reqs):
+                while sent[i] < q.output_tokens:
+                    last = q.finished and sent[i] == q.output_tokens - 1
+                    out += chunk(i, sent[i], q.finish_reason if last else None, offsets[i])
+                    offsets[i] += len(shape.piece(sent[i], filler(sent[i], 1)))
+                    sent[i] += 1
             if out:
                 await resp.write(bytes(out))
-            if req.finished:
+            if all(q.finished for q in reqs):
                 break
         if include_usage:
-            payload = {"id": req.id, "object": obj, "created": created, "model": self.sim.model_name,
-                       "choices": [], "usage": self._usage(req)}
+            payload = {"id": rid, "object": obj, "created": created, "model": self.sim.model_name,
+                       "choices": [], "usage": self._usage(reqs)}
             await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

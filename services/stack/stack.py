@@ -45,7 +45,10 @@ from bear.runtime.metrics import LOOPBACK, port_free, port_in_use_error
 from bear.runtime.nats_auth import AuthFiles, generate, instance_identity_name
 from bear.runtime.nats_server import LocalNatsCluster, LocalNatsServer, free_port
 
-VLLM_TINY_ARGS = ("--max-model-len", "2048", "--max-num-batched-tokens", "256", "--max-num-seqs", "8")
+# the tiny model's engine: small batches, and tool calls served (a named tool_choice needs a
+# parser in vLLM 0.32; ``pythonic`` needs no special tokens, which the tiny tokenizer lacks)
+VLLM_TINY_ARGS = ("--max-model-len", "2048", "--max-num-batched-tokens", "256", "--max-num-seqs", "8",
+                  "--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
 PAPER_POOL = ("qwen3-0.6b-h100", "qwen3-8b-h100", "qwen3-32b-2xh100-tp2")
 INSTANCE_NAMES = {"qwen3-0.6b-h100": "qwen0-6b-0", "qwen3-8b-h100": "qwen8b-0", "qwen3-32b-2xh100-tp2": "qwen32b-0"}
 _RUN_NAME = re.compile(r"^\d{8}-\d{6}-(\d+)-[0-9a-f]{4}$")

@@ -31,7 +31,19 @@ async def put_bundle(js: Any, bucket: str, bundle: TokenizerBundle) -> str:
             return bid
     except (NotFoundError, ObjectNotFoundError):
         pass
-    await obs.put(bid, bundle.to_bytes())
+    try:
+        await obs.put(bid, bundle.to_bytes())
+    except Exception as exc:
+        # Another instance with the same tokenizer stored it between our look-up and our put:
+        # nats-py then writes the object again and purges the older chunks, which an instance may
+        # not do (its NATS rights: bear.runtime.nats_auth) — the object is there, and ids are
+        # content hashes, so it is ours.
+        try:
+            info = await obs.get_info(bid)
+        except (NotFoundError, ObjectNotFoundError):
+            info = None
+        if info is None or getattr(info, "deleted", False):
+            raise exc
     return bid
 
 

@@ -4,6 +4,7 @@ LiteLLM's ``ContextWindowExceededError`` (what its context-window fallbacks act 
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -32,3 +33,24 @@ async def test_litellm_context_overflow_is_context_window_exceeded(remote, provi
     with pytest.raises(litellm.ContextWindowExceededError):
         await litellm.acompletion(model=f"{provider}/bear", api_base=remote.base_url, api_key=KEY, messages=CHAT,
                                   max_tokens=100_000, num_retries=0)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+async def test_litellm_tool_calls_and_n(remote, provider: str) -> None:
+    """An agent's call through LiteLLM: a named tool's call parsed into LiteLLM's objects (streamed
+    and not), and n choices."""
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    kw = {"model": f"{provider}/Qwen/Qwen3-0.6B", "api_base": remote.base_url, "api_key": KEY, "messages": CHAT,
+          "tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "max_tokens": 100}
+    r = await litellm.acompletion(**kw)
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "lorem"}
+    args = ""
+    async for ch in await litellm.acompletion(stream=True, **kw):
+        for tc in ch.choices[0].delta.tool_calls or [] if ch.choices else []:
+            args += tc.function.arguments or ""
+    assert json.loads(args) == {"city": "lorem"}
+    r = await litellm.acompletion(model=f"{provider}/Qwen/Qwen3-0.6B", api_base=remote.base_url, api_key=KEY,
+                                  messages=CHAT, n=2, max_tokens=3)
+    assert [c.index for c in r.choices] == [0, 1]

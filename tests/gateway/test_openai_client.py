@@ -180,11 +180,11 @@ async def test_errors_400_401_404(remote) -> None:
         with pytest.raises(openai.AuthenticationError):
             await c.models.list()
     async with aclient(remote) as c:
-        cases = [({"n": 2}, "n"), ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-                 ({"logprobs": True}, "logprobs"), ({"response_format": {"type": "json_object"}}, "response_format"),
+        cases = [({"n": 0}, "n"), ({"n": 129}, "n"), ({"extra_body": {"priority": 1.5}}, "priority"),
+                 ({"functions": [{"name": "f"}]}, "functions"),
                  ({"temperature": "hot"}, "temperature"), ({"extra_body": {"guided_json": {}}}, "guided_json"),
                  ({"max_tokens": 0}, "max_tokens"), ({"messages": []}, "messages"),
-                 ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
+                 ({"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages[0].role"),
                  ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
                   "messages[0].content[0]"), ({"stream_options": {"include_usage": True}}, "stream_options")]
         for kw, param in cases:
@@ -195,8 +195,9 @@ async def test_errors_400_401_404(remote) -> None:
         with pytest.raises(openai.BadRequestError) as e:
             await c.completions.create(model="bear", prompt=[[1, 2, 3]])
         assert e.value.body["param"] == "prompt"
-        with pytest.raises(openai.BadRequestError):
-            await c.completions.create(model="bear", prompt="x", echo=True)
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.completions.create(model="bear", prompt="x", best_of=2)
+        assert e.value.body["param"] == "best_of"
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as s:
         base = remote.base_url
         async with s.post(base + "/chat/completions", data=b"{not json") as r:

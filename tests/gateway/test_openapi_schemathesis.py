@@ -2,8 +2,9 @@
 the document — valid, and invalid on purpose — get the statuses, content types and bodies it
 declares, what it calls invalid is refused (``negative_data_rejection``), and no request is a 500.
 Not checked: that every schema-valid body is accepted (``positive_data_acceptance``): the gateway
-refuses by value what the router cannot carry yet (``n`` > 1, ``tools``, an unknown role …: 400
-naming the field, docs/gateway.md), which the document's types do not express. The pool's sim engine answers fast
+refuses by value what no engine serves (``best_of`` > 1, audio, an unknown role …: 400 naming the
+field, docs/gateway.md) and the engine refuses values of the fields it is sent verbatim, which the
+document's types do not express. The pool's sim engine answers fast
 and the gateway's request timeout is short, so a valid request for many tokens ends as the
 documented 504, not as a long wait."""
 

@@ -105,6 +105,44 @@ def test_parse_chunk_completion_and_chat() -> None:
     assert parse_chunk({"choices": [{"delta": {"role": "assistant"}}]}) is None
 
 
+def test_parse_chunk_raw_keeps_choices_and_tells_output_from_role() -> None:
+    """A query with engine fields: every chunk's choices verbatim; the first token is the first
+    chunk with output — text, a tool call's piece or log-probabilities — not the role chunk."""
+    role = parse_chunk({"choices": [{"index": 1, "delta": {"role": "assistant", "content": ""}}]}, raw=True)
+    assert role is not None and role.choices == [{"index": 1, "delta": {"role": "assistant", "content": ""}}]
+    assert not role.produced
+    call = {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}}
+    p = parse_chunk({"choices": [call]}, raw=True)
+    assert p is not None and p.produced and p.choices == [call] and p.text == ""
+    p = parse_chunk({"choices": [{"index": 0, "text": "", "logprobs": {"tokens": [""]}}]}, raw=True)
+    assert p is not None and p.produced
+
+
+def test_engine_fields_of_a_submission() -> None:
+    cfg = RouterConfig()
+    q = parse_submit(pack({"query_id": "a", "messages": [{"role": "user", "content": "x"}],
+                           "engine": {"n": 3, "tools": [{"type": "function"}], "priority": -1}}), cfg)
+    assert q.engine == {"n": 3, "tools": [{"type": "function"}], "priority": -1}
+    for bad in ({"stream": False}, {"n": 0}, {"x": float("inf")}, "tools"):
+        with pytest.raises(BearError) as e:
+            parse_submit(pack({"query_id": "b", "prompt": "x", "engine": bad}), cfg)
+        assert e.value.code == "bad_request"
+
+
+def test_each_sequence_of_n_is_paid_for() -> None:
+    """``n`` answers cost the prompt once and the predicted output n times."""
+    from bear.router.candidates import ModelPrediction, build_candidates
+    from bear.router.registry import InstanceInfo
+
+    inst = InstanceInfo("i", model="m", base_url="http://127.0.0.1:1/v1", price_in=0.1, price_out=0.4,
+                        predictor_model="m")
+    pred = {inst.predictor_model: ModelPrediction(acc=0.5, out_len=100.0, out_p90=150.0, prompt_tokens=20,
+                                                  cost_usd=(20 * 0.1 + 100 * 0.4) / 1e6)}
+    one, _ = build_candidates(20, [inst], pred, None, 0.0, default_output_tokens=256)
+    three, _ = build_candidates(20, [inst], pred, None, 0.0, default_output_tokens=256, sequences=3)
+    assert three[0].cost - one[0].cost == pytest.approx(2 * 100 * 0.4)
+
+
 async def test_dedup_create_only_across_routers(nats_server) -> None:
     nc = await nats.connect(nats_server.url)
     try:

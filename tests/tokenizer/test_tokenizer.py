@@ -320,3 +320,41 @@ def test_tokenizer_cache_primes_in_the_background_and_skips_when_busy(tmp_path: 
     assert cache.prime(bid, None, msgs, answer) == "skipped"
     assert cache.primed == {"queued": 1, "skipped": 1}
     asyncio.run(cache.close())
+
+
+class _RacedStore:
+    """An object store where another writer stores the same bundle between our look-up and our
+    put, so that our put fails at its purge of the older chunks (an instance may not purge)."""
+
+    def __init__(self, other_wins: bool) -> None:
+        self.other_wins = other_wins
+        self.stored = False
+
+    async def get_info(self, name: str):
+        from nats.js.errors import ObjectNotFoundError
+
+        if not self.stored:
+            raise ObjectNotFoundError
+        return type("Info", (), {"deleted": False})()
+
+    async def put(self, name: str, data: bytes) -> None:
+        self.stored = self.other_wins
+        raise TimeoutError("nats: timeout (permissions violation for $JS.API.STREAM.PURGE…)")
+
+
+@pytest.mark.parametrize("other_wins", [True, False])
+async def test_a_bundle_stored_by_another_instance_meanwhile_is_ours(tmp_path: Path, monkeypatch, other_wins) -> None:
+    import bear.tokenizer.store as store
+
+    fake = _RacedStore(other_wins)
+
+    async def ensure(js, bucket):
+        return fake
+
+    monkeypatch.setattr(store, "ensure_store", ensure)
+    bundle = from_model_dir(tiny_dir(tmp_path))
+    if other_wins:
+        assert await put_bundle(None, "b", bundle) == bundle.id
+    else:  # nothing there after all: the failure is real
+        with pytest.raises(TimeoutError):
+            await put_bundle(None, "b", bundle)

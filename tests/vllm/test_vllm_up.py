@@ -1,7 +1,9 @@
 """``bear up --backend vllm`` as a user runs it: two tiny-model CPU vLLM instances (plugin +
 snapshotter each), predictor, estimator, calibrator and router as child processes on a given NATS;
-queries through the client are answered by real vLLM with BEA estimates; Ctrl-C stops every child,
-vLLM included."""
+queries through the client are answered by real vLLM with BEA estimates; through the gateway, the
+engine fields vLLM serves come back whole (a named tool_choice's schema-valid call, n = 2,
+logprobs, json_schema: guided decoding keeps even the random model's output valid); Ctrl-C stops
+every child, vLLM included."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import threading
 import time
 from pathlib import Path
 
+import jsonschema
 import nats
+import openai
 import pytest
 
 from bear.client.submit import submit
@@ -62,6 +66,41 @@ async def _queries(url: str, n: int) -> list[list[dict]]:
         await nc.close()
 
 
+# enum values: guided decoding can only write these, so the random model's JSON ends in a few dozen tokens
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"enum": [1, 3]}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _engine_fields(base_url: str, key: str) -> None:
+    """What vLLM serves beyond text, through the gateway (seeded: each answer is reproducible)."""
+    c = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=300)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = c.chat.completions.create(model="bear", messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=1500, seed=7)
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather", r
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    args, name = "", None
+    for ch in c.chat.completions.create(model="bear", messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=1500,
+                                        seed=7, stream=True):
+        for choice in ch.choices:
+            for tc in choice.delta.tool_calls or []:
+                name = tc.function.name or name
+                args += tc.function.arguments or ""
+    assert name == "get_weather"
+    jsonschema.validate(json.loads(args), WEATHER)
+    r = c.chat.completions.create(model="bear", messages=ASK, n=2, max_tokens=4, seed=7)
+    assert [ch.index for ch in r.choices] == [0, 1] and r.usage.completion_tokens == 8, r
+    r = c.chat.completions.create(model="bear", messages=ASK, max_tokens=4, logprobs=True, top_logprobs=2, seed=7)
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == r.usage.completion_tokens == 4 and all(len(t.top_logprobs) == 2 for t in lp), r
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+    r = c.chat.completions.create(model="bear", messages=ASK, response_format=fmt, max_tokens=1500, seed=7)
+    jsonschema.validate(json.loads(r.choices[0].message.content), WEATHER)
+    c.close()
+
+
 def test_bear_up_backend_vllm(vllm_py: str, tmp_path: Path) -> None:
     work = tmp_path / "up"
     rings_before = _stack_rings()
@@ -88,6 +127,7 @@ def test_bear_up_backend_vllm(vllm_py: str, tmp_path: Path) -> None:
                 assert routed[-1]["model"] == "tiny"
             recs = [json.loads(ln) for ln in (work / "latest" / "outcomes-router-0.jsonl").read_text().splitlines()]
             assert {r["query_id"] for r in recs if r["status"] == "done"} >= {f"up-{i}" for i in range(8)}
+            _engine_fields("http://127.0.0.1:8000/v1", (work / "gateway-api-key").read_text().strip())
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
