@@ -325,14 +325,39 @@ def _common(req: _Common, chat: bool, headers: Mapping[str, str], d: Defaults, m
                       stream=bool(req.stream), include_usage=bool(opts and opts.include_usage),
                       continuous_usage=bool(opts and opts.continuous_usage_stats),
                       max_tokens=max_tokens or default_max, ttft_target_s=ttft_s, lam=lam,
-                      sampling=sampling_of(req),
-                      engine={f: v for f in _ENGINE[type(req)] if (v := getattr(req, f)) is not None})
+                      sampling=sampling_of(req), engine=_engine_fields(req))
 
 
 _RULED = {t: tuple(f for f in t.__struct_fields__ if f in UNSUPPORTED) for t in (ChatRequest, CompletionRequest)}
 # the engine fields of each request type: every field neither consumed, sampling nor refused
 _ENGINE = {t: tuple(f for f in t.__struct_fields__ if f not in CONSUMED and f not in SAMPLING_FIELDS
                     and f not in UNSUPPORTED) for t in (ChatRequest, CompletionRequest)}
+_ENGINE_AT = {t: tuple(t.__struct_fields__.index(f) for f in names) for t, names in _ENGINE.items()}
+
+
+def _runs(at: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """Field positions as contiguous (start, stop) runs."""
+    runs: list[list[int]] = []
+    for i in sorted(at):
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return tuple((a, b) for a, b in runs)
+
+
+_ENGINE_RUNS = {t: _runs(at) for t, at in _ENGINE_AT.items()}
+
+
+def _engine_fields(req: msgspec.Struct) -> dict[str, Any]:
+    """The engine fields a request sets. A plain request sets none: its fields are read in one C
+    call (``astuple``) and the engine fields' runs checked with ``count``, so the plain path stays
+    about as cheap as before engine fields (≈ 0.6 µs)."""
+    values = msgspec.structs.astuple(req)
+    if all(values[a:b].count(None) == b - a for a, b in _ENGINE_RUNS[type(req)]):
+        return {}
+    return {f: values[i] for f, i in zip(_ENGINE[type(req)], _ENGINE_AT[type(req)], strict=True)
+            if values[i] is not None}
 
 
 def parse_chat(body: bytes, headers: Mapping[str, str], d: Defaults) -> Submission:

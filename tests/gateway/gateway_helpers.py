@@ -133,8 +133,11 @@ async def make_pool(nats_url: str, tmp_path: Any, *, gateway_cfg: GatewayConfig 
         register("recorder", RECORDER_MODEL, await _serve(runner), "vllm", price=1e4,  # chosen only when named
                  config={"max_model_len": RECORDER_MAX_MODEL_LEN}, tokenizer=await _tiny_tokenizer(nc, tmp_path))
     log_path = tmp_path / "outcomes.jsonl"
+    # shed_lag_s: the clients under test share this process (and its GIL) with the pool's loop, so
+    # a client's own CPU work (LiteLLM builds its pydantic schemas on a first call) reads to the
+    # router as event-loop lag; shedding by lag is tested on its own (tests/faults)
     rcfg = router_cfg or RouterConfig(predict_budget_s=0.02, predict_try_s=0.01, estimate_budget_s=0.02,
-                                      estimate_try_s=0.01)
+                                      estimate_try_s=0.01, shed_lag_s=30.0)
     rcfg.outcome_log = log_path
     rt = RouterService(nc, rcfg)
     if router:
