@@ -95,15 +95,20 @@ class Answer:
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
 
-    def _chunk(self, choice: dict[str, Any]) -> bytes:
+    def _chunk_map(self, choices: list[Any], usage: dict[str, int] | None = None) -> dict[str, Any]:
+        """One chunk: ``usage`` with ``continuous_usage_stats`` (the usage so far when not given),
+        ``null`` with ``include_usage`` only, absent otherwise."""
         d: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                             "created": self.created, "model": self.model, "choices": [choice]}
+                             "created": self.created, "model": self.model, "choices": choices}
         if self.continuous:
-            d["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                          "total_tokens": self.prompt_tokens + self.completion_tokens}
+            d["usage"] = usage or {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                                   "total_tokens": self.prompt_tokens + self.completion_tokens}
         elif self.include_usage:
             d["usage"] = None
-        return sse(d)
+        return d
+
+    def _chunk(self, choice: dict[str, Any]) -> bytes:
+        return sse(self._chunk_map([choice]))
 
     def role_chunk(self) -> bytes:
         """The first chat chunk (OpenAI's: the assistant role, empty content); none for completions."""
@@ -121,17 +126,7 @@ class Answer:
     def choices_chunk(self, choices: list[Any]) -> bytes:
         """A chunk of the engine's own choices (a query with engine fields), verbatim."""
         self.completion_tokens += sum(1 for c in choices if isinstance(c, dict) and c.get("finish_reason") is None)
-        return self._chunk_of(choices)
-
-    def _chunk_of(self, choices: list[Any]) -> bytes:
-        d: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                             "created": self.created, "model": self.model, "choices": choices}
-        if self.continuous:
-            d["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                          "total_tokens": self.prompt_tokens + self.completion_tokens}
-        elif self.include_usage:
-            d["usage"] = None
-        return sse(d)
+        return sse(self._chunk_map(choices))
 
     def final_chunks(self, finish_reason: str, usage: dict[str, int], bear: dict[str, Any], *,
                      relayed: bool = False) -> bytes:
@@ -139,25 +134,13 @@ class Answer:
         asked for, and ``[DONE]``. ``relayed``: the engine's choices came with their own finish
         reasons, so the decision goes out on a chunk without choices."""
         if relayed:
-            d = orjson.loads(self._chunk_of([])[6:])
-            d["bear"] = bear
-            if self.continuous:
-                d["usage"] = usage
-            out = sse(d)
-            if self.include_usage:
-                out += sse({"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                            "created": self.created, "model": self.model, "choices": [], "usage": usage})
-            return out + SSE_DONE
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
+            choices: list[Any] = []
+        elif self.chat:
+            choices = [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}]
         else:
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
-        d: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                             "created": self.created, "model": self.model, "choices": [choice], "bear": bear}
-        if self.continuous:
-            d["usage"] = usage
-        elif self.include_usage:
-            d["usage"] = None
+            choices = [{"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}]
+        d = self._chunk_map(choices, usage)
+        d["bear"] = bear
         out = sse(d)
         if self.include_usage:
             out += sse({"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",

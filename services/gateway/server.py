@@ -309,38 +309,30 @@ class Gateway:
                         routed = m
                         span.event("routed", instance=m.get("instance"), attempt=m.get("attempt"))
                         continue
-                    if v == "bear.chunk/1" and "choices" in m:  # engine fields: the engine's choices
-                        choices = m["choices"] if isinstance(m["choices"], list) else []
-                        chunks += 1
-                        relayed = True
-                        if not sub.stream:
-                            raw.append(choices)
-                            continue
-                        if resp is None:
-                            t_msg = time.perf_counter()
-                            answer = self._new_answer(sub, qid, routed)
-                            resp = await self._start_stream(request, qid, routed)
-                            await resp.write(answer.choices_chunk(choices))
-                            self._first_byte(endpoint, t0, own, t_msg, span)
-                        else:
-                            assert answer is not None
-                            await resp.write(answer.choices_chunk(choices))
-                        continue
                     if v == "bear.chunk/1":
-                        text = str(m.get("text", ""))
                         chunks += 1
+                        relay = "choices" in m  # engine fields: the engine's choices, verbatim
+                        if relay:
+                            relayed = True
+                            choices = m["choices"] if isinstance(m["choices"], list) else []
+                        else:
+                            text = str(m.get("text", ""))
                         if not sub.stream:
-                            texts.append(text)
+                            if relay:
+                                raw.append(choices)
+                            else:
+                                texts.append(text)
                             continue
                         if resp is None:
                             t_msg = time.perf_counter()
                             answer = self._new_answer(sub, qid, routed)
                             resp = await self._start_stream(request, qid, routed)
-                            await resp.write(answer.role_chunk() + answer.text_chunk(text))
+                            await resp.write(answer.choices_chunk(choices) if relay
+                                             else answer.role_chunk() + answer.text_chunk(text))
                             self._first_byte(endpoint, t0, own, t_msg, span)
                         else:
                             assert answer is not None
-                            await resp.write(answer.text_chunk(text))
+                            await resp.write(answer.choices_chunk(choices) if relay else answer.text_chunk(text))
                         continue
                     if v == "bear.done/1":
                         t_msg = time.perf_counter()

@@ -632,24 +632,19 @@ class RouterService:
                                                      connect_timeout_s=self.cfg.connect_timeout_s,
                                                      idle_timeout_s=self.cfg.idle_timeout_s, headers=headers,
                                                      raw=raw):
-                    if piece.choices is not None:
-                        if first is None and piece.produced:
+                    relay = piece.choices is not None
+                    if relay or piece.text:
+                        if first is None and (piece.produced or not relay):
                             first = time.perf_counter()
                             local.pending_prefill_tokens[inst.id] -= uncached
                             pending_open = False
                             span.event("first_token")
-                        await out.send({"v": "bear.chunk/1", "seq": seq, "choices": piece.choices})
+                        await out.send({"v": "bear.chunk/1", "seq": seq, "choices": piece.choices} if relay
+                                       else {"v": "bear.chunk/1", "seq": seq, "text": piece.text})
                         seq += 1
-                        answer_chars = MAX_PRIMED_CHARS + 1  # choices and tool calls: not one text to prime
-                    elif piece.text:
-                        if first is None:
-                            first = time.perf_counter()
-                            local.pending_prefill_tokens[inst.id] -= uncached
-                            pending_open = False
-                            span.event("first_token")
-                        await out.send({"v": "bear.chunk/1", "seq": seq, "text": piece.text})
-                        seq += 1
-                        if answer_chars <= MAX_PRIMED_CHARS:
+                        if relay:
+                            answer_chars = MAX_PRIMED_CHARS + 1  # choices and tool calls: not one text to prime
+                        elif answer_chars <= MAX_PRIMED_CHARS:
                             answer.append(piece.text)
                             answer_chars += len(piece.text)
                     if piece.usage:
