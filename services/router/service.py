@@ -674,7 +674,8 @@ class RouterService:
         cost_musd = n_in * inst.price_in + n_out * inst.price_out
         utility = p.acc - q.lam * cost_musd
         on_time = ttft <= q.ttft_target_s
-        tpot = (end - first) / (n_out - 1) if n_out > 1 else None
+        per_seq = n_out / sequences(q.engine)  # n answers decode side by side: a token each per step
+        tpot = (end - first) / (per_seq - 1) if per_seq > 1 else None
         with contextlib.suppress(Exception):
             await self.nc.publish(self.subjects.outcome(inst.id), encode(Outcome(
                 instance=inst.id, ttft_s=ttft, tpot_s=tpot, predicted_ttft_s=_finite(d.candidate.ttft),
