@@ -19,7 +19,7 @@ from typing import Any
 from bear.protocol.errors import BearError, ErrorCode
 
 MAX_DEPTH = 16  # JSON schemas of tools and structured outputs nest
-MAX_N = 128  # sequences per query (vLLM has no bound; the estimator replays each)
+MAX_N = 128  # sequences per query (vLLM has no bound; each is paid for in the decision's cost)
 # set by the router (the decision, the relay) and never taken from a client
 OWNED = frozenset({"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream",
                    "stream_options", "request_id"})
