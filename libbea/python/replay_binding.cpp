@@ -91,14 +91,13 @@ py::dict result_dict(const Estimate& e, const Prepared& p, const Query& q, bool 
   d["status"] = status_name(e.status);
   if (trace) {
     py::list steps;
+    const std::vector<std::string> arrivals = arrival_names(ahead, q);
     for (const auto& st : e.trace) {
       py::dict m;
       for (const auto& it : st) {
         // residents, then the requests queued ahead (in order), then the query (replay.cpp's enqueue)
         const auto k = static_cast<size_t>(it.req);
-        const std::string& id = k < p.names.size()                ? p.names[k]
-                                : k < p.names.size() + ahead.size() ? ahead[k - p.names.size()].id
-                                                                    : q.id;
+        const std::string& id = k < p.names.size() ? p.names[k] : arrivals.at(k - p.names.size());
         m[py::str(id)] = it.n;
       }
       steps.append(m);

@@ -137,7 +137,9 @@ def prompts_at(query: EstimateQuery, candidates: list[EstimateCandidate], store:
         pa = PromptAt(n, toks is not None, c.prefix_hit_tokens, "given" if c.prefix_hit_tokens else "none")
         out.append(pa)
         st = store.peek(c.instance)
-        if not cfg.use_prefix_hits:
+        if query.skip_reading_prefix_cache:  # prompt logprobs: vLLM reads nothing from its cache
+            pa.hit, pa.how = 0, "skipped"
+        elif not cfg.use_prefix_hits:
             pa.hit, pa.how = 0, "none"
         elif st is None or st.prefix_spec is None:
             if st is not None and st.engine_config and st.engine_config.get("enable_prefix_caching") is False:
@@ -233,6 +235,10 @@ def run_jobs(p: Plan, cfg: EstimatorConfig) -> list[tuple[float, int, str]]:
     for qd, j in zip(qds, p.jobs, strict=True):
         if j.keys:
             qd["block_keys"] = j.keys
+        if q.sequences > 1:
+            qd["sequences"] = q.sequences
+        if q.skip_reading_prefix_cache:
+            qd["skip_reading_prefix_cache"] = True
     laters = [j.inputs.later or [] for j in p.jobs] if any(j.inputs.later for j in p.jobs) else None
     try:
         res = libbea.estimate_many(

@@ -118,6 +118,9 @@ def _take(st: InstanceState, d: Any, now: float) -> str:
 def _apply(st: InstanceState, d: Any, now: float) -> str:
     try:
         added = st.snap.apply_delta(d, st.lengths)
+        missed = [a for a in added if a not in st.lengths]  # named the engine's way (vLLM): join by dispatch id
+        if missed and (known := st.lengths_of(missed)):
+            st.snap.set_output_lengths(known)
     except ValueError as exc:
         st.snap = None  # libbea may have changed part of it: the state is unknown
         st.gapped = True

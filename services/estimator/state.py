@@ -22,6 +22,7 @@ from bear.estimator import mirror
 from bear.prefix.hashing import HashSpec
 from bear.prefix.hits import Hashers
 from bear.prefix.mirror import PrefixMirror
+from bear.protocol.engine_ids import dispatch_id
 from bear.protocol.messages import NOMINAL_CALIBRATION, Calibration, Dispatch, InstanceRecord
 
 MAX_LENGTHS_PER_INSTANCE = 50_000  # predicted lengths kept (oldest forgotten first)
@@ -46,7 +47,9 @@ class InstanceState:
     gapped: bool = False  # a delta did not chain onto the state held: no BEA estimate until a full one
     feed: mirror.DeltaFeed = field(default_factory=mirror.DeltaFeed)
     on_event: Callable[[str], None] | None = None  # counts ingest events (the worker's metrics)
-    seen: OrderedDict[str, None] = field(default_factory=OrderedDict)  # ids some snapshot has held
+    # dispatch ids some snapshot has held → the engine's ids of them (vLLM's own, n children:
+    # ``bear.protocol.engine_ids``)
+    seen: OrderedDict[str, list[str]] = field(default_factory=OrderedDict)
     _in_flight: tuple[tuple[int, float], float] | None = None  # (state key, its step's eq. 12 seconds)
     dispatches: deque[Dispatch] = field(default_factory=deque)  # in time order
     mean_prompt: float | None = None
@@ -121,12 +124,31 @@ class InstanceState:
             self.mean_running = _ewma(self.mean_running, r)
 
     def see(self, ids: Iterable[str]) -> None:
-        """Requests some state of the engine has shown: a dispatch among them is no longer ahead."""
+        """Requests some state of the engine has shown (the engine's ids): a dispatch among them
+        is no longer ahead."""
         seen = self.seen
         for rid in ids:
-            seen[rid] = None
+            did = dispatch_id(rid)
+            names = seen.get(did)
+            if names is None:
+                seen[did] = [rid]
+            elif rid not in names:
+                names.append(rid)
         while len(seen) > MAX_SEEN_IDS:
             seen.popitem(last=False)
+
+    def lengths_of(self, ids: Iterable[str]) -> dict[str, int]:
+        """The router's predicted lengths of the engine's requests ``ids`` (named the engine's way;
+        each of a query's n sequences gets the query's per-sequence prediction)."""
+        lengths = self.lengths
+        out: dict[str, int] = {}
+        for rid in ids:
+            n = lengths.get(rid)
+            if n is None:
+                n = lengths.get(dispatch_id(rid))
+            if n is not None:
+                out[rid] = n
+        return out
 
     def event(self, name: str) -> None:
         if self.on_event is not None:
@@ -159,8 +181,8 @@ class InstanceState:
         self.lengths.move_to_end(d.request_id)
         while len(self.lengths) > MAX_LENGTHS_PER_INSTANCE:
             self.lengths.popitem(last=False)
-        if d.request_id in self.seen:  # already resident: hand it over with the next estimate
-            self.late_lengths[d.request_id] = d.predicted_output_tokens
+        for rid in self.seen.get(d.request_id, ()):  # already resident: hand it over with the next estimate
+            self.late_lengths[rid] = d.predicted_output_tokens
         # else it reaches libbea when it arrives: in a delta (looked up there) or a full snapshot
         if self.dispatches and d.t < self.dispatches[-1].t:  # clock skew between routers: keep order
             d = msgspec.structs.replace(d, t=self.dispatches[-1].t)
@@ -178,7 +200,7 @@ class InstanceState:
         if self.snap is None or self.in_use or not (self.lengths_dirty or self.late_lengths):
             return
         if self.lengths_dirty:
-            known = {rid: self.lengths[rid] for rid in self.snap.request_ids if rid in self.lengths}
+            known = self.lengths_of(self.snap.request_ids)
         else:
             known = self.late_lengths
         if known:

@@ -4,9 +4,10 @@ options …). The router puts them into the chosen engine's request body verbati
 engine's choices as they come (``bear.chunk/1`` with ``choices``), so an answer keeps every part
 vLLM gives it (tool calls, several choices, log-probabilities).
 
-The router reads three of them, because they change the engine's work or the prompt it sees:
+The router reads four of them, because they change the engine's work or the prompt it sees:
 ``n`` (sequences the engine runs for one query), ``priority`` (its place in a priority-ordered
-queue) and the chat-template fields (the prompt then is not the one the router can render, so its
+queue), prompt logprobs (the engine then reads nothing from its prefix cache) and the
+chat-template fields (the prompt then is not the one the router can render, so its
 length is estimated, not counted). Fields the router owns (``model``, the prompt, the lengths, the
 stream and the request id) are refused: the decision decides them. Why each field is where it is:
 docs/gateway.md."""
@@ -84,6 +85,35 @@ def sequences(engine: dict[str, Any]) -> int:
 def priority(engine: dict[str, Any]) -> int:
     """The query's priority in a priority-ordered engine queue (vLLM: lower first; 0 by default)."""
     return int(engine.get("priority") or 0)
+
+
+def prompt_logprobs(engine: dict[str, Any], chat: bool) -> Any:
+    """The prompt logprobs vLLM computes for the request (None: none): ``prompt_logprobs``, else
+    with ``echo`` (chat) ``top_logprobs``, which defaults to 0, or (completions) ``logprobs``."""
+    if engine.get("prompt_logprobs") is not None:
+        return engine["prompt_logprobs"]
+    if not engine.get("echo"):
+        return None
+    return engine.get("top_logprobs", 0) if chat else engine.get("logprobs")
+
+
+def check_streamable(engine: dict[str, Any], chat: bool) -> None:
+    """Refuse what vLLM refuses on the streamed request the router always sends: prompt logprobs
+    other than 0 ("`prompt_logprobs` are not available when `stream=True`"). Said here, before a
+    decision, and in words that name the field the client set."""
+    n = prompt_logprobs(engine, chat)
+    if isinstance(n, int) and not isinstance(n, bool) and (n > 0 or n == -1):
+        why = "prompt_logprobs" if engine.get("prompt_logprobs") is not None else (
+            "echo with top_logprobs" if chat else "echo with logprobs")
+        raise BearError(ErrorCode.BAD_REQUEST, f"{why} asks for prompt logprobs, which vLLM computes only for an "
+                                               "unstreamed request, and BEAR streams every engine request; "
+                                               "use prompt_logprobs 0 or leave them out")
+
+
+def skips_prefix_cache(engine: dict[str, Any], chat: bool) -> bool:
+    """Whether the engine computes the whole prompt, whatever its prefix cache holds: vLLM sets
+    ``skip_reading_prefix_cache`` when the request asks for prompt logprobs (even 0 of them)."""
+    return prompt_logprobs(engine, chat) is not None
 
 
 def renders_own_prompt(engine: dict[str, Any]) -> bool:

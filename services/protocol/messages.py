@@ -21,6 +21,7 @@ from bear.protocol.errors import BearError, ErrorCode
 NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 PosInt = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Sequences = Annotated[int, msgspec.Meta(ge=1, le=1024)]  # a query's n (libbea's kMaxSequences)
 # An instance id is one NATS subject token (bear.snapshot.<id>; a dot would split it in two, a
 # wildcard would match other instances' subjects) and an identity name (bear.runtime.identity).
 InstanceId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
@@ -60,6 +61,8 @@ class Dispatch(Message, tag="bear.dispatch/1", kw_only=True):
     # the prompt's token ids as the instance's tokenizer encodes them (packed, bear.protocol.token_ids):
     # an estimator replaying that instance's pool block by block keys the request by them
     tokens: PackedTokenIds | None = None
+    sequences: Sequences = 1  # the engine's n: sequences it runs side by side (each predicted_output_tokens)
+    skip_reading_prefix_cache: bool = False  # prompt logprobs asked: the engine computes the whole prompt
 
     def __post_init__(self) -> None:
         _finite(self.t)
@@ -68,8 +71,13 @@ class Dispatch(Message, tag="bear.dispatch/1", kw_only=True):
         """The request as the replay queues it ahead of a new query (named as the engine will
         know it, for traces)."""
         pred = max(1, self.predicted_output_tokens)
-        return {"id": self.request_id, "prompt_tokens": max(1, self.prompt_tokens), "max_tokens": self.max_tokens or pred,
-                "predicted_output": pred, "prefix_hit_tokens": self.prefix_hit_tokens}
+        r = {"id": self.request_id, "prompt_tokens": max(1, self.prompt_tokens), "max_tokens": self.max_tokens or pred,
+             "predicted_output": pred, "prefix_hit_tokens": self.prefix_hit_tokens}
+        if self.sequences > 1:
+            r["sequences"] = self.sequences
+        if self.skip_reading_prefix_cache:
+            r["skip_reading_prefix_cache"] = True
+        return r
 
 
 class Calibration(Message, tag="bear.calibration/1", kw_only=True):
@@ -251,6 +259,8 @@ class EstimateQuery(msgspec.Struct, kw_only=True):
     prompt_tokens: NonNegInt
     max_tokens: PosInt = 1
     priority: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)] = 0
+    sequences: Sequences = 1  # the engine's n (its siblings queue right behind it)
+    skip_reading_prefix_cache: bool = False  # prompt logprobs asked: no prefix-cache hit
 
 
 class EstimateCandidate(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -298,7 +308,7 @@ class EstimateRow(msgspec.Struct, kw_only=True, omit_defaults=False):
     ahead: int = 0  # dispatches queued ahead of the query that the snapshot did not show yet
     tokens: str = "estimated"  # exact: the prompt length came from the instance's tokenizer
     prefix_hit_tokens: int = 0  # the prompt's prefix-cache hit there, handed to the replay
-    prefix: str = "none"  # how the hit was found: mirror | off | unsynced | no_tokens | given | none
+    prefix: str = "none"  # how the hit was found: mirror | off | skipped (prompt logprobs) | unsynced | no_tokens | given | none
     block_size: int = 0  # of the held snapshot's KV cache (0: no snapshot)
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0

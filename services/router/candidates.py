@@ -127,10 +127,12 @@ def dispatch_tokens(tokens: Mapping[str, bytes], tokenizer: str | None, row: Est
 
 
 def dispatch_for(query_id: str, request_id: str, p: ModelPrediction, max_tokens: int | None, t: float,
-                 prefix_hit_tokens: int = 0, tokens: bytes | None = None) -> Dispatch:
+                 prefix_hit_tokens: int = 0, tokens: bytes | None = None, *, sequences: int = 1,
+                 skip_reading_prefix_cache: bool = False) -> Dispatch:
     """The ``bear.dispatch`` message of sending the query to an instance, under prediction ``p``
     (and the prefix-cache hit the estimator found there, and the prompt's packed token ids);
-    ``max_tokens`` None: no cap known (the rest of a context the instance did not register)."""
+    ``max_tokens`` None: no cap known (the rest of a context the instance did not register);
+    ``sequences``: the engine's n, each sequence predicted at ``p``'s length."""
     cap = float(max_tokens) if max_tokens is not None else math.inf
     out = p.out_len if math.isfinite(p.out_len) else cap  # a prediction of inf/nan: the cap
     if not math.isfinite(out):
@@ -138,4 +140,5 @@ def dispatch_for(query_id: str, request_id: str, p: ModelPrediction, max_tokens:
     return Dispatch(query_id=query_id, request_id=request_id, prompt_tokens=min(p.prompt_tokens, 2**31 - 1),
                     predicted_output_tokens=int(max(1, min(round(min(out, cap)), 2**31 - 1))),
                     max_tokens=None if max_tokens is None else min(max_tokens, 2**31 - 1),
-                    prefix_hit_tokens=prefix_hit_tokens, t=t, tokens=tokens)
+                    prefix_hit_tokens=0 if skip_reading_prefix_cache else prefix_hit_tokens, t=t, tokens=tokens,
+                    sequences=sequences, skip_reading_prefix_cache=skip_reading_prefix_cache)

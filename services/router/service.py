@@ -25,7 +25,14 @@ import structlog
 
 from bear.estimator.client import EstimatorClient
 from bear.protocol.codec import pack, unpack_map
-from bear.protocol.engine_fields import check_engine, check_json, renders_own_prompt, sequences
+from bear.protocol.engine_fields import (
+    check_engine,
+    check_json,
+    check_streamable,
+    renders_own_prompt,
+    sequences,
+    skips_prefix_cache,
+)
 from bear.protocol.engine_fields import priority as engine_priority
 from bear.protocol.errors import BearError, ErrorCode, error_reply
 from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateRow, Outcome, encode
@@ -129,6 +136,11 @@ class Query:
         return max(1, max_model_len - prompt_tokens) if max_model_len else None
 
     @property
+    def skips_prefix_cache(self) -> bool:
+        """The engine computes the whole prompt, whatever it has cached (prompt logprobs)."""
+        return skips_prefix_cache(self.engine, chat=self.messages is not None)
+
+    @property
     def text(self) -> str:
         if self.messages is not None:
             return "\n".join(str(m.get("content", "")) for m in self.messages)
@@ -193,6 +205,7 @@ def parse_submit(data: bytes, cfg: RouterConfig) -> Query:
               deadline=None if deadline is None else float(deadline), session=session, rest_of_context=rest)
     if len(q.text.encode()) > MAX_PROMPT_BYTES:
         raise BearError(ErrorCode.TOO_LARGE, f"prompt larger than {MAX_PROMPT_BYTES} bytes")
+    check_streamable(q.engine, chat=messages is not None)
     return q
 
 
@@ -470,7 +483,8 @@ class RouterService:
                      if i.tokenizer in tokens else EstimateCandidate(instance=i.id) for i in insts]
             return await _traced("router.estimate", q.trace, lambda h: ask_estimator(
                 self.estimators, EstimateQuery(id=q.query_id, prompt_tokens=ptoks, max_tokens=q.max_tokens,
-                                              priority=engine_priority(q.engine)),
+                                              priority=engine_priority(q.engine), sequences=sequences(q.engine),
+                                              skip_reading_prefix_cache=q.skips_prefix_cache),
                 cands, self.cfg.estimate_budget_s, headers=h, tokens=tokens))
 
         (claimed, tc), (preds, tp), (reply, te) = await asyncio.gather(
@@ -561,7 +575,8 @@ class RouterService:
             await self.nc.publish(self.subjects.dispatch(inst.id), encode(dispatch_for(
                 q.query_id, request_id, p, q.max_tokens_at(inst.max_model_len, p.prompt_tokens), time.time(),
                 d.candidate.prefix_hit_tokens,
-                dispatch_tokens(asked.tokens, inst.tokenizer, rows.get(inst.id) if rows else None))))
+                dispatch_tokens(asked.tokens, inst.tokenizer, rows.get(inst.id) if rows else None),
+                sequences=sequences(q.engine), skip_reading_prefix_cache=q.skips_prefix_cache)))
             q.served_by = inst.id
             decision_s = time.perf_counter() - t0
             if q.deciding:

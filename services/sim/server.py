@@ -6,8 +6,9 @@ Lengths (docs/sim-engine.md): the prompt length is the length of a token-id prom
 bytes / 4 (plus a small per-message chat template); the output length is the engine's own
 (``bear.sim.lengths``: never EOS, or a seeded draw), capped by ``max_tokens``. The text is
 placeholder words. A prompt plus ``max_tokens`` beyond ``max_model_len`` is refused with
-HTTP 400, as vLLM does. The request id is the ``X-Request-Id`` header when present, so the
-router can name the request in ``bear.dispatch`` the way the instance's snapshots name it.
+HTTP 400, as vLLM does. The engine names a request as vLLM's does (``bear.protocol.engine_ids``:
+``chatcmpl-<X-Request-Id>-<8 hex>``), so its snapshots and the router's ``bear.dispatch`` meet
+at the same join as a real vLLM's.
 
 The text is placeholder — the words of "lorem ipsum", one per token — not an answer: the sim
 engine models an instance's timing, not its model. The answer's shape follows vLLM's
@@ -27,6 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
+from bear.protocol.engine_ids import engine_id
 from bear.runtime import tracing
 from bear.sim.engine import SimEngine, SimRequest
 from bear.sim.shapes import Shape, ShapeError, chat_logprobs, completion_logprobs, shape_of
@@ -201,12 +203,13 @@ class SimApi:
             except (ShapeError, ValueError, TypeError) as exc:
                 raise ApiError(400, str(exc)) from exc
             hashes = self.hasher.hashes(ids) if ids and self.hasher is not None else None
-            rids = [rid] if shape.n == 1 else [f"{i}_{rid}" for i in range(shape.n)]  # vLLM's child ids
+            draws = [rid] if shape.n == 1 else [f"{i}_{rid}" for i in range(shape.n)]  # length draws' keys
             reqs: list[SimRequest] = []
             try:
-                for r in rids:
+                for i, r in enumerate(draws):
                     length = shape.length(max_tokens) or self.sim.lengths.tokens(r, max_tokens)
-                    reqs.append(self.sim.submit(r, ptoks, max_tokens, length, priority, block_hashes=hashes))
+                    name = engine_id(rid, chat, None if shape.n == 1 else i)  # as vLLM's engine names it
+                    reqs.append(self.sim.submit(name, ptoks, max_tokens, length, priority, block_hashes=hashes))
             except ValueError as exc:
                 for q in reqs:
                     self.sim.abort(q.id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import nats
@@ -23,6 +24,7 @@ from bear.estimator.worker import EstimatorWorker
 from bear.instance.delta import encode_delta
 from bear.instance.publisher import InstancePublisher
 from bear.protocol.codec import pack, unpack_map
+from bear.protocol.engine_ids import dispatch_id, engine_id
 from bear.protocol.messages import Dispatch, EstimateCandidate, EstimateQuery, EstimateRequest
 from bear.protocol.subjects import Subjects
 from bear.sim.profile import load_profile
@@ -37,8 +39,9 @@ QUERY = EstimateQuery(id="q", prompt_tokens=300, max_tokens=50)
 class Instance:
     """A libbea engine with a random workload; its states as a publisher would send them."""
 
-    def __init__(self, seed: int = 0, generation: int = 11) -> None:
+    def __init__(self, seed: int = 0, generation: int = 11, name: Callable[[str], str] = str) -> None:
         self.rng = random.Random(seed)
+        self.name = name  # the engine's id of the request the router dispatched as ``r<k>``
         self.engine = libbea.Engine(CFG)
         self.generation = generation
         self.n = 0
@@ -55,7 +58,7 @@ class Instance:
         for _ in range(1000):
             for _ in range(rng.choice([0, 0, 0, 1, 2]) if e.has_work else 1):
                 self.n += 1
-                e.add(f"r{self.n}", rng.randint(10, 1500), rng.randint(1, 80), rng.randint(1, 80), self.t)
+                e.add(self.name(f"r{self.n}"), rng.randint(10, 1500), rng.randint(1, 80), rng.randint(1, 80), self.t)
             if e.step():
                 e.finish_step()
             self.t += 0.01
@@ -185,10 +188,19 @@ def test_malformed_delta_drops_the_state_and_a_new_generation_resyncs() -> None:
     assert st.ensure_parsed() and not st.gapped and same(st, steps2[0][0])
 
 
-def test_arrivals_get_the_dispatched_lengths_like_a_full_snapshot() -> None:
+def _vllm_chat_id(rid: str) -> str:
+    return engine_id(rid, chat=True)
+
+
+@pytest.mark.parametrize("name", [str, _vllm_chat_id, lambda rid: engine_id(rid, chat=False, child=1)],
+                         ids=["same-ids", "vllm-chat", "vllm-child"])
+def test_arrivals_get_the_dispatched_lengths_like_a_full_snapshot(name: Callable[[str], str]) -> None:
+    """Deltas and full snapshots hand the replay the router's predicted lengths, and a dispatch a
+    state has shown is no longer queued ahead — also when the engine names requests its own way
+    (vLLM: ``chatcmpl-<X-Request-Id>-<8 hex>``, ``<k>_…`` for n > 1)."""
     store = StateStore()
     st = store.get("i")
-    inst = Instance(seed=6)
+    inst = Instance(seed=6, name=name)
     first, steps = chain(inst, 1)
     now = time.time()
     st.offer_snapshot(pack(first), now)
@@ -202,10 +214,23 @@ def test_arrivals_get_the_dispatched_lengths_like_a_full_snapshot() -> None:
         st.offer_delta(pack(encode_delta(prev, cur)), now)
         prev = cur
     ref = libbea.Snapshot.from_dict(prev)
-    ref.set_output_lengths({rid: st.lengths[rid] for rid in ref.request_ids if rid in st.lengths})
+    want = {rid: st.lengths[dispatch_id(rid)] for rid in ref.request_ids if dispatch_id(rid) in st.lengths}
+    assert len(want) == len(ref.request_ids)  # every resident was dispatched: each has its length
+    ref.set_output_lengths(want)
     st.apply_lengths()
     assert ref.pending_decode_tokens(256) == st.snap.pending_decode_tokens(256)
     assert libbea.estimate(ref, {"prompt_tokens": 300}) == libbea.estimate(st.snap, {"prompt_tokens": 300})
+    shown = {dispatch_id(rid) for rid in ref.request_ids}
+    assert not shown & {a["id"] for a in st.ahead(grace_s=60.0)}  # what a state showed is not ahead
+    # a full snapshot of the same state: its residents get the same lengths
+    full = StateStore().get("i")
+    for d in st.dispatches:
+        full.on_dispatch(d)
+    full.offer_snapshot(pack(prev), now)
+    full.ensure_parsed()
+    full.apply_lengths()
+    assert libbea.estimate(ref, {"prompt_tokens": 300}) == libbea.estimate(full.snap, {"prompt_tokens": 300})
+    assert not shown & {a["id"] for a in full.ahead(grace_s=60.0)}
 
 
 class LossyPublisher(InstancePublisher):

@@ -24,12 +24,20 @@ from bear.gateway.openai_types import (
     parse_completion,
 )
 from bear.gateway.openai_wire import merge_choices
-from bear.protocol.engine_fields import OWNED, check_engine
+from bear.protocol.engine_fields import (
+    OWNED,
+    check_engine,
+    check_streamable,
+    prompt_logprobs,
+    skips_prefix_cache,
+)
 from bear.protocol.errors import BearError
+from bear.protocol.messages import Dispatch, decode
 from bear.protocol.sampling import SAMPLING_FIELDS
 from bear.sim.shapes import instance_of
 
 from gateway_helpers import KEY, RECORDER_MODEL
+from waiting import wait_until
 
 FIELDS = json.loads((Path(__file__).parents[1] / "data" / "vllm_openai_request_fields.json").read_text())
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -97,6 +105,23 @@ def test_router_refuses_owned_and_bad_engine_fields() -> None:
 
 
 # ---------------------------------------------------------------- merging streamed choices
+def test_prompt_logprobs_as_vllm_derives_them() -> None:
+    """vLLM's rule (protocol.py ``to_sampling_params``): prompt_logprobs, else with echo the chat
+    request's top_logprobs (0 by default) or the completion request's logprobs; any of them set
+    makes the engine skip reading its prefix cache; past 0 vLLM refuses them on a stream."""
+    assert prompt_logprobs({}, chat=True) is None and not skips_prefix_cache({"logprobs": True}, chat=True)
+    assert prompt_logprobs({"echo": True}, chat=True) == 0 and skips_prefix_cache({"echo": True}, chat=True)
+    assert prompt_logprobs({"echo": True}, chat=False) is None
+    assert prompt_logprobs({"echo": True, "logprobs": 2}, chat=False) == 2
+    assert prompt_logprobs({"prompt_logprobs": 0, "echo": True, "top_logprobs": 3}, chat=True) == 0
+    check_streamable({"prompt_logprobs": 0}, chat=False)
+    for engine, chat in (({"prompt_logprobs": 1}, True), ({"prompt_logprobs": -1}, False),
+                         ({"echo": True, "top_logprobs": 2}, True), ({"echo": True, "logprobs": 1}, False)):
+        with pytest.raises(BearError, match="prompt logprobs") as e:
+            check_streamable(engine, chat)
+        assert e.value.code == "bad_request"
+
+
 def test_merge_choices_as_vllm_answers_without_streaming() -> None:
     chunks = [
         [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
@@ -157,6 +182,35 @@ async def test_forwarded_verbatim_to_the_engine(remote) -> None:
     assert r.choices[0].message.content == "a b"
     rec = next(x for x in remote.records() if x.get("request_id") == rid)
     assert rec["tokens"] == "estimated"  # tools change the engine's prompt: not counted by the router
+
+
+async def test_n_and_prompt_logprobs_reach_the_estimator(pool) -> None:
+    """The dispatch the estimator learns from carries the engine's n (its replay queues the
+    siblings) and that prompt logprobs skip the prefix cache (no hit); prompt logprobs past 0,
+    which vLLM computes only unstreamed, are refused before a decision."""
+    got: list[Dispatch] = []
+
+    async def on(msg) -> None:
+        got.append(decode(Dispatch, msg.data))
+
+    sub = await pool.nc.subscribe(pool.router.subjects.dispatch_all, cb=on)
+    try:
+        async with aclient(pool) as c:
+            await c.chat.completions.create(model=SIM_MODEL, messages=CHAT, n=3, max_tokens=2,
+                                            extra_body={"prompt_logprobs": 0})
+            await wait_until(lambda: len(got) == 1, what="the first dispatch")
+            await c.completions.create(model=SIM_MODEL, prompt="Say hi", max_tokens=2)
+            await wait_until(lambda: len(got) == 2, what="the second dispatch")
+            for kw in ({"messages": CHAT, "extra_body": {"prompt_logprobs": 2}},
+                       {"messages": CHAT, "extra_body": {"echo": True}, "logprobs": True, "top_logprobs": 1}):
+                with pytest.raises(openai.BadRequestError, match="prompt logprobs"):
+                    await c.chat.completions.create(model=SIM_MODEL, max_tokens=2, **kw)
+    finally:
+        await sub.unsubscribe()
+    assert (got[0].sequences, got[0].skip_reading_prefix_cache, got[0].prefix_hit_tokens) == (3, True, 0)
+    assert (got[1].sequences, got[1].skip_reading_prefix_cache) == (1, False)
+    assert got[0].as_replay_request()["sequences"] == 3 and "sequences" not in got[1].as_replay_request()
+    assert len(got) == 2  # the refused ones were never dispatched
 
 
 async def test_n_choices_streamed_and_not(remote) -> None:

@@ -161,6 +161,29 @@ def test_prefix_hit_block_aligned_and_capped() -> None:
     assert off["batches"] == [{"T": 300}]
 
 
+def test_siblings_hit_the_first_childs_blocks_unless_prompt_logprobs_skip_the_cache() -> None:
+    # n = 3: children 0_T, 1_T, 2_T queue together; 1_T and 2_T hit 0_T's 18 full blocks (288 of
+    # 300 tokens), so they compute 12 each; budget 2048 takes all three in one step
+    cached = run(snapshot([], enable_prefix_caching=True), q(300, sequences=3))
+    assert cached["batches"] == [{"0_T": 300, "1_T": 12, "2_T": 12}]
+    # prompt logprobs (vLLM's skip_reading_prefix_cache): every child computes the whole prompt,
+    # and the query's own hit is ignored
+    skip = run(snapshot([], enable_prefix_caching=True),
+               q(300, sequences=3, prefix_hit_tokens=256, skip_reading_prefix_cache=True))
+    assert skip["batches"] == [{"0_T": 300, "1_T": 300, "2_T": 300}]
+    off = run(snapshot([], enable_prefix_caching=False), q(300, sequences=2))
+    assert off["batches"] == [{"0_T": 300, "1_T": 300}]
+    # siblings of a request ahead take budget before the query
+    ahead = run(snapshot([], enable_prefix_caching=False, max_num_batched_tokens=512), q(100),
+                ahead=[{"id": "A", "prompt_tokens": 200, "sequences": 2}])
+    assert ahead["batches"] == [{"0_A": 200, "1_A": 200, "T": 100}] and ahead["ttft_s"] == pytest.approx(1.0)
+    later = run(snapshot([], enable_prefix_caching=False, max_num_batched_tokens=512), q(100),
+                ahead=[{"id": "A", "prompt_tokens": 200, "sequences": 3}])
+    assert later["batches"][0] == {"0_A": 200, "1_A": 200, "2_A": 112} and later["ttft_s"] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="sequences"):
+        run(snapshot([]), q(10, sequences=0))
+
+
 def test_max_model_len_clamps_running_chunks() -> None:
     x = req("X", 1000, c=100, blocks=7)
     res = run(snapshot([x], max_model_len=1000, max_num_batched_tokens=4096), q(10), {"X": 1})

@@ -80,7 +80,8 @@ def tracked_snapshots() -> list[dict]:
             else:
                 s["query"] = {"prompt_tokens": rng.randint(1, 900), "max_tokens": 8,
                               "hit_blocks": rng.sample(range(len(t) + 2), min(len(t) + 2, rng.randint(0, 4))),
-                              "block_keys": [rng.randint(0, 40) for _ in range(rng.randint(0, 8))]}
+                              "block_keys": [rng.randint(0, 40) for _ in range(rng.randint(0, 8))],
+                              "sequences": rng.choice([1, 2, 5]), "skip_reading_prefix_cache": rng.random() < 0.3}
             out.append(s)
     assert len(out) > 60
     return out
@@ -96,6 +97,11 @@ def test_sanitized_fuzz(tmp_path: Path, sanitized_tool: Callable[[str], Path]) -
         snapshot([decoding("A", 16, 1, blocks=1, placeholders=1)], free=2, async_scheduling=True,
                  inflight={"started": 100.0, "items": [{"id": "A", "n": 1, "context": 15}]}),
         snapshot([], [req("W", 5000)], free=4, num_gpu_blocks=5, policy="priority"),
+        {**snapshot([decoding("A", 100, 3)], enable_prefix_caching=True),  # n children, prompt logprobs
+         "query": {"prompt_tokens": 300, "max_tokens": 4, "sequences": 7, "prefix_hit_tokens": 64,
+                   "skip_reading_prefix_cache": False}},
+        {**snapshot([], [req("W", 70)], free=3, num_gpu_blocks=5, enable_prefix_caching=True),
+         "query": {"prompt_tokens": 40, "sequences": 1024, "skip_reading_prefix_cache": True}},
     ]
     seeds += delta_chains()
     seeds += tracked_snapshots()

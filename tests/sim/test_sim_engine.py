@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from bear import libbea
 from bear.calibrator.fit import fit_arrays
 from bear.instance.publisher import InstancePublisher
+from bear.protocol.engine_ids import engine_id
 from bear.protocol.subjects import Subjects
 from bear.sim.engine import SimEngine
 from bear.sim.profile import available_profiles, load_profile
@@ -160,6 +161,39 @@ def test_engine_schedule_matches_the_bea_replay() -> None:
         assert seen == est["batches"], f"trial {trial}"
 
 
+def test_n_sequences_replay_as_vllm_queues_its_children() -> None:
+    """A query with n > 1 runs as n engine requests named ``<k>_<id>`` queued together, the later
+    ones hitting the first one's blocks (prefix caching): the replay with ``sequences`` = n
+    reproduces the engine's batches until the first child's first token."""
+    cfg = {**SMALL, "enable_prefix_caching": True}
+    rng = np.random.default_rng(7)
+    differs = 0
+    for trial in range(12):
+        e = libbea.Engine(cfg)
+        lengths = {}
+        for k in range(10):
+            rid, out, p = f"t{trial}-{k}", int(rng.integers(2, 60)), int(rng.integers(10, 400))
+            e.add(rid, p, 64, out, block_hashes=[int(x) for x in rng.integers(1, 2**62, size=p // 16)])
+            lengths[rid] = out
+        _drive(e, int(rng.integers(1, 20)))
+        snap = libbea.Snapshot.from_dict(e.snapshot("i", "m", 0.0))
+        n, p = int(rng.integers(2, 5)), int(rng.integers(50, 900))
+        query = {"id": "new", "prompt_tokens": p, "max_tokens": 8, "sequences": n}
+        est = libbea.estimate(snap, query, beta=[1e-3, 0, 0, 0], lengths=lengths, trace=True)
+        one = libbea.estimate(snap, {**query, "sequences": 1}, beta=[1e-3, 0, 0, 0], lengths=lengths, trace=True)
+        differs += est["batches"] != one["batches"]
+        hashes = [int(x) for x in rng.integers(1, 2**62, size=p // 16)]
+        for k in range(n):
+            e.add(f"{k}_new", p, 8, 8, block_hashes=hashes)
+        seen = []
+        while True:
+            seen.append({rid: m for rid, m, _, _ in e.step()})
+            if any(rid == "0_new" for rid, _, _ in e.finish_step()):
+                break
+        assert seen == est["batches"], f"trial {trial}"
+    assert differs > 0  # the siblings changed some replays
+
+
 def test_engine_memory_stays_bounded() -> None:
     e = libbea.Engine({**SMALL, "max_num_seqs": 64, "max_num_batched_tokens": 4096})
     for k in range(6000):
@@ -205,7 +239,7 @@ async def test_completions_stream_and_usage(api) -> None:
     assert len(texts) == 12 and all(c["id"] == "req-1" for c in chunks)
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"  # the default model never emits EOS
     assert chunks[-1]["usage"] == {"prompt_tokens": 300, "completion_tokens": 12, "total_tokens": 312}
-    ttft = sim.ttft("req-1")
+    ttft = sim.ttft(engine_id("req-1", chat=False))  # the engine names it as vLLM does
     assert ttft is not None and 0 < ttft < 1.0
 
 

@@ -148,20 +148,40 @@ Scheduler::Req query_req(const Query& q, double default_arrival, const ReplayOpt
                        q.priority, q.arrival > 0.0 ? q.arrival : default_arrival);
 }
 
-// Queue the router's recent dispatches, then the query itself; with a ledger, their hit chains.
+// One arrival and, for n > 1, its siblings: vLLM queues the n child requests together; the first
+// computes the prompt, the others hit its blocks (prefix caching on; the count model's hit is
+// capped at admission, a ledger finds them by key). skip_reading_prefix_cache: no hit for any.
+int32_t add_arrival(Scheduler& sched, const Query& a, double t, const ReplayOptions& opt, TrackedLedger* ledger,
+                    const std::string& field) {
+  const bool reads = !a.skip_reading_prefix_cache;
+  Query first = a;
+  if (!reads) first.prefix_hit_tokens = 0;
+  const int32_t i = sched.add(query_req(first, t, opt));
+  static const std::vector<int64_t> kNoKeys;
+  if (ledger != nullptr)
+    ledger->add_request(i, first.prefix_hit_tokens, reads ? a.hit_blocks : std::nullopt, reads ? a.block_keys : kNoKeys,
+                        field);
+  else if (a.hit_blocks && !a.hit_blocks->empty())
+    throw std::invalid_argument(field + ": the snapshot has no tracked_blocks");
+  Query sibling = first;
+  sibling.prefix_hit_tokens = reads ? a.prompt_tokens : 0;
+  for (int64_t k = 1; k < a.sequences; ++k) {
+    const int32_t j = sched.add(query_req(sibling, t, opt));
+    if (ledger != nullptr) ledger->add_request(j, sibling.prefix_hit_tokens, std::nullopt, reads ? a.block_keys : kNoKeys, field);
+  }
+  return i;
+}
+
+// Queue the router's recent dispatches, then the query itself (each with its siblings); with a
+// ledger, their hit chains. Returns the query's (its first child's) index.
 int32_t enqueue(Scheduler& sched, const Query& q, const std::vector<Query>& ahead, double t, const ReplayOptions& opt,
                 int64_t max_model_len, TrackedLedger* ledger) {
   for (size_t k = 0; k < ahead.size(); ++k) {
     const Query& a = ahead[k];
     if (a.prompt_tokens > max_model_len) throw std::invalid_argument("ahead.prompt_tokens exceeds max_model_len");
-    const int32_t i = sched.add(query_req(a, t, opt));
-    if (ledger != nullptr) ledger->add_request(i, a.prefix_hit_tokens, a.hit_blocks, a.block_keys, "ahead[" + std::to_string(k) + "].hit_blocks");
-    else if (a.hit_blocks && !a.hit_blocks->empty()) throw std::invalid_argument("ahead.hit_blocks: the snapshot has no tracked_blocks");
+    add_arrival(sched, a, t, opt, ledger, "ahead[" + std::to_string(k) + "].hit_blocks");
   }
-  const int32_t i = sched.add(query_req(q, t, opt));
-  if (ledger != nullptr) ledger->add_request(i, q.prefix_hit_tokens, q.hit_blocks, q.block_keys, "request.hit_blocks");
-  else if (q.hit_blocks && !q.hit_blocks->empty()) throw std::invalid_argument("request.hit_blocks: the snapshot has no tracked_blocks");
-  return i;
+  return add_arrival(sched, q, t, opt, ledger, "request.hit_blocks");
 }
 
 // Tracked blocks: the stepwise replay, no decode-stretch folding (it allocates outside the hooks).
@@ -251,6 +271,20 @@ void check_later(const Prepared& p, const ReplayOptions& opt) {
 }
 
 }  // namespace
+
+std::vector<std::string> arrival_names(const std::vector<Query>& ahead, const Query& q) {
+  std::vector<std::string> out;
+  auto add = [&out](const Query& a) {
+    if (a.sequences <= 1) {
+      out.push_back(a.id);
+      return;
+    }
+    for (int64_t k = 0; k < a.sequences; ++k) out.push_back(std::to_string(k) + "_" + a.id);  // vLLM's child ids
+  };
+  for (const auto& a : ahead) add(a);
+  add(q);
+  return out;
+}
 
 double next_step_s(const Prepared& p, const Coeffs& beta) {
   if (p.cfg.async_scheduling) return 0.0;

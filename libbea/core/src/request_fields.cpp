@@ -41,6 +41,8 @@ Query query_from_value(const Value& v) {
   q.priority = opt_int(v, "priority", "request.", -kMaxTokens, kMaxTokens, 0);
   q.arrival = opt_double(v, "arrival", "request.", 0.0);
   q.predicted_output = opt_int(v, "predicted_output", "request.", -1, kMaxTokens, -1);
+  q.sequences = opt_int(v, "sequences", "request.", 1, kMaxSequences, 1);
+  q.skip_reading_prefix_cache = opt_bool(v, "skip_reading_prefix_cache", "request.", false);
   q.hit_blocks = opt_index_list(v, "hit_blocks", "request.", kMaxBlocks);  // checked against the table by the estimate
   q.block_keys = opt_key_list(v, "block_keys", "request.");
   return q;

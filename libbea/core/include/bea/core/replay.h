@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "bea/core/prepared.h"
@@ -15,7 +16,7 @@ namespace bea {
 enum class Status : uint8_t { Ok = 0, Unschedulable = 1, StepLimit = 2 };
 
 struct TraceItem {
-  int32_t req;  // index into Prepared::names; names.size() is the query
+  int32_t req;  // index into Prepared::names, then into arrival_names(ahead, query)
   int64_t n;
 };
 
@@ -38,6 +39,10 @@ Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt, c
 // the arrival, then the query joins. Returns TTFT measured from the query's arrival.
 Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions& opt, double age_s,
                          const std::vector<Query>& ahead = {});
+
+// The names of the requests an estimate queues after the residents, in its order: each request
+// ahead, then the query; one with sequences = n > 1 as vLLM's children "0_<id>" … "<n-1>_<id>".
+std::vector<std::string> arrival_names(const std::vector<Query>& ahead, const Query& q);
 
 // Seconds (eq. 12) of the step the engine runs next from this state (sync mode; 0 when nothing
 // would run or under async scheduling): how long the snapshot stays current while it runs.

@@ -106,6 +106,11 @@ struct Query {
   int64_t priority = 0;
   double arrival = 0.0;  // only used under PRIORITY ordering; 0 = "now" (after everyone resident)
   int64_t predicted_output = -1;  // for requests queued ahead of the query (see estimate's `ahead`)
+  // vLLM runs n > 1 as n child requests queued together ("<k>_<id>"); children after the first
+  // hit the first one's blocks (replay.cpp's enqueue).
+  int64_t sequences = 1;
+  // vLLM's SamplingParams.skip_reading_prefix_cache (on for prompt logprobs): no prefix hit.
+  bool skip_reading_prefix_cache = false;
   // Its hit chain: indices into the snapshot's tracked_blocks (absent: prefix_hit_tokens, the
   // count model's rule).
   std::optional<std::vector<int32_t>> hit_blocks;
@@ -115,6 +120,7 @@ struct Query {
 constexpr int64_t kMaxTokens = int64_t{1} << 31;   // bound on any token count
 constexpr int64_t kMaxBlocks = int64_t{1} << 31;   // bound on any block count
 constexpr size_t kMaxRequests = 1u << 20;          // bound on resident requests
+constexpr int64_t kMaxSequences = 1024;            // bound on a query's n
 
 // Validation: throws std::invalid_argument naming the offending field. (Requests and the query
 // are read by request_fields.h.)
