@@ -41,11 +41,14 @@ const char* status_name(Status s) {
 }
 
 ReplayOptions options(py::handle beta, bool trace, bool collapse, int64_t default_out, double overrun,
-                      int64_t max_steps, double arrival_tokens_per_s = 0.0) {
+                      int64_t max_steps, double arrival_tokens_per_s = 0.0, double arrival_prompt_tokens = 0.0) {
   ReplayOptions o;
   if (!std::isfinite(arrival_tokens_per_s) || arrival_tokens_per_s < 0.0)
     throw std::invalid_argument("arrival_tokens_per_s must be finite and >= 0");
+  if (!std::isfinite(arrival_prompt_tokens) || arrival_prompt_tokens < 0.0 || arrival_prompt_tokens > 1e12)
+    throw std::invalid_argument("arrival_prompt_tokens must be finite and in [0, 1e12]");
   o.arrival_tokens_per_s = arrival_tokens_per_s;
+  o.arrival_prompt_tokens = arrival_prompt_tokens;
   o.beta = coeffs_from(beta);
   o.trace = trace;
   o.collapse = collapse;
@@ -198,11 +201,11 @@ void bind_replay(py::module_& m) {
       "estimate",
       [](PySnapshot& s, py::handle request, py::handle beta, py::handle lengths, bool trace, bool collapse,
          int64_t default_output_tokens, double overrun_fraction, int64_t max_steps, double age_s, py::handle ahead,
-         double arrival_tokens_per_s) {
+         double arrival_tokens_per_s, double arrival_prompt_tokens) {
         if (!lengths.is_none()) s.set_lengths_from(lengths);
         const Query q = query_from(request);
-        const ReplayOptions opt =
-            options(beta, trace, collapse, default_output_tokens, overrun_fraction, max_steps, arrival_tokens_per_s);
+        const ReplayOptions opt = options(beta, trace, collapse, default_output_tokens, overrun_fraction, max_steps,
+                                          arrival_tokens_per_s, arrival_prompt_tokens);
         const auto held = s.prepared_ptr(opt);  // kept alive while the GIL is released
         const Prepared& p = *held;
         if (!std::isfinite(age_s) || age_s < 0.0) throw std::invalid_argument("age_s must be finite and >= 0");
@@ -218,11 +221,12 @@ void bind_replay(py::module_& m) {
       py::arg("snapshot"), py::arg("request"), py::arg("beta") = py::none(), py::arg("lengths") = py::none(),
       py::arg("trace") = false, py::arg("collapse") = true, py::arg("default_output_tokens") = -1,
       py::arg("overrun_fraction") = 0.5, py::arg("max_steps") = 2'000'000, py::arg("age_s") = 0.0,
-      py::arg("ahead") = py::none(), py::arg("arrival_tokens_per_s") = 0.0,
+      py::arg("ahead") = py::none(), py::arg("arrival_tokens_per_s") = 0.0, py::arg("arrival_prompt_tokens") = 0.0,
       "Replay the snapshot with the new request; returns {ttft_s, n_batches, status[, batches]}.\n"
       "`ahead`: requests dispatched to the instance after the capture (dicts like the request, with\n"
       "`predicted_output`); they queue in front of the new request. `arrival_tokens_per_s`: expected\n"
-      "prompt tokens/s that others will send after it (they fill the leftover budget of its steps).\n"
+      "prompt tokens/s that others will send after it (they fill the leftover budget of its steps);\n"
+      "`arrival_prompt_tokens` > 0: their mean prompt, charging the median count of whole prompts.\n"
       "With age_s > 0 (sync mode) the query arrives that long after the capture: residents first run\n"
       "through the steps that start before it (staleness compensation) and ttft_s counts from arrival.");
 
@@ -230,9 +234,11 @@ void bind_replay(py::module_& m) {
       "estimate_many",
       [](std::vector<std::shared_ptr<PySnapshot>> snaps, py::handle request, std::vector<py::object> betas,
          int64_t default_output_tokens, double overrun_fraction, std::vector<double> ages, py::handle aheads,
-         std::vector<double> arrival_rates, py::handle laters) {
+         std::vector<double> arrival_rates, py::handle laters, std::vector<double> arrival_prompts) {
         if (!arrival_rates.empty() && arrival_rates.size() != snaps.size())
           throw std::invalid_argument("one arrival rate per snapshot");
+        if (!arrival_prompts.empty() && arrival_prompts.size() != snaps.size())
+          throw std::invalid_argument("one arrival prompt size per snapshot");
         if (betas.size() != snaps.size()) throw std::invalid_argument("one beta per snapshot");
         if (!ages.empty() && ages.size() != snaps.size()) throw std::invalid_argument("one age per snapshot");
         for (double a : ages)
@@ -250,7 +256,8 @@ void bind_replay(py::module_& m) {
         for (size_t k = 0; k < snaps.size(); ++k) {
           if (!snaps[k]) throw std::invalid_argument("snapshot is None");
           opts.push_back(options(betas[k], false, true, default_output_tokens, overrun_fraction, 2'000'000,
-                                 arrival_rates.empty() ? 0.0 : arrival_rates[k]));
+                                 arrival_rates.empty() ? 0.0 : arrival_rates[k],
+                                 arrival_prompts.empty() ? 0.0 : arrival_prompts[k]));
         }
         if (!laters.is_none()) {
           auto seq = py::reinterpret_borrow<py::sequence>(laters);
@@ -288,6 +295,7 @@ void bind_replay(py::module_& m) {
       py::arg("snapshots"), py::arg("request"), py::arg("betas"), py::arg("default_output_tokens") = -1,
       py::arg("overrun_fraction") = 0.5, py::arg("ages") = std::vector<double>{}, py::arg("aheads") = py::none(),
       py::arg("arrival_rates") = std::vector<double>{}, py::arg("laters") = py::none(),
+      py::arg("arrival_prompts") = std::vector<double>{},
       "Estimate one request against several instances in one call: [(ttft_s, n_batches, status), ...].\n"
       "`laters` (the error decomposition's oracle): per snapshot, the later arrivals known exactly, as\n"
       "request dicts with `after_s` (seconds after the query's arrival, ordered).\n"

@@ -16,8 +16,9 @@ The replay's inputs (``replay_inputs``), assembled in this one place:
     batch);
   * the router's dispatches that reached the instance after the snapshot and that no snapshot
     has shown yet — they queue ahead of the query;
-  * the rate of prompt tokens dispatched there recently — the expected later arrivals, which
-    take the budget the query's steps leave over;
+  * the rate of prompt tokens dispatched there recently, and the mean prompt — the later
+    arrivals, which take the budget the query's steps leave over (charged as the median count of
+    whole prompts: docs/estimator.md, "Arrival fill");
   * β of eq. 12 (the instance's calibration, nominal until the first fit);
   * the query's prefix-cache hit there (``prefix_hits``): computed from the prompt's token ids
     and the instance's mirrored cache with vLLM's block hashing when the router sent the ids of
@@ -49,7 +50,8 @@ class EstimatorConfig:
     overrun_fraction: float = 0.5  # residents already past their prediction get this much more
     compensate_staleness: bool = True  # replay the snapshot's age before inserting the query
     use_dispatches: bool = True  # queue the router's unseen dispatches ahead of the query
-    arrival_fill: bool = True  # charge the expected later arrivals to the leftover budget
+    arrival_fill: bool = True  # charge the later arrivals to the leftover budget
+    arrival_median: bool = True  # … their median count of whole prompts (False: the expected tokens)
     dispatch_grace_s: float = 1.0  # a dispatch this much older than the snapshot may still be unseen
     rate_window_s: float = 10.0  # window of the prompt-token arrival rate
     executor_residents: int = 512  # replays over more residents run off the event loop
@@ -70,6 +72,7 @@ class ReplayInputs:
     ahead: list[dict[str, int]]
     arrival_tokens_per_s: float
     beta: list[float]
+    arrival_prompt_tokens: float = 0.0  # their mean prompt (> 0: the replay charges the median count)
     later: list[dict[str, Any]] | None = None  # the decomposition's oracle only: later arrivals known
 
 
@@ -81,13 +84,15 @@ def replay_inputs(st: InstanceState, now: float, cfg: EstimatorConfig,
     block by block."""
     age = st.age(now) or 0.0
     compensate = cfg.compensate_staleness and not st.snap.async_scheduling
+    tokens_per_s, per_s = (st.arrival_rate(now, cfg.rate_window_s) if cfg.arrival_fill and later is None
+                           else (0.0, 0.0))
     return ReplayInputs(
         age_s=max(0.0, age) if compensate else 0.0,
         ahead=st.ahead(cfg.dispatch_grace_s, keys_of) if cfg.use_dispatches else [],
-        arrival_tokens_per_s=(st.prompt_token_rate(now, cfg.rate_window_s)
-                              if cfg.arrival_fill and later is None else 0.0),
+        arrival_tokens_per_s=tokens_per_s,
         beta=list(st.calibration.beta),
         later=later,
+        arrival_prompt_tokens=tokens_per_s / per_s if cfg.arrival_median and per_s > 0 else 0.0,
     )
 
 
@@ -245,7 +250,8 @@ def run_jobs(p: Plan, cfg: EstimatorConfig) -> list[tuple[float, int, str]]:
             [j.snap for j in p.jobs], qds, [j.inputs.beta for j in p.jobs],
             default_output_tokens=cfg.default_output_tokens, overrun_fraction=cfg.overrun_fraction,
             ages=[j.inputs.age_s for j in p.jobs], aheads=[j.inputs.ahead for j in p.jobs],
-            arrival_rates=[j.inputs.arrival_tokens_per_s for j in p.jobs], laters=laters)
+            arrival_rates=[j.inputs.arrival_tokens_per_s for j in p.jobs], laters=laters,
+            arrival_prompts=[j.inputs.arrival_prompt_tokens for j in p.jobs])
     except ValueError:  # one bad instance must not sink the others: one at a time
         res = [_one(j, qd, cfg) for j, qd in zip(p.jobs, qds, strict=True)]
     return list(res)
@@ -255,7 +261,8 @@ def _one(j: Job, qd: dict[str, Any], cfg: EstimatorConfig) -> tuple[float, int, 
     try:
         r = libbea.estimate(j.snap, qd, beta=j.inputs.beta, default_output_tokens=cfg.default_output_tokens,
                             overrun_fraction=cfg.overrun_fraction, age_s=j.inputs.age_s, ahead=j.inputs.ahead,
-                            arrival_tokens_per_s=j.inputs.arrival_tokens_per_s)
+                            arrival_tokens_per_s=j.inputs.arrival_tokens_per_s,
+                            arrival_prompt_tokens=j.inputs.arrival_prompt_tokens)
         return float(r["ttft_s"]), int(r["n_batches"]), str(r["status"])
     except ValueError:
         return math.inf, 0, "error"

@@ -259,15 +259,17 @@ class InstanceState:
         out.reverse()
         return out
 
-    def prompt_token_rate(self, now: float, window_s: float) -> float:
-        """Prompt tokens/s dispatched here over the last ``window_s`` (the expected later arrivals)."""
+    def arrival_rate(self, now: float, window_s: float) -> tuple[float, float]:
+        """(prompt tokens/s, dispatches/s) sent here over the last ``window_s``: the later
+        arrivals a replay expects (a query's n sequences are one arrival)."""
         span = min(window_s, max(now, 1e-9))
-        total = 0
+        total = count = 0
         for d in reversed(self.dispatches):
             if d.t <= now - span:
                 break
             total += d.prompt_tokens
-        return total / span
+            count += 1
+        return total / span, count / span
 
     def arrival_stats(self, now: float, window_s: float = 60.0) -> tuple[float, float | None]:
         """(α dispatches/s over the window, squared CV of inter-arrival times or None)."""

@@ -30,6 +30,8 @@ from bear import libbea
 from bear.calibrator.fit import BatchWindow, RefitPolicy, robust_fit, robust_fit_arrays
 from bear.estimator.estimate import EstimatorConfig, estimate
 from bear.estimator.state import StateStore
+from bear.evaluation.learned import Sample
+from bear.evaluation.learned import features as learned_features
 from bear.evaluation.workload import QuerySet
 from bear.load.metrics import Outcome
 from bear.predictor.synth import MAX_OUTPUT_TOKENS
@@ -212,6 +214,9 @@ class Cluster:
         self.events: list[tuple[float, int]] = []
         # every decision's candidates and each instance's free KV blocks then, when set to []
         self.trace: list[tuple[list[Candidate], dict[str, int]]] | None = None
+        # every query's learned-predictor sample at its chosen instance, when set to []
+        self.samples: list[Sample] | None = None
+        self._features: dict[str, tuple[float, ...]] = {}
         self.live: dict[str, _Live] = {}
         self.first_token: dict[str, float] = {}
         self.finished_at: dict[str, float] = {}
@@ -314,6 +319,8 @@ class Cluster:
                                     for inst in self.insts}))
         k = next(n for n, info in enumerate(self.infos) if info.id == d.candidate.instance)
         sent = used[self.infos[k].id]
+        if self.samples is not None:
+            self._features[qs.ids[i]] = learned_features(rows[self.infos[k].id], sent.prompt_tokens)
         if self.oracle.lengths:
             sent = dataclasses.replace(sent, out_len=float(self._true_out(qs, i, self.insts[k].spec.model)))
         self.store.get(self.infos[k].id).on_dispatch(dispatch_for(qs.ids[i], qs.ids[i], sent, MAX_TOKENS, t))
@@ -366,6 +373,10 @@ class Cluster:
                 target_s=float(targets[i]), ttft_s=ttft, utility=qs.true_utility(i, col, lam),
                 predicted_ttft_s=est,
             ))
+            if self.samples is not None:
+                t0 = self.arrival[rid]
+                self.samples.append(Sample(self.insts[k].spec.name, t0, self._features[rid],
+                                           self.first_token.get(rid, math.inf), ttft))
         return outcomes
 
 

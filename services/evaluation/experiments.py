@@ -26,6 +26,7 @@ import numpy as np
 
 from bear.estimator.estimate import EstimatorConfig
 from bear.evaluation.cluster import PAPER_POOL, Cluster, InstanceSpec, calibrate_pool
+from bear.evaluation.learned import Sample, online_predictions
 from bear.evaluation.workload import QuerySet, build_queries
 from bear.load.arrivals import Mmpp2, poisson_arrivals
 from bear.load.metrics import Outcome, composition, summary, ttft_prediction_error
@@ -214,23 +215,33 @@ def arrival_times(s: Setup, c: Cell) -> np.ndarray:
     return poisson_arrivals(c.rate, s.n_queries, rng)
 
 
-def simulate(s: Setup, c: Cell) -> list[Outcome]:
+def simulate(s: Setup, c: Cell, samples: list[Sample] | None = None) -> list[Outcome]:
+    """The cell's run; ``samples``: filled with the learned predictor's samples."""
     q = s.queries
     prices = {m: (float(q.price_in[j]), float(q.price_out[j])) for j, m in enumerate(q.models)}
     cluster = Cluster(s.specs(), s.calibration, seed=s.seed + 4, delay_s=c.delay_s, estimator=c.estimator_config(),
                       prices=prices, history=s.history)
+    cluster.samples = samples
     return cluster.run(q, arrival_times(s, c), s.targets(), make_policy(c.policy, **dict(c.params)), c.lam)
 
 
 def run_cell(s: Setup, c: Any) -> dict[str, Any]:
     if hasattr(c, "run"):  # a cell of an experiment kept in its own module (bear.evaluation.prefix)
         return c.run(s)
-    outs = simulate(s, c)
+    samples: list[Sample] = []
+    outs = simulate(s, c, samples)
     res = summary(outs)
     by_inst: dict[str, list[Outcome]] = {}
     for o in outs:
         by_inst.setdefault(o.instance, []).append(o)
     res["ttft_prediction_by_instance"] = {i: ttft_prediction_error(v) for i, v in sorted(by_inst.items())}
+    # the learned predictor on the same chosen instances, and the policy's own estimate on the
+    # queries the learned one predicts (it needs observations first)
+    learned = [dataclasses.replace(o, predicted_ttft_s=float(p)) for o, p in zip(outs, online_predictions(samples),
+                                                                                 strict=True)]
+    covered = [o for o, lo in zip(outs, learned, strict=True) if math.isfinite(lo.predicted_ttft_s)]
+    res["ttft_prediction_learned"] = ttft_prediction_error(learned)
+    res["ttft_prediction_same_queries"] = ttft_prediction_error(covered)
     by_task: dict[str, list[Outcome]] = {}
     for o in outs:
         by_task.setdefault(o.task, []).append(o)

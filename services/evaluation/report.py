@@ -87,6 +87,14 @@ def rates_section(r: dict[str, Any], title: str) -> list[str]:
                               for i in insts)])
     if rows:
         lines += _table(["router", *insts], rows)
+    if r.get("ttft_prediction_learned"):
+        lines += ["", "TTFT MAPE of the chosen instance, mean over seeds: each router's own estimate, and the learned "
+                      "predictor (`bear.evaluation.learned`, trained online on the run's observed TTFTs) with the "
+                      "router's estimate on the same queries (own / learned):", ""]
+        rows = [[n, *(f"{_f(r['ttft_prediction_same_queries'][n][j]['mean'] * 100, 1)} / "
+                      f"{_f(v[j]['mean'] * 100, 1)} %" for j in range(len(xs)))]
+                for n, v in r["ttft_prediction_learned"].items()]
+        lines += _table(["router", *(f"{x:g}" for x in xs)], rows)
     return [*lines, "", *_figs(r), ""]
 
 
@@ -168,6 +176,13 @@ def estimates_section(r: dict[str, Any]) -> list[str]:
                      "eq. 12 batch-time MAPE"], rows)
     lines += ["", f"The paper (Qwen3-0.6B on one H100): BEA {p['bea_mape'] * 100:.0f} %, eq. 8 {p['eq8_mape'] * 100:.0f} %, "
               f"eq. 12 {p['eq12_mape'] * 100:.0f} %."]
+    if all("learned" in i for i in r["instances"]):
+        lines += ["", "The learned predictor (gradient-boosted trees on queue features, trained online on the run's "
+                      "observed TTFTs: `bear.evaluation.learned`), and every estimator on the queries it predicts "
+                      "(it needs observations first):", ""]
+        rows = [[i["instance"], str(i["learned"]["n"]), f"{i['learned']['mape'] * 100:.1f} %",
+                 *(f"{i['same_queries'][k] * 100:.1f} %" for k in ("bea", "bea+ext", "eq8"))] for i in r["instances"]]
+        lines += _table(["instance", "queries", "learned MAPE", "BEA there", "BEA+ext there", "eq. 8 there"], rows)
     return [*lines, "", *_figs(r), ""]
 
 

@@ -15,6 +15,7 @@ from bear.calibrator.fit import RefitPolicy, design_matrix, predict
 from bear.estimator.estimate import EstimatorConfig
 from bear.evaluation.cluster import Cluster, Oracle
 from bear.evaluation.experiments import DEFAULT_LAMBDA, Setup, entries
+from bear.evaluation.learned import online_predictions
 from bear.load.arrivals import poisson_arrivals
 from bear.load.metrics import Outcome
 from bear.router.policies import make_policy
@@ -25,9 +26,11 @@ SATURATION_RATE = 50.0  # q/s: far above what any instance serves
 
 
 def run_alone(s: Setup, k: int, times: np.ndarray, policy: str = "bear", estimator: EstimatorConfig | None = None,
-              record: bool = False, oracle: Oracle | None = None, refit: bool = True) -> tuple[list[Outcome], Cluster]:
+              record: bool = False, oracle: Oracle | None = None, refit: bool = True,
+              samples: bool = False) -> tuple[list[Outcome], Cluster]:
     """Every query of the setup to instance ``k`` of the pool, at ``times`` (``oracle``: inputs the
-    estimator is handed exactly; ``refit``: the calibrator refits online, as live)."""
+    estimator is handed exactly; ``refit``: the calibrator refits online, as live; ``samples``:
+    keep the learned predictor's samples, ``Cluster.samples``)."""
     spec = s.specs()[k]
     q = s.queries
     prices = {m: (float(q.price_in[j]), float(q.price_out[j])) for j, m in enumerate(q.models)}
@@ -35,6 +38,8 @@ def run_alone(s: Setup, k: int, times: np.ndarray, policy: str = "bear", estimat
                  history=s.history, oracle=oracle, refit=RefitPolicy() if refit else None)
     if record:
         cl.insts[0].records = []
+    if samples:
+        cl.samples = []
     outs = cl.run(q, times, s.targets(), make_policy(policy), DEFAULT_LAMBDA)
     return outs, cl
 
@@ -99,10 +104,13 @@ def estimator_scatter(s: Setup, k: int) -> dict[str, Any]:
     observed: list[float] = []
     batch: dict[str, Any] = {}
     for key, (policy, e) in runs.items():
-        outs, cl = run_alone(s, k, times, policy, EstimatorConfig(**dict(e.estimator)), record=key == "bea")
+        outs, cl = run_alone(s, k, times, policy, EstimatorConfig(**dict(e.estimator)), record=key == "bea",
+                             samples=key == "bea")
         preds[key] = [o.predicted_ttft_s for o in outs]
         observed = [o.ttft_s for o in outs]
         if key == "bea":
+            assert cl.samples is not None
+            preds["learned"] = online_predictions(cl.samples).tolist()
             x, y = design_matrix(cl.insts[0].records)
             yhat = predict(s.calibration[s.specs()[k].name].beta, x)
             keep = slice(None, None, max(1, len(y) // BATCH_POINTS))  # the figure's points; MAPE over all
@@ -115,5 +123,13 @@ def estimator_scatter(s: Setup, k: int) -> dict[str, Any]:
         a = np.array(p)
         ok = np.isfinite(a) & np.isfinite(obs) & (obs > 0)
         out[key] = {"predicted_s": a.tolist(), "mape": float(np.mean(np.abs(a[ok] - obs[ok]) / obs[ok])),
-                    "median_rel_error": float(np.median((a[ok] - obs[ok]) / obs[ok]))}
+                    "median_rel_error": float(np.median((a[ok] - obs[ok]) / obs[ok])), "n": int(ok.sum())}
+    # the learned predictor predicts only once it has trained: every estimator on those queries
+    learned = np.isfinite(np.array(preds["learned"]))
+    out["same_queries"] = {key: _mape(np.array(p)[learned], obs[learned]) for key, p in preds.items()}
     return out
+
+
+def _mape(pred: np.ndarray, obs: np.ndarray) -> float:
+    ok = np.isfinite(pred) & np.isfinite(obs) & (obs > 0)
+    return float(np.mean(np.abs(pred[ok] - obs[ok]) / obs[ok])) if ok.any() else math.nan

@@ -95,6 +95,11 @@ def rates_experiment(rates: Sequence[float] = PAPER_RATES, names: Sequence[str] 
             for n in names}
         out["ttft_prediction"] = {n: [spread(res[cell(n, r, s)]["ttft_prediction"]["mape"] for s in seeds)
                                       for r in rates] for n in names}
+        # the learned predictor (bear.evaluation.learned) on each entry's chosen instances, and the
+        # entry's own estimate on the queries the learned one predicts
+        for key in ("ttft_prediction_learned", "ttft_prediction_same_queries"):
+            out[key] = {n: [spread(res[cell(n, r, s)][key]["mape"] for s in seeds) for r in rates] for n in names
+                        if all(key in res[cell(n, r, s)] for r in rates for s in seeds)}
         base = [b for b in baselines() if b in names]
         if base:
             out["gains"] = {o: _gains(res, seeds, rates, o, base) for o in ("bear", "bear+ext", "bear+overflow") if o in names}

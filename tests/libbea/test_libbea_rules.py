@@ -278,3 +278,26 @@ def test_analytic_estimators() -> None:
     snap = libbea.Snapshot.from_dict(snapshot([req("X", 500, c=100, blocks=7), decoding("A", 40, 3)],
                                               [req("W", 70)]))
     assert snap.pending_prefill_tokens() == 400 + 70
+
+
+def test_arrival_fill_charges_the_expected_tokens_or_the_median_count_of_prompts() -> None:
+    # T (200 tokens) prefills in chunks of 64, 64, 64 and 8 (steps of 1 s + 1 ms a token): the
+    # last step, starting at 3.192 s, leaves 56 tokens of budget to whoever arrived since
+    beta = [1.0, 1e-3, 0.0, 0.0]
+    snap = snapshot([], max_num_batched_tokens=64)
+    alone = run(snap, q(200), beta=beta)
+    assert [b["T"] for b in alone["batches"]] == [64, 64, 64, 8] and alone["ttft_s"] == pytest.approx(4.2)
+    # expected tokens: 10 tok/s x 3.192 s = 31.9 → 31 tokens more in the last step
+    mean = run(snap, q(200), beta=beta, arrival_tokens_per_s=10.0)
+    assert mean["ttft_s"] == pytest.approx(4.2 + 0.031)
+    # as whole prompts of 40 tokens (0.25 arrivals/s): the median count by 3.192 s (mean 0.8) is 1
+    median = run(snap, q(200), beta=beta, arrival_tokens_per_s=10.0, arrival_prompt_tokens=40.0)
+    assert median["ttft_s"] == pytest.approx(4.2 + 0.040)
+    fast = libbea.estimate(libbea.Snapshot.from_dict(snap), q(200), beta=beta, arrival_tokens_per_s=10.0,
+                           arrival_prompt_tokens=40.0)  # no trace: the fast path
+    assert fast["ttft_s"] == pytest.approx(median["ttft_s"])
+    # prompts of 100 tokens (mean count 0.32 < ln 2): the median is none
+    none = run(snap, q(200), beta=beta, arrival_tokens_per_s=10.0, arrival_prompt_tokens=100.0)
+    assert none["ttft_s"] == pytest.approx(4.2)
+    with pytest.raises(ValueError, match="arrival_prompt_tokens"):
+        run(snap, q(200), beta=beta, arrival_tokens_per_s=10.0, arrival_prompt_tokens=-1.0)

@@ -29,28 +29,44 @@ void record_step(Estimate& est, const Scheduler& sched, const std::vector<Schedu
   est.steps.push_back({static_cast<int64_t>(sched.running().size()), sched.free_blocks(), tokens});
 }
 
-// Later arrivals from other clients, in expectation: prompt tokens accumulate from the query's
-// arrival at `rate`; a step whose waiting queue drained admits them into its leftover budget, which
-// lengthens the step by their eq. 12 prefill cost (a fresh chunk: context 0).
+// Later arrivals from other clients: prompt tokens accumulate from the query's arrival at `rate`
+// (in expectation, or as the median count of whole prompts of `prompt` tokens when that is set:
+// ReplayOptions::arrival_prompt_tokens); a step whose waiting queue drained admits them into its
+// leftover budget, which lengthens the step by their eq. 12 prefill cost (a fresh chunk: context 0).
 class ArrivalFill {
  public:
-  ArrivalFill(double rate, double arrival) : rate_(rate), last_(arrival) {}
+  ArrivalFill(double rate, double arrival, double prompt) : rate_(rate), arrival_(arrival), last_(arrival), prompt_(prompt) {}
   double extra_time(const Scheduler& sched, double step_start, int64_t step_tokens, const Coeffs& beta) {
     if (rate_ <= 0.0) return 0.0;
-    backlog_ += rate_ * std::max(0.0, step_start - last_);
-    last_ = std::max(last_, step_start);
+    if (prompt_ > 0.0) {
+      backlog_ = std::max(0.0, median_count(rate_ / prompt_ * std::max(0.0, step_start - arrival_)) * prompt_ - charged_);
+    } else {
+      backlog_ += rate_ * std::max(0.0, step_start - last_);
+      last_ = std::max(last_, step_start);
+    }
     if (!sched.waiting().empty()) return 0.0;  // FCFS: they wait behind whoever still waits
     const double leftover = static_cast<double>(sched.config().max_num_scheduled_tokens - step_tokens);
     const double n = std::floor(std::min(leftover, backlog_));
     if (n <= 0.0) return 0.0;
     backlog_ -= n;
+    charged_ += n;
     return beta.b1 * n + beta.b3 * n * (n + 1.0) * 0.5;
   }
 
  private:
+  // The median of a Poisson count of mean m (m + 1/3 - 0.02/m, floored: exact to within one
+  // for every m, and 0 below ln 2).
+  static double median_count(double m) {
+    if (!(m > 0.0)) return 0.0;
+    return std::max(0.0, std::floor(m + 1.0 / 3.0 - 0.02 / m));
+  }
+
   double rate_;
+  double arrival_;
   double last_;
+  double prompt_;
   double backlog_ = 0.0;
+  double charged_ = 0.0;
 };
 
 // Whether the estimate runs on the fast path (sync_fast_path.h): decoders advanced as a group,
@@ -90,7 +106,7 @@ class LaterArrivals {
 Estimate run_sync(Scheduler& sched, SyncFastPath* fast, int32_t query, const ReplayOptions& opt, double now,
                   double arrival, double base_time) {
   Estimate est;
-  ArrivalFill fill(opt.arrival_tokens_per_s, arrival);
+  ArrivalFill fill(opt.arrival_tokens_per_s, arrival, opt.arrival_prompt_tokens);
   LaterArrivals later(opt, arrival, base_time);
   if (fast != nullptr) {
     while (est.n_batches < opt.max_steps) {

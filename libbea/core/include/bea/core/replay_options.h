@@ -24,6 +24,12 @@ struct ReplayOptions {
   // query (0: ignore). They queue behind the query, so they never change its schedule, but they
   // fill the budget the query's steps leave over and so lengthen those steps (sync mode).
   double arrival_tokens_per_s = 0.0;
+  // The mean prompt of one such arrival (0: charge the expected tokens, rate x time). When set,
+  // the arrivals are counted as whole prompts and the replay charges the median of their
+  // Poisson count rather than its mean: a point estimate scored by its absolute relative error
+  // (MAPE, and a feasibility test at 50 %) is best at the median, and while fewer than ln 2
+  // arrivals are expected the median is none.
+  double arrival_prompt_tokens = 0.0;
   // Later arrivals known exactly (the error decomposition's oracle, never a live input): each
   // joins the waiting queue at the first schedule() at or after `after_s` seconds past the
   // query's arrival. Sync mode, stepwise (no fast paths), no tracked blocks.
