@@ -85,16 +85,22 @@ inline Coeffs coeffs_from(py::handle h) {
   Coeffs c;
   if (h.is_none()) return c;
   auto seq = py::reinterpret_borrow<py::sequence>(h);
-  if (seq.size() != 4) throw std::invalid_argument("beta must have 4 coefficients");
-  double b[4];
-  for (size_t k = 0; k < 4; ++k) {
+  if (seq.size() != 4 && seq.size() != 8)
+    throw std::invalid_argument("beta must have 4 coefficients (eq. 12), or 8 (a roofline of two eq. 12 lines)");
+  double b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (size_t k = 0; k < seq.size(); ++k) {
     b[k] = seq[k].cast<double>();
     if (!std::isfinite(b[k])) throw std::invalid_argument("beta must be finite");
+    if (k >= 4 && b[k] < 0.0) throw std::invalid_argument("the roofline's second line must be non-negative");
   }
   c.b0 = b[0];
   c.b1 = b[1];
   c.b2 = b[2];
   c.b3 = b[3];
+  c.g0 = b[4];
+  c.g1 = b[5];
+  c.g2 = b[6];
+  c.g3 = b[7];
   return c;
 }
 

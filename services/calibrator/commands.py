@@ -70,27 +70,31 @@ def calibrate(
         help="Replay cases JSONL(.gz) (engine TTFTs): also report the TTFT error of the fit, and of every "
              "objective side by side.")] = None,
 ) -> None:
-    """Fit eq. 12's β0..β3 by non-negative least squares; report the batch-time MAPE and, with
-    --cases, the TTFT MAPE of BEA with that β."""
-    from bear.calibrator.fit import OBJECTIVES, design_matrix, fit_arrays, read_records
+    """Fit the batch-time model — eq. 12's β0..β3 by non-negative least squares, or a roofline of
+    two eq. 12 lines where one line cannot follow the batches (the online calibrator's choice) —
+    and report its batch-time MAPE and, with --cases, the TTFT MAPE of BEA with it, beside eq. 12
+    under every objective."""
+    from bear.calibrator.fit import OBJECTIVES, design_matrix, fit_arrays, fit_roofline, read_records
 
     files = list(batches) + list(extra or [])
     x, y = design_matrix(read_records(files))
     fits = {name: fit_arrays(x, y, name) for name in OBJECTIVES}
-    cal = fits[objective]
+    cal = fit_roofline(x, y, objective)
+    fits[f"{objective}+roofline"] = cal
     out.write_text(json.dumps({**cal.to_json(), "objective": objective}, indent=2) + "\n")
-    print(f"β = [{', '.join(f'{b:.4g}' for b in cal.beta)}]  ({objective})  batch-time MAPE {cal.mape * 100:.1f}% "
-          f"over {cal.n} batches -> {out}")
+    what = "a roofline: β then γ" if cal.gamma is not None else "eq. 12"
+    print(f"β = [{', '.join(f'{b:.4g}' for b in cal.coefficients)}]  ({objective}, {what})  batch-time MAPE "
+          f"{cal.mape * 100:.1f}% over {cal.n} batches -> {out}")
     if cases is None:
         return
     from bear.estimator.cases import read_cases, ttft_errors
 
     rows = list(read_cases(cases))
-    print(f"{'objective':<10} {'batch MAPE':>10} {'TTFT MAPE':>10} {'TTFT median error':>18}   ({len(rows)} cases)")
+    print(f"{'objective':<19} {'batch MAPE':>10} {'TTFT MAPE':>10} {'TTFT median error':>18}   ({len(rows)} cases)")
     for name, f in fits.items():
-        m, bias, _ = ttft_errors(rows, f.beta)
-        mark = "  <- written" if name == objective else ""
-        print(f"{name:<10} {f.mape * 100:>9.1f}% {m * 100:>9.1f}% {bias * 100:>+17.1f}%{mark}")
+        m, bias, _ = ttft_errors(rows, f.coefficients)
+        mark = "  <- written" if f is cal else ""
+        print(f"{name:<19} {f.mape * 100:>9.1f}% {m * 100:>9.1f}% {bias * 100:>+17.1f}%{mark}")
 
 
 def register(app: typer.Typer) -> None:

@@ -1,4 +1,5 @@
-"""Fit the batch-time model of paper eq. 12 from ``bear.batch/1`` records.
+"""Fit the batch-time model of paper eq. 12 (or a roofline of two eq. 12 lines: ``fit_roofline``)
+from ``bear.batch/1`` records.
 
 β is fitted by non-negative least squares, and what is minimised is chosen for what β is used
 for: a TTFT is a *sum* of batch times, so each batch's prediction should be its mean, and least
@@ -34,11 +35,19 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Fit:
     beta: tuple[float, float, float, float]
-    mape: float  # mean absolute percentage error of eq. 12 on the fitted records
+    mape: float  # mean absolute percentage error of the model on the fitted records
     n: int  # records used
+    gamma: tuple[float, float, float, float] | None = None  # the roofline's second line (None: eq. 12)
+
+    @property
+    def coefficients(self) -> list[float]:
+        return [*self.beta, *self.gamma] if self.gamma is not None else list(self.beta)
 
     def to_json(self) -> dict[str, Any]:
-        return {"beta": list(self.beta), "mape": self.mape, "n": self.n}
+        out: dict[str, Any] = {"beta": list(self.beta), "mape": self.mape, "n": self.n}
+        if self.gamma is not None:
+            out["gamma"] = list(self.gamma)
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Fit:
@@ -48,7 +57,17 @@ class Fit:
         b = tuple(float(x) for x in beta)
         if any(not np.isfinite(x) or x < 0 for x in b):
             raise ValueError("beta must be finite and non-negative")
-        return cls(beta=(b[0], b[1], b[2], b[3]), mape=float(d.get("mape", float("nan"))), n=int(d.get("n", 0)))
+        gamma = d.get("gamma")
+        g: tuple[float, float, float, float] | None = None
+        if gamma is not None:
+            if not isinstance(gamma, list | tuple) or len(gamma) != 4:
+                raise ValueError("gamma must be a list of 4 numbers")
+            gs = [float(x) for x in gamma]
+            if any(not np.isfinite(x) or x < 0 for x in gs):
+                raise ValueError("gamma must be finite and non-negative")
+            g = (gs[0], gs[1], gs[2], gs[3])
+        return cls(beta=(b[0], b[1], b[2], b[3]), mape=float(d.get("mape", float("nan"))), n=int(d.get("n", 0)),
+                   gamma=g)
 
 
 def read_records(paths: Iterable[str | Path]) -> Iterator[dict[str, Any]]:
@@ -77,8 +96,12 @@ def design_matrix(records: Iterable[dict[str, Any]]) -> tuple[np.ndarray, np.nda
     return np.asarray(rows, dtype=float).reshape(-1, 4), np.asarray(ys, dtype=float)
 
 
-def predict(beta: Iterable[float], x: np.ndarray) -> np.ndarray:
-    return x @ np.asarray(list(beta), dtype=float)
+def predict(coefficients: Iterable[float], x: np.ndarray) -> np.ndarray:
+    """Batch times of eq. 12 rows: β (4 numbers), or the roofline β then γ (8): the larger line."""
+    c = np.asarray(list(coefficients), dtype=float)
+    if len(c) == 8:
+        return np.maximum(x @ c[:4], x @ c[4:])
+    return x @ c
 
 
 def mape(pred: np.ndarray, y: np.ndarray) -> float:
@@ -142,6 +165,48 @@ def fit_arrays(x: np.ndarray, y: np.ndarray, objective: str = DEFAULT_OBJECTIVE)
     return Fit(beta=(b[0], b[1], b[2], b[3]), mape=mape(predict(b, x), y), n=len(y))
 
 
+ROOFLINE_GAIN = 0.10  # the roofline replaces eq. 12 when it cuts the fit's MAPE by at least this share
+ROOFLINE_MIN = 20  # records on each side of its kink, at the least
+ROOFLINE_ITERATIONS = 30
+
+
+def fit_roofline(x: np.ndarray, y: np.ndarray, objective: str = DEFAULT_OBJECTIVE) -> Fit:
+    """The batch-time model: eq. 12, or — where one line cannot follow the batches — a roofline
+    of two eq. 12 lines, each step taking the larger (Williams, Waterman and Patterson, "Roofline",
+    CACM 2009: a step is bound by memory traffic below its kink, by compute above). β is the
+    memory-bound line, γ the compute-bound one. The kink is searched over the batches' token
+    counts (each of 19 quantiles splits them; one line is fitted to each side), then refined by
+    alternating least squares (each line refitted to the batches it predicts the larger time
+    for) while that lowers the MAPE. Kept when it cuts eq. 12's MAPE by ROOFLINE_GAIN with
+    ROOFLINE_MIN batches on each side (the 0.6B alone: eq. 12 misses its prefill steps by −17 % to
+    +18 % by size, the roofline by under 3 %: docs/estimator.md, "Calibration")."""
+    eq12 = fit_arrays(x, y, objective)
+    if len(y) < 2 * ROOFLINE_MIN:
+        return eq12
+
+    def split(upper: np.ndarray) -> Fit | None:
+        if upper.sum() < ROOFLINE_MIN or (~upper).sum() < ROOFLINE_MIN:
+            return None
+        low, high = fit_arrays(x[~upper], y[~upper], objective), fit_arrays(x[upper], y[upper], objective)
+        return Fit(beta=low.beta, gamma=high.beta, mape=mape(predict([*low.beta, *high.beta], x), y), n=len(y))
+
+    best: Fit | None = None
+    for q in np.unique(np.quantile(x[:, 1], np.linspace(0.05, 0.95, 19))):
+        f = split(x[:, 1] > q)
+        if f is not None and (best is None or f.mape < best.mape):
+            best = f
+    for _ in range(ROOFLINE_ITERATIONS):
+        if best is None or best.gamma is None:
+            break
+        f = split((x @ np.asarray(best.gamma)) > (x @ np.asarray(best.beta)))
+        if f is None or not f.mape < best.mape:
+            break
+        best = f
+    if best is not None and best.mape <= (1.0 - ROOFLINE_GAIN) * eq12.mape:
+        return best
+    return eq12
+
+
 def fit_beta(records: Iterable[dict[str, Any]], objective: str = DEFAULT_OBJECTIVE) -> Fit:
     """Fit β from bear.batch/1 records (records with a null duration are skipped)."""
     x, y = design_matrix(records)
@@ -181,19 +246,19 @@ def robust_fit_arrays(x: np.ndarray, y: np.ndarray, prefill_tokens: np.ndarray, 
     Outliers are found with a relative fit whatever the objective: a least-squares first pass is
     pulled towards the long batches an outlier inflates, and then misses exactly those (a 5 %
     share of 8× durations moved the final β by 30 %)."""
-    first = fit_arrays(x, y, "relative")
-    rel = np.abs(predict(first.beta, x) - y) / y
+    first = fit_roofline(x, y, "relative")
+    rel = np.abs(predict(first.coefficients, x) - y) / y
     med = float(np.median(rel))
     mad = float(np.median(np.abs(rel - med)))
     cut = max(med + 3.0 * 1.4826 * mad, float(np.quantile(rel, 0.5)))
     keep = rel <= cut
     if keep.sum() < 4:
         keep[:] = True
-    cal = fit_arrays(x[keep], y[keep], objective)
+    cal = fit_roofline(x[keep], y[keep], objective)
     if not cal.mape <= MAX_FIT_MAPE:
         raise ValueError(f"the fit misses its own records by {cal.mape:.0%} on average: not published")
     with_prefill = keep & (prefill_tokens > 0)
     seconds = float(y[with_prefill].sum())
     theta: float | None = float(prefill_tokens[with_prefill].sum()) / seconds if seconds > 0 else None
-    return Calibration(instance=instance, beta=cal.beta, mape=cal.mape, n=cal.n, theta=theta, objective=objective,
-                       updated=time.time())
+    return Calibration(instance=instance, beta=cal.beta, gamma=cal.gamma, mape=cal.mape, n=cal.n, theta=theta,
+                       objective=objective, updated=time.time())

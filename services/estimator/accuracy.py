@@ -101,7 +101,7 @@ async def measure(nats_url: str, *, profile: str = "qwen3-8b-h100", qps: float =
         "ttft_mape_incl_warmup": mape(ok),
         "true_ttft_p50_s": float(np.percentile(trues, 50)),
         "true_ttft_p90_s": float(np.percentile(trues, 90)),
-        "beta": list(worker.store.get(instance).calibration.beta),
+        "beta": worker.store.get(instance).calibration.coefficients,
         "batch_time_fit_mape": cal.fits[instance].mape if instance in cal.fits else None,
         "sim": sim.stats.as_dict(),
         "compensate": compensate,

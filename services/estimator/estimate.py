@@ -90,7 +90,7 @@ def replay_inputs(st: InstanceState, now: float, cfg: EstimatorConfig,
         age_s=max(0.0, age) if compensate else 0.0,
         ahead=st.ahead(cfg.dispatch_grace_s, keys_of) if cfg.use_dispatches else [],
         arrival_tokens_per_s=tokens_per_s,
-        beta=list(st.calibration.beta),
+        beta=st.calibration.coefficients,
         later=later,
         arrival_prompt_tokens=tokens_per_s / per_s if cfg.arrival_median and per_s > 0 else 0.0,
     )

@@ -228,7 +228,7 @@ class InstanceState:
         key = (snap.seq, self.snap_time)
         if self._in_flight is None or self._in_flight[0] != key:
             try:
-                s = libbea.next_step_s(snap, list(self.calibration.beta), cfg.default_output_tokens,
+                s = libbea.next_step_s(snap, self.calibration.coefficients, cfg.default_output_tokens,
                                        cfg.overrun_fraction)
             except ValueError:  # a broken or malformed state: no credit for a step in flight
                 s = 0.0

@@ -130,6 +130,8 @@ class SimInstance:
             elif self.beta is not None:
                 b = self.beta
                 dur = b[0] + b[1] * stats[1] + b[2] * stats[4] + b[3] * stats[5]
+                if len(b) == 8:  # a roofline: the larger line
+                    dur = max(dur, b[4] + b[5] * stats[1] + b[6] * stats[4] + b[7] * stats[5])
             else:
                 dur = self.roof.noisy(self.roof.mean_time_aggregate(*stats[:4]))
             if dur is not None and self.batches is not None:
@@ -190,7 +192,7 @@ class Cluster:
         if self.oracle.step_times:
             refit = None
             for inst in self.insts:
-                inst.beta = list(calib[inst.spec.name].beta)
+                inst.beta = calib[inst.spec.name].coefficients
         self.refit = refit
         self.next_refit = refit.refit_s if refit is not None else math.inf
         if refit is not None:

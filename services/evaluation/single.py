@@ -112,7 +112,7 @@ def estimator_scatter(s: Setup, k: int) -> dict[str, Any]:
             assert cl.samples is not None
             preds["learned"] = online_predictions(cl.samples).tolist()
             x, y = design_matrix(cl.insts[0].records)
-            yhat = predict(s.calibration[s.specs()[k].name].beta, x)
+            yhat = predict(s.calibration[s.specs()[k].name].coefficients, x)
             keep = slice(None, None, max(1, len(y) // BATCH_POINTS))  # the figure's points; MAPE over all
             batch = {"observed_s": y[keep].tolist(), "predicted_s": yhat[keep].tolist(), "n": len(y),
                      "mape": float(np.mean(np.abs(yhat - y) / y))}

@@ -85,6 +85,9 @@ class Calibration(Message, tag="bear.calibration/1", kw_only=True):
 
     instance: str = ""
     beta: tuple[float, float, float, float]
+    # the roofline's second line over eq. 12's terms (None: eq. 12 alone): a step takes the larger
+    # of β's and γ's time, memory-bound below the kink and compute-bound above (bear.calibrator.fit)
+    gamma: tuple[float, float, float, float] | None = None
     mape: float = math.nan
     n: NonNegInt = 0
     theta: float | None = None  # prefill tokens/s; None: not measured
@@ -95,9 +98,9 @@ class Calibration(Message, tag="bear.calibration/1", kw_only=True):
     updated: float = 0.0
 
     def __post_init__(self) -> None:
-        _finite(*self.beta, self.theta, self.updated, self.ttft_mape, self.ttft_bias)
-        if any(b < 0 for b in self.beta):
-            raise ValueError("beta must be non-negative")
+        _finite(*self.beta, *(self.gamma or ()), self.theta, self.updated, self.ttft_mape, self.ttft_bias)
+        if any(b < 0 for b in (*self.beta, *(self.gamma or ()))):
+            raise ValueError("beta and gamma must be non-negative")
         if self.theta is not None and self.theta <= 0:
             raise ValueError("theta must be > 0")
         # A model no engine could have: a one-token decode step (context 1k) or a 1k-token prefill
@@ -106,6 +109,11 @@ class Calibration(Message, tag="bear.calibration/1", kw_only=True):
         for t in (b0 + b1 + b2 * 1000.0, b0 + 1000.0 * b1 + b3 * 1000.0 * 1001.0 / 2.0):
             if not 1e-5 <= t <= 60.0:
                 raise ValueError(f"beta predicts {t:.3g} s for a plain step: not a plausible engine")
+
+    @property
+    def coefficients(self) -> list[float]:
+        """What libbea's replay takes: β, then γ when the fit found a roofline."""
+        return [*self.beta, *self.gamma] if self.gamma is not None else list(self.beta)
 
     def prefill_tps(self) -> float:
         """θ of eq. 8: the measured one, else what β implies for a nominal prompt."""

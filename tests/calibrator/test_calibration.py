@@ -99,3 +99,49 @@ def test_the_refit_window_keeps_half_for_prefill_batches() -> None:
     for k in range(7):
         w.add(-10 - k, True)
     assert [b for b in w.batches() if b < 0] == [-12, -13, -14, -15, -16]
+
+
+def _features(n: int, seed: int) -> np.ndarray:
+    """Eq. 12 rows of varied batches: decodes only, small and large prefills."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        decodes = int(rng.integers(0, 64))
+        prefill = int(rng.choice([0, rng.integers(1, 64), rng.integers(64, 8192)]))
+        tokens = decodes + prefill
+        if tokens == 0:
+            decodes = tokens = 1
+        rows.append((1.0, float(tokens), float(decodes * rng.integers(50, 4000)), prefill * (prefill + 1) / 2.0))
+    return np.array(rows)
+
+
+def test_the_roofline_is_found_where_one_line_cannot_follow_and_only_there() -> None:
+    from bear.calibrator.fit import fit_roofline, predict
+    from bear.protocol.messages import Calibration, decode, encode
+
+    x = _features(1500, 1)
+    rng = np.random.default_rng(2)
+    noise = np.exp(rng.normal(0.0, 0.03, len(x)))
+    memory = np.array([6e-3, 2e-7, 6e-8, 0.0])  # weights and KV reads: flat in tokens
+    compute = np.array([1e-3, 4e-5, 0.0, 2e-9])  # dense layers and prefill attention
+    kinked = np.maximum(x @ memory, x @ compute) * noise
+    roof = fit_roofline(x, kinked)
+    assert roof.gamma is not None and roof.mape < 0.04  # the noise floor (σ = 3 %)
+    assert fit_roofline(x, kinked).coefficients == roof.coefficients  # deterministic
+    eq12 = fit_beta_arrays(x, kinked)
+    assert roof.mape <= 0.9 * eq12.mape
+    np.testing.assert_allclose(predict(roof.coefficients, x), np.maximum(x @ np.array(roof.beta),
+                                                                          x @ np.array(roof.gamma)))
+    straight = (x @ compute + 5e-3) * noise  # one line is the truth: no second line
+    assert fit_roofline(x, straight).gamma is None
+    cal = Calibration(beta=roof.beta, gamma=roof.gamma, mape=roof.mape, n=roof.n)
+    back = decode(Calibration, encode(cal))
+    assert back.gamma == roof.gamma and back.coefficients == roof.coefficients and len(back.coefficients) == 8
+    with pytest.raises(ValueError, match="non-negative"):
+        Calibration(beta=roof.beta, gamma=(-1.0, 0.0, 0.0, 0.0))
+
+
+def fit_beta_arrays(x: np.ndarray, y: np.ndarray):
+    from bear.calibrator.fit import fit_arrays
+
+    return fit_arrays(x, y)

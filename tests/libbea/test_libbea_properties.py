@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bear import libbea
 
 BETA = [1e-3, 1e-5, 1e-7, 1e-9]
+# a roofline (two eq. 12 lines, the larger one counts): its kink at ≈ 17 tokens a step, and the
+# lines cross inside decode stretches as contexts grow (the folds' closed form splits there)
+ROOF = [*BETA, 5e-4, 4e-5, 5e-8, 1e-9]
+BETAS = pytest.mark.parametrize("beta", [BETA, ROOF], ids=["eq12", "roofline"])
 
 
 @st.composite
@@ -78,15 +83,16 @@ def test_step_invariants(case) -> None:
         assert state["free_blocks"] >= 0
 
 
+@BETAS
 @SETTINGS
 @given(states())
-def test_deterministic_and_collapse_exact(case) -> None:
+def test_deterministic_and_collapse_exact(beta, case) -> None:
     snap_d, query, lengths = case
     s = libbea.Snapshot.from_dict(snap_d)
-    a = libbea.estimate(s, query, beta=BETA, lengths=lengths)
-    b = libbea.estimate(libbea.Snapshot.from_dict(snap_d), query, beta=BETA, lengths=lengths)
+    a = libbea.estimate(s, query, beta=beta, lengths=lengths)
+    b = libbea.estimate(libbea.Snapshot.from_dict(snap_d), query, beta=beta, lengths=lengths)
     assert a == b
-    c = libbea.estimate(s, query, beta=BETA, lengths=lengths, collapse=False)
+    c = libbea.estimate(s, query, beta=beta, lengths=lengths, collapse=False)
     assert c["n_batches"] == a["n_batches"] and c["status"] == a["status"]
     if a["status"] == "ok":
         assert abs(c["ttft_s"] - a["ttft_s"]) <= 1e-9 * max(1.0, a["ttft_s"])
@@ -160,39 +166,42 @@ def _assert_same(fast: dict, slow: dict) -> None:
         assert abs(fast["ttft_s"] - slow["ttft_s"]) <= 1e-9 * max(1.0, slow["ttft_s"])
 
 
+@BETAS
 @LARGE
 @given(large_states())
-def test_large_populations_fast_equals_stepwise(case) -> None:
+def test_large_populations_fast_equals_stepwise(beta, case) -> None:
     snap_d, query, lengths = case
     s = libbea.Snapshot.from_dict(snap_d)
-    fast = libbea.estimate(s, query, beta=BETA, lengths=lengths, max_steps=300_000)
-    slow = libbea.estimate(s, query, beta=BETA, lengths=lengths, collapse=False, max_steps=300_000)
+    fast = libbea.estimate(s, query, beta=beta, lengths=lengths, max_steps=300_000)
+    slow = libbea.estimate(s, query, beta=beta, lengths=lengths, collapse=False, max_steps=300_000)
     _assert_same(fast, slow)
-    again = libbea.estimate(s, query, beta=BETA, lengths=lengths, max_steps=300_000)
+    again = libbea.estimate(s, query, beta=beta, lengths=lengths, max_steps=300_000)
     assert again == fast  # the snapshot's prepared decode group is reused unchanged
 
 
+@BETAS
 @LARGE
 @given(large_states(), st.integers(1, 400))
-def test_aged_estimates_fast_equal_stepwise(case, age_units) -> None:
+def test_aged_estimates_fast_equal_stepwise(beta, case, age_units) -> None:
     # The residents age on the fast path (one step at a time) when collapse is on, by the exact
     # scheduler when it is off: the same steps, the same TTFT.
     snap_d, query, lengths = case
     s = libbea.Snapshot.from_dict(snap_d)
     age = age_units * 1.37e-3 + 1.1e-7  # off the round numbers batch times are made of
-    fast = libbea.estimate(s, query, beta=BETA, lengths=lengths, age_s=age, max_steps=300_000)
-    slow = libbea.estimate(s, query, beta=BETA, lengths=lengths, age_s=age, collapse=False, max_steps=300_000)
+    fast = libbea.estimate(s, query, beta=beta, lengths=lengths, age_s=age, max_steps=300_000)
+    slow = libbea.estimate(s, query, beta=beta, lengths=lengths, age_s=age, collapse=False, max_steps=300_000)
     _assert_same(fast, slow)
 
 
+@BETAS
 @SETTINGS
 @given(states(preemption_possible=False), st.integers(1, 200))
-def test_small_aged_estimates_fast_equal_stepwise(case, age_units) -> None:
+def test_small_aged_estimates_fast_equal_stepwise(beta, case, age_units) -> None:
     snap_d, query, lengths = case
     s = libbea.Snapshot.from_dict(snap_d)
     age = age_units * 7.3e-4 + 1.1e-7
-    fast = libbea.estimate(s, query, beta=BETA, lengths=lengths, age_s=age, max_steps=20000)
-    slow = libbea.estimate(s, query, beta=BETA, lengths=lengths, age_s=age, collapse=False, max_steps=20000)
+    fast = libbea.estimate(s, query, beta=beta, lengths=lengths, age_s=age, max_steps=20000)
+    slow = libbea.estimate(s, query, beta=beta, lengths=lengths, age_s=age, collapse=False, max_steps=20000)
     _assert_same(fast, slow)
 
 

@@ -234,6 +234,29 @@ def test_batch_time_model_eq12() -> None:
         21.0, 109.0, 210.0)
 
 
+def test_roofline_takes_the_larger_line_step_by_step_and_in_folds() -> None:
+    beta = [0.5, 0.01, 0.001, 0.0001]
+    a = req("A", 100, c=109, o=10, blocks=7)
+    low = [0.0, 0.0, 0.0, 0.0]  # a second line below the first everywhere: eq. 12 itself
+    assert run(snapshot([a]), q(20), {"A": 50}, beta=[*beta, *low])["ttft_s"] == pytest.approx(
+        run(snapshot([a]), q(20), {"A": 50}, beta=beta)["ttft_s"])
+    steep = [0.1, 0.05, 0.0, 0.0]  # compute-bound above 10 tokens a step: 0.1 + 0.05 · 21 tokens
+    res = run(snapshot([a]), q(20), {"A": 50}, beta=[*beta, *steep])
+    assert res["ttft_s"] == pytest.approx(max(0.5 + 0.01 * 21 + 0.001 * 109 + 0.0001 * 210, 0.1 + 0.05 * 21))
+    # eight decodes run 40 folded steps while T waits for a free slot; their contexts grow until
+    # the second line (flatter in context) is the smaller: the fold splits at the crossing
+    decoders = [decoding(f"D{k}", 100, 1) for k in range(8)]
+    snap = snapshot(decoders, max_num_seqs=8)
+    lengths = {f"D{k}": 41 if k == 0 else 200 for k in range(8)}
+    roof = [1e-3, 1e-5, 1e-6, 0.0, 2e-3, 1e-5, 0.0, 0.0]
+    folded = libbea.estimate(libbea.Snapshot.from_dict(snap), q(10), beta=roof, lengths=lengths)
+    stepwise = libbea.estimate(libbea.Snapshot.from_dict(snap), q(10), beta=roof, lengths=lengths, collapse=False)
+    assert folded["n_batches"] == stepwise["n_batches"] == 41  # 40 decode steps, then T's prefill
+    assert folded["ttft_s"] == pytest.approx(stepwise["ttft_s"], rel=1e-12)
+    with pytest.raises(ValueError, match="8"):
+        run(snapshot([a]), q(20), beta=[*beta, 0.1])
+
+
 def test_estimate_many_matches_single_estimates() -> None:
     a = libbea.Snapshot.from_dict(snapshot([decoding("A", 100, 3)]))
     b = libbea.Snapshot.from_dict(snapshot([req("X", 5000, c=100, blocks=7)]))

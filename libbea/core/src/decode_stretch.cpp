@@ -51,7 +51,7 @@ int64_t fold_decode_stretch(Scheduler& s, double& now, const Coeffs& beta, int64
   }
   const auto Rd = static_cast<double>(R);
   const auto sd = static_cast<double>(steps);
-  now += sd * (beta.b0 + beta.b1 * Rd + beta.b2 * static_cast<double>(sum_ctx)) + beta.b2 * Rd * sd * (sd - 1.0) * 0.5;
+  now += decode_steps_time(beta, sd, Rd, static_cast<double>(sum_ctx));
   for (int32_t k : running) {
     Scheduler::Req& r = s.req(k);
     const int64_t need = ceil_div(r.C + steps, B) - r.kv.held;

@@ -187,8 +187,7 @@ bool SyncFastPath::try_fold(double& now, const Coeffs& beta, int64_t k, int64_t&
   const auto kd = static_cast<double>(k);
   const auto nd = static_cast<double>(n_lazy_);
   const auto Dd = static_cast<double>(D_);
-  now += kd * (beta.b0 + beta.b1 * nd) +
-         beta.b2 * (kd * static_cast<double>(sum_cbase_) + nd * (kd * Dd + kd * (kd - 1.0) * 0.5));
+  now += decode_steps_time(beta, kd, nd, static_cast<double>(sum_cbase_) + nd * Dd);
   advance_d(k);
   steps = k;
   return true;
