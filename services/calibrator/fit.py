@@ -51,23 +51,19 @@ class Fit:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Fit:
-        beta = d["beta"]
-        if not isinstance(beta, list | tuple) or len(beta) != 4:
-            raise ValueError("beta must be a list of 4 numbers")
-        b = tuple(float(x) for x in beta)
-        if any(not np.isfinite(x) or x < 0 for x in b):
-            raise ValueError("beta must be finite and non-negative")
         gamma = d.get("gamma")
-        g: tuple[float, float, float, float] | None = None
-        if gamma is not None:
-            if not isinstance(gamma, list | tuple) or len(gamma) != 4:
-                raise ValueError("gamma must be a list of 4 numbers")
-            gs = [float(x) for x in gamma]
-            if any(not np.isfinite(x) or x < 0 for x in gs):
-                raise ValueError("gamma must be finite and non-negative")
-            g = (gs[0], gs[1], gs[2], gs[3])
-        return cls(beta=(b[0], b[1], b[2], b[3]), mape=float(d.get("mape", float("nan"))), n=int(d.get("n", 0)),
-                   gamma=g)
+        return cls(beta=_four(d["beta"], "beta"), mape=float(d.get("mape", float("nan"))), n=int(d.get("n", 0)),
+                   gamma=None if gamma is None else _four(gamma, "gamma"))
+
+
+def _four(v: Any, name: str) -> tuple[float, float, float, float]:
+    """Four finite non-negative coefficients (a line of eq. 12), or ValueError naming ``name``."""
+    if not isinstance(v, list | tuple) or len(v) != 4:
+        raise ValueError(f"{name} must be a list of 4 numbers")
+    b = [float(x) for x in v]
+    if any(not np.isfinite(x) or x < 0 for x in b):
+        raise ValueError(f"{name} must be finite and non-negative")
+    return (b[0], b[1], b[2], b[3])
 
 
 def read_records(paths: Iterable[str | Path]) -> Iterator[dict[str, Any]]:
@@ -195,9 +191,8 @@ def fit_roofline(x: np.ndarray, y: np.ndarray, objective: str = DEFAULT_OBJECTIV
         f = split(x[:, 1] > q)
         if f is not None and (best is None or f.mape < best.mape):
             best = f
-    for _ in range(ROOFLINE_ITERATIONS):
-        if best is None or best.gamma is None:
-            break
+    for _ in range(ROOFLINE_ITERATIONS if best is not None else 0):
+        assert best is not None and best.gamma is not None  # split() always sets both lines
         f = split((x @ np.asarray(best.gamma)) > (x @ np.asarray(best.beta)))
         if f is None or not f.mape < best.mape:
             break

@@ -23,7 +23,8 @@ from typing import Annotated, Any
 import msgspec
 
 from bear.gateway.openai_wire import ApiError
-from bear.protocol.engine_fields import MAX_N
+from bear.protocol.engine_fields import MAX_DEPTH, MAX_N, check_json
+from bear.protocol.errors import BearError
 from bear.protocol.sampling import SAMPLING_FIELDS, Sampling, sampling_of
 
 MAX_TOKENS_LIMIT = 1_000_000
@@ -310,8 +311,19 @@ def router_messages(msgs: list[Message]) -> list[dict[str, Any]]:
             v = getattr(m, name)
             if v is not None:
                 d[name] = v
+        if m.tool_calls:
+            _carried(m.tool_calls, f"messages[{i}].tool_calls")
         out.append(d)
     return out
+
+
+def _carried(v: Any, where: str) -> None:
+    """400 unless the submission can carry ``v`` to the engine (``check_json``: a 2^70 integer
+    would fail to pack — a 500 — rather than be refused)."""
+    try:
+        check_json(v, where, MAX_DEPTH)
+    except BearError as exc:
+        raise ApiError(400, exc.message, param=where) from None
 
 
 def _common(req: _Common, chat: bool, headers: Mapping[str, str], d: Defaults, max_tokens: int | None,
@@ -325,7 +337,13 @@ def _common(req: _Common, chat: bool, headers: Mapping[str, str], d: Defaults, m
                       stream=bool(req.stream), include_usage=bool(opts and opts.include_usage),
                       continuous_usage=bool(opts and opts.continuous_usage_stats),
                       max_tokens=max_tokens or default_max, ttft_target_s=ttft_s, lam=lam,
-                      sampling=sampling_of(req), engine=_engine_fields(req))
+                      sampling=sampling_of(req), engine=_checked(_engine_fields(req)))
+
+
+def _checked(engine: dict[str, Any]) -> dict[str, Any]:
+    for k, v in engine.items():
+        _carried(v, k)
+    return engine
 
 
 _RULED = {t: tuple(f for f in t.__struct_fields__ if f in UNSUPPORTED) for t in (ChatRequest, CompletionRequest)}

@@ -20,6 +20,7 @@ from typing import Any
 from bear.protocol.errors import BearError, ErrorCode
 
 MAX_DEPTH = 16  # JSON schemas of tools and structured outputs nest
+MIN_INT, MAX_INT = -(2**63), 2**64 - 1  # what msgpack's integers hold
 MAX_N = 128  # sequences per query (vLLM has no bound; each is paid for in the decision's cost)
 # set by the router (the decision, the relay) and never taken from a client
 OWNED = frozenset({"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream",
@@ -32,8 +33,9 @@ TEMPLATE_FIELDS = frozenset({"tools", "documents", "chat_template", "chat_templa
 
 def check_json(v: Any, where: str, depth: int) -> None:
     """``v`` is what an engine's JSON body can carry: maps with string keys, lists, strings,
-    finite numbers, booleans, null, at most ``depth`` levels (a msgpack timestamp or bytes would
-    fail only after dispatch, inside the HTTP client)."""
+    finite numbers, 64-bit integers, booleans, null, at most ``depth`` levels (a msgpack timestamp
+    or bytes would fail only after dispatch, inside the HTTP client; a larger integer already in
+    packing the submission)."""
     if depth < 0:
         raise BearError(ErrorCode.BAD_REQUEST, f"{where} nested too deeply")
     if isinstance(v, dict):
@@ -47,6 +49,9 @@ def check_json(v: Any, where: str, depth: int) -> None:
     elif isinstance(v, float):
         if not math.isfinite(v):
             raise BearError(ErrorCode.BAD_REQUEST, f"{where}: numbers must be finite")
+    elif isinstance(v, int) and not isinstance(v, bool):
+        if not MIN_INT <= v <= MAX_INT:  # msgpack carries 64 bits: a larger one fails to pack
+            raise BearError(ErrorCode.BAD_REQUEST, f"{where}: integers must lie in [-2^63, 2^64 - 1]")
     elif not (v is None or isinstance(v, str | int | bool)):
         raise BearError(ErrorCode.BAD_REQUEST, f"{where}: {type(v).__name__} values are not JSON")
 

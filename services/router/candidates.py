@@ -140,5 +140,5 @@ def dispatch_for(query_id: str, request_id: str, p: ModelPrediction, max_tokens:
     return Dispatch(query_id=query_id, request_id=request_id, prompt_tokens=min(p.prompt_tokens, 2**31 - 1),
                     predicted_output_tokens=int(max(1, min(round(min(out, cap)), 2**31 - 1))),
                     max_tokens=None if max_tokens is None else min(max_tokens, 2**31 - 1),
-                    prefix_hit_tokens=0 if skip_reading_prefix_cache else prefix_hit_tokens, t=t, tokens=tokens,
+                    prefix_hit_tokens=prefix_hit_tokens, t=t, tokens=tokens,
                     sequences=sequences, skip_reading_prefix_cache=skip_reading_prefix_cache)

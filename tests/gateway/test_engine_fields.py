@@ -23,7 +23,7 @@ from bear.gateway.openai_types import (
     parse_chat,
     parse_completion,
 )
-from bear.gateway.openai_wire import merge_choices
+from bear.gateway.openai_wire import ApiError, merge_choices
 from bear.protocol.engine_fields import (
     OWNED,
     check_engine,
@@ -93,6 +93,24 @@ def test_plain_requests_carry_no_engine_fields() -> None:
     sub = parse_chat(json.dumps({"model": "bear", "messages": CHAT, "temperature": 0.5, "user": "u",
                                  "request_id": "client-id"}).encode(), {}, Defaults())
     assert sub.engine == {} and sub.sampling == {"temperature": 0.5}
+
+
+def test_values_msgpack_cannot_carry_are_a_400_not_a_500() -> None:
+    """Found by schemathesis (`truncation_side: [..., 108971107152239214592]`): an integer past 64
+    bits failed to pack the submission, a 500. Engine fields and tool calls are checked first."""
+    assert check_engine({"x": [2**64 - 1, -(2**63)]}) == {"x": [2**64 - 1, -(2**63)]}
+    for big in (2**64, -(2**63) - 1):
+        with pytest.raises(BearError, match="integers"):
+            check_engine({"x": {"y": [big]}})
+    body = {"model": "bear", "prompt": "hi", "truncation_side": [{}, ["a", 108971107152239214592, False]]}
+    with pytest.raises(ApiError) as e:
+        parse_completion(json.dumps(body).encode(), {}, Defaults())
+    assert e.value.status == 400 and e.value.param == "truncation_side"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}, "x": 2**70}
+    msgs = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    with pytest.raises(ApiError) as e:
+        parse_chat(json.dumps({"model": "bear", "messages": msgs}).encode(), {}, Defaults())
+    assert e.value.status == 400 and e.value.param == "messages[1].tool_calls"
 
 
 def test_router_refuses_owned_and_bad_engine_fields() -> None:

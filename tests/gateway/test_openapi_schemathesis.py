@@ -40,7 +40,9 @@ def not_a_bug(ctx, response, case) -> None:  # type: ignore[no-untyped-def]
 
 
 @schema.parametrize()
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+# derandomized: CI runs the same 40 cases every time (random draws found a real 500 in 2 of 9 runs,
+# fixed, but a test that passes or fails by the draw cannot gate a submission)
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_the_gateway_conforms_to_its_openapi_document(root, case) -> None:  # type: ignore[no-untyped-def]
     from schemathesis.checks import CHECKS
 
