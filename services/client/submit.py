@@ -15,21 +15,34 @@ answer's inbox: the router serving the query aborts the engine's generation (doc
 Every submission carries its ``deadline``: when this client stops waiting for the query to start
 (after the last resubmission's ``accept_timeout_s``). A router does not start a query after it —
 the answer would go to nobody. A query larger than the NATS
-server's ``max_payload`` is not sent: it gets a client-made ``too_large`` error at once."""
+server's ``max_payload`` is not sent: it gets a client-made ``too_large`` error at once.
+
+A submission goes to ``bear.submit.<identity>`` (the connection's inbox prefix names the
+identity; anonymous connections use ``bear.submit``) and carries a random ``nonce`` that the
+router echoes in every message of the stream: a message in the inbox without this query's id
+and nonce is dropped and counted (``FOREIGN_DROPPED``), never yielded (issue 26)."""
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import structlog
+
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.errors import BearError, ErrorCode, error_reply
 from bear.protocol.subjects import CANCEL_SCHEMA, Subjects
 
+log = structlog.get_logger("bear.client")
+
 TERMINAL = ("bear.done/1", "bear.error/1")
+# Messages that reached a submission's inbox but are not of its query (another query id, or not
+# the per-query nonce the router echoes): dropped, counted here, one warning line per submission.
+FOREIGN_DROPPED = {"messages": 0}
 
 
 def is_terminal(msg: dict[str, Any]) -> bool:
@@ -94,8 +107,9 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
 
     subjects = subjects or Subjects()
     qid = query_id or uuid.uuid4().hex
+    nonce = secrets.token_hex(8)  # the router echoes it in every message of this query's stream
     req: dict[str, Any] = {"v": "bear.submit/1", "query_id": qid, "ttft_target_s": ttft_target_s,
-                           "deadline": time.time() + accept_timeout_s * (resubmits + 1)}
+                           "deadline": time.time() + accept_timeout_s * (resubmits + 1), "nonce": nonce}
     if max_tokens is None:
         req["max_tokens_rest"] = True
     else:
@@ -132,8 +146,10 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
             async with asyncio.timeout(within_s):
                 return await sub.next_msg(timeout=None)
     answered = False  # the router's terminal message arrived: nothing to cancel
+    submit_subject = subjects.submit_for_inbox(inbox)  # bear.submit.<identity>: answered only into its inbox
+    foreign = 0
     try:
-        await nc.publish(subjects.submit, payload, reply=inbox, headers=headers)
+        await nc.publish(submit_subject, payload, reply=inbox, headers=headers)
         heard = False
         left = resubmits
         duplicate = False
@@ -144,7 +160,7 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
                 if not heard and left > 0:
                     left -= 1
                     try:
-                        await nc.publish(subjects.submit, payload, reply=inbox, headers=headers)
+                        await nc.publish(submit_subject, payload, reply=inbox, headers=headers)
                     except Exception:
                         pass
                     continue
@@ -159,6 +175,10 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
                 d = unpack_map(msg.data)
             except BearError:
                 continue
+            if d.get("query_id") != qid or d.get("nonce") != nonce:  # not of this query: injected or stray
+                foreign += 1
+                FOREIGN_DROPPED["messages"] += 1
+                continue
             code = (d.get("error") or {}).get("code") if isinstance(d.get("error"), dict) else None
             if code == ErrorCode.DUPLICATE and (heard or left < resubmits):
                 # our own resubmission hit the dedup: the original stream comes to this inbox
@@ -170,6 +190,8 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
             if answered:
                 return
     finally:
+        if foreign:
+            log.warning("messages not of this query dropped", query_id=qid, inbox=inbox, dropped=foreign)
         if inboxes is not None:
             inboxes.close(inbox)
         else:

@@ -10,6 +10,14 @@ BATCH_SCHEMA = "bear.batch/1"
 CANCEL_SCHEMA = "bear.cancel/1"
 
 
+def inbox_owner(inbox: str) -> str:
+    """The identity whose private inbox prefix ``inbox`` lies under (``_INBOX_<name>.…`` →
+    ``<name>``; "" for the anonymous ``_INBOX.…``)."""
+    if not inbox.startswith("_INBOX_"):
+        return ""
+    return inbox[len("_INBOX_"):].split(".", 1)[0]
+
+
 @dataclass(frozen=True)
 class Subjects:
     """All subjects and bucket names for one deployment prefix (default ``bear``)."""
@@ -84,7 +92,41 @@ class Subjects:
 
     @property
     def submit(self) -> str:
+        """``bear.submit``: submissions of anonymous clients (``--insecure``), answered only into
+        the anonymous inbox prefix ``_INBOX.`` (``reply_owner``)."""
         return f"{self.prefix}.submit"
+
+    def submit_as(self, client: str) -> str:
+        """``bear.submit.<client>``: the submissions of client identity ``client`` — only it may
+        publish here (bear.runtime.nats_auth), and routers answer only into ``_INBOX_<client>.``."""
+        return f"{self.prefix}.submit.{client}"
+
+    @property
+    def submit_all(self) -> str:
+        return f"{self.prefix}.submit.*"
+
+    def submit_for_inbox(self, inbox: str) -> str:
+        """Where a client whose reply inbox is ``inbox`` submits: ``bear.submit.<name>`` for an
+        identity's inbox (``_INBOX_<name>.…``), else ``bear.submit``."""
+        name = inbox_owner(inbox)
+        return self.submit_as(name) if name else self.submit
+
+    def reply_owner(self, subject: str, reply: str) -> str | None:
+        """The client a submission on ``subject`` with reply subject ``reply`` is answered for
+        ("" anonymous), or None when the reply does not lie in the submitter's own inbox — a
+        router answers nowhere else (not into a service's subject, a bucket or another client's
+        inbox: issue 26). The subject's client token is the server's word (only that identity may
+        publish it); the reply must lie below that identity's inbox prefix."""
+        if subject == self.submit:
+            return "" if reply.startswith("_INBOX.") and len(reply) > 7 else None
+        head = f"{self.prefix}.submit."
+        if not subject.startswith(head):
+            return None
+        client = subject[len(head):]
+        if not client or "." in client or not reply.startswith(f"_INBOX_{client}.") \
+                or len(reply) <= len(client) + 8 or "*" in reply or ">" in reply:
+            return None
+        return client
 
     @property
     def cancel(self) -> str:
@@ -104,6 +146,12 @@ class Subjects:
     def tokenizers_bucket(self) -> str:
         """Object store of tokenizer bundles, one object per tokenizer id (``bear.tokenizer``)."""
         return f"{self.prefix}_tokenizers"
+
+    @property
+    def provisioned_bucket(self) -> str:
+        """KV bucket of what each instance was provisioned with (model, base URL, prices): only
+        ``admin`` writes it; routers take only registry entries that match (issue 26)."""
+        return f"{self.prefix}_provisioned"
 
     @property
     def queries_bucket(self) -> str:

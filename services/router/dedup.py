@@ -29,19 +29,22 @@ class Deduplicator:
         self.fallbacks = 0
 
     @staticmethod
-    def key(query_id: str) -> str:
-        """KV keys allow only [-/_=.a-zA-Z0-9]: hash the client's id."""
-        return hashlib.sha1(query_id.encode()).hexdigest()
+    def key(query_id: str, client: str = "") -> str:
+        """The router's key of a client's query id: a hash (KV keys allow only [-/_=.a-zA-Z0-9]),
+        scoped by the client identity it came from — a client can neither choose a key nor claim
+        another client's ids."""
+        return hashlib.sha1((f"{client}\0{query_id}" if client else query_id).encode()).hexdigest()
 
     async def _bucket(self) -> Any:
         if self._kv is None:
             self._kv = await ensure_kv(self.nc.jetstream(timeout=self.timeout_s), self.bucket, ttl_s=self.ttl_s)
         return self._kv
 
-    async def claim(self, query_id: str, owner: str) -> bool:
-        """True when this router may execute ``query_id`` (first claim), False for a duplicate."""
+    async def claim(self, query_id: str, owner: str, client: str = "") -> bool:
+        """True when this router may execute ``query_id`` of ``client`` (first claim), False for a
+        duplicate."""
         now = time.monotonic()
-        k = self.key(query_id)
+        k = self.key(query_id, client)
         if k in self._local:
             return False
         self._local[k] = now

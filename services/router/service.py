@@ -127,6 +127,8 @@ class Query:
     # max_tokens_rest: no cap of the client's; the engine generates up to the rest of its context
     # (vLLM's default), and ``max_tokens`` is the largest such rest, for the estimate
     rest_of_context: bool = False
+    nonce: str | None = None  # the client's per-query nonce, echoed in every message of the answer
+    client: str = ""  # the client identity it came from (its submit subject's token; "": anonymous)
 
     def max_tokens_at(self, max_model_len: int | None, prompt_tokens: int) -> int | None:
         """The query's output cap at an instance: the client's ``max_tokens``, or with
@@ -189,6 +191,9 @@ def parse_submit(data: bytes, cfg: RouterConfig) -> Query:
     session = d.get("session")
     if session is not None and (not isinstance(session, str) or not session or len(session) > 256):
         raise BearError(ErrorCode.BAD_REQUEST, "session must be a non-empty string (≤ 256 chars)")
+    nonce = d.get("nonce")
+    if nonce is not None and (not isinstance(nonce, str) or not nonce or len(nonce) > 64):
+        raise BearError(ErrorCode.BAD_REQUEST, "nonce must be a non-empty string (≤ 64 chars)")
     rest = d.get("max_tokens_rest", False)
     if not isinstance(rest, bool):
         raise BearError(ErrorCode.BAD_REQUEST, "max_tokens_rest must be a boolean")
@@ -202,7 +207,8 @@ def parse_submit(data: bytes, cfg: RouterConfig) -> Query:
               max_tokens=int(max_tokens), lam=num("lam", cfg.lam, 0.0),
               prompt_tokens=pt, model=model, sampling=check_sampling(d.get("sampling")),
               engine=check_engine(d.get("engine")),
-              deadline=None if deadline is None else float(deadline), session=session, rest_of_context=rest)
+              deadline=None if deadline is None else float(deadline), session=session, rest_of_context=rest,
+              nonce=nonce)
     if len(q.text.encode()) > MAX_PROMPT_BYTES:
         raise BearError(ErrorCode.TOO_LARGE, f"prompt larger than {MAX_PROMPT_BYTES} bytes")
     check_streamable(q.engine, chat=messages is not None)
@@ -218,6 +224,28 @@ class _Peek(msgspec.Struct):
 _peek = msgspec.msgpack.Decoder(_Peek)
 
 
+class _PeekIds(msgspec.Struct):
+    """The ids an answer echoes, read before the submit is parsed (a refusal on arrival, a
+    malformed submit): the client library drops messages without its query id and nonce."""
+
+    query_id: Any = None
+    nonce: Any = None
+
+
+_peek_ids = msgspec.msgpack.Decoder(_PeekIds)
+
+
+def peek_ids(data: bytes) -> tuple[str, str | None]:
+    """(query_id, nonce) of a submit as far as they are well-formed ("", None otherwise)."""
+    try:
+        d = _peek_ids.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return "", None
+    qid = d.query_id if isinstance(d.query_id, str) and len(d.query_id) <= 256 else ""
+    nonce = d.nonce if isinstance(d.nonce, str) and 0 < len(d.nonce) <= 64 else None
+    return qid, nonce
+
+
 def peek_deadline(data: bytes) -> float | None:
     try:
         d = _peek.decode(data).deadline
@@ -229,10 +257,12 @@ def peek_deadline(data: bytes) -> float | None:
 class ClientStream:
     """Messages to one client inbox; guarantees exactly one terminal message (done or error)."""
 
-    def __init__(self, nc: Any, inbox: str, query_id: str, recent: deque[tuple[float, str, bytes]] | None = None) -> None:
+    def __init__(self, nc: Any, inbox: str, query_id: str, recent: deque[tuple[float, str, bytes]] | None = None,
+                 nonce: str | None = None) -> None:
         self.nc = nc
         self.inbox = inbox
         self.query_id = query_id
+        self.nonce = nonce  # the client's, echoed in every message (its library drops messages without it)
         self.finished = False
         self.recent = recent  # the router's recently sent terminal messages (resent after a reconnect)
 
@@ -240,6 +270,8 @@ class ClientStream:
         if self.finished:
             return
         msg.setdefault("query_id", self.query_id)
+        if self.nonce is not None:
+            msg.setdefault("nonce", self.nonce)
         try:
             await self.nc.publish(self.inbox, pack(msg))
         except Exception as exc:  # NATS down: the client's own timeout makes the failure explicit
@@ -249,6 +281,8 @@ class ClientStream:
         if self.finished:
             return
         msg.setdefault("query_id", self.query_id)
+        if self.nonce is not None:
+            msg.setdefault("nonce", self.nonce)
         data = pack(msg)
         try:
             await self.nc.publish(self.inbox, data)
@@ -294,7 +328,10 @@ class RouterService:
         self._inboxes: dict[str, str] = {}  # query_id → its answer's inbox, while served here
         self._cancelled: OrderedDict[str, tuple[float, str]] = OrderedDict()  # id → (monotonic time, inbox)
         self._sub: Any = None
+        self._client_sub: Any = None
         self._cancel_sub: Any = None
+        self.refused_replies = 0  # submits whose reply subject is not the submitter's own inbox
+        self._refused_logged = -1e9  # monotonic time of the last warning about them
         self._session: Any = None
         self._lag_task: asyncio.Task[None] | None = None
         self._resend_task: asyncio.Task[None] | None = None
@@ -310,6 +347,10 @@ class RouterService:
         self._resend_task = asyncio.create_task(self._resend_after_reconnect())
         self._sub = await self.nc.subscribe(self.subjects.submit, queue="bear-router", cb=self._on_submit,
                                             pending_msgs_limit=65536)
+        # bear.submit.<client>: only that identity may publish there, and it is answered only into
+        # its own inbox (Subjects.reply_owner)
+        self._client_sub = await self.nc.subscribe(self.subjects.submit_all, queue="bear-router",
+                                                   cb=self._on_submit, pending_msgs_limit=65536)
         # every router hears every cancel (no queue group): only the one serving the query acts
         self._cancel_sub = await self.nc.subscribe(self.subjects.cancel, cb=self._on_cancel, pending_msgs_limit=65536)
         await self.nc.flush()
@@ -317,9 +358,10 @@ class RouterService:
 
     async def stop(self, drain_s: float = 5.0) -> None:
         """Stop taking queries, let those in flight finish (up to ``drain_s``), close."""
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+        for sub in (self._sub, self._client_sub):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
         if self._cancel_sub is not None:
             with contextlib.suppress(Exception):
                 await self._cancel_sub.unsubscribe()
@@ -338,17 +380,33 @@ class RouterService:
         t0 = time.perf_counter()
         if not msg.reply:
             return  # nowhere to answer: a malformed publish
+        client = self.subjects.reply_owner(msg.subject, msg.reply)
+        if client is None:  # not the submitter's own inbox: answered nowhere (issue 26)
+            self._refuse_reply(msg.subject, msg.reply)
+            return
         refusal = self.admission.refuse(len(self._tasks), peek_deadline(msg.data), time.time())
         if refusal is not None:
             self.m.loop_lag.set(self.admission.lag)
-            await ClientStream(self.nc, msg.reply, "").error(refusal.code, refusal.message)
+            qid, nonce = peek_ids(msg.data)
+            await ClientStream(self.nc, msg.reply, qid, nonce=nonce).error(refusal.code, refusal.message)
             self.m.queries.labels(status=str(refusal.code)).inc()
             self.m.shed.labels(reason=refusal.reason).inc()
             return
         self.admission.deciding += 1
-        task = asyncio.create_task(self._serve(msg.data, msg.reply, t0, msg.headers))
+        task = asyncio.create_task(self._serve(msg.data, msg.reply, t0, msg.headers, client))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _refuse_reply(self, subject: str, reply: str) -> None:
+        """A submit whose reply subject is not below its submitter's inbox prefix (a service's
+        subject, a bucket, another client's inbox): counted, one warning line per 10 s."""
+        self.refused_replies += 1
+        self.m.queries.labels(status="reply_refused").inc()
+        now = time.monotonic()
+        if now - self._refused_logged >= 10.0:
+            self._refused_logged = now
+            log.warning("submit refused: its reply subject is not the submitter's own inbox", subject=subject[:128],
+                        reply=reply[:128], refused_so_far=self.refused_replies)
 
     async def _resend_after_reconnect(self) -> None:
         seen = int(self.nc.stats.get("reconnects", 0))
@@ -394,8 +452,10 @@ class RouterService:
         self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "cancelled", "policy": self.policy.name,
                               "router": self.name, "target_s": q.ttft_target_s, **extra})
 
-    async def _serve(self, data: bytes, inbox: str, t0: float, headers: dict[str, str] | None = None) -> None:
+    async def _serve(self, data: bytes, inbox: str, t0: float, headers: dict[str, str] | None = None,
+                     client: str = "") -> None:
         out = ClientStream(self.nc, inbox, "", self._recent)
+        out.query_id, out.nonce = peek_ids(data)  # a bad_request answer still carries them
         self.m.inflight.inc()
         q: Query | None = None
         try:
@@ -405,8 +465,8 @@ class RouterService:
                 await out.error(exc.code, exc.message)
                 self.m.queries.labels(status="bad_request").inc()
                 return
-            out.query_id = q.query_id
-            q.inbox = inbox
+            out.query_id, out.nonce = q.query_id, q.nonce
+            q.inbox, q.client = inbox, client
             if self._is_cancelled(q.query_id, inbox):  # the client gave up before it got here
                 out.finished = True
                 self._record_cancelled(q)
@@ -488,7 +548,7 @@ class RouterService:
                 cands, self.cfg.estimate_budget_s, headers=h, tokens=tokens))
 
         (claimed, tc), (preds, tp), (reply, te) = await asyncio.gather(
-            _clocked(self.dedup.claim(q.query_id, self.name)), _clocked(pred), _clocked(tokenize_then_estimate()))
+            _clocked(self.dedup.claim(q.query_id, self.name, q.client)), _clocked(pred), _clocked(tokenize_then_estimate()))
         rows = {row.instance: row for row in reply.estimates} if reply is not None else None
         exact = {i.id: count(tokens[i.tokenizer]) for i in insts if i.tokenizer in tokens}
         return Asked(claimed, preds, rows, claim_s=tc - t, predict_s=tp - t, estimate_s=te - t,

@@ -103,9 +103,9 @@ def permissions(role: str, name: str, subjects: Subjects | None = None, instance
         return Permissions(
             publish=(s.predict, s.estimate, f"{s.estimate}.*", s.dispatch_all, s.outcome_all,
                      *_kv_claim(s.queries_bucket), *_kv_read(s.instances_bucket), *_kv_read(s.calibration_bucket),
-                     *_obj_read(s.tokenizers_bucket),
+                     *_kv_read(s.provisioned_bucket), *_obj_read(s.tokenizers_bucket),
                      *(f"_INBOX_{c}.>" for c in clients)),
-            subscribe=(s.submit, s.cancel, s.outcome_all, inbox))
+            subscribe=(s.submit, s.submit_all, s.cancel, s.outcome_all, inbox))
     if role == "predictor":
         return Permissions(subscribe=(s.predict, "$SRV.>", inbox), responses=True)
     if role == "estimator":
@@ -118,9 +118,9 @@ def permissions(role: str, name: str, subjects: Subjects | None = None, instance
         return Permissions(publish=tuple(_kv_write(s.calibration_bucket)),
                            subscribe=(s.batches_all, s.outcome_all, inbox))
     if role == "gateway":
-        return Permissions(publish=(s.submit, s.cancel, *_kv_read(s.instances_bucket)), subscribe=(inbox,))
-    if role == "client":
-        return Permissions(publish=(s.submit, s.cancel), subscribe=(inbox,))
+        return Permissions(publish=(s.submit_as(name), s.cancel, *_kv_read(s.instances_bucket)), subscribe=(inbox,))
+    if role == "client":  # its own submit subject: routers answer it only into its own inbox (issue 26)
+        return Permissions(publish=(s.submit_as(name), s.cancel), subscribe=(inbox,))
     if role == "instance":
         if not instance:
             raise ValueError("an instance identity needs its instance id")

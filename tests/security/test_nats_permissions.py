@@ -210,7 +210,7 @@ async def test_inboxes_are_private(env: Env) -> None:
         await router.flush()
         answered.set()
 
-    await router.subscribe(S.submit, queue="bear-router", cb=serve)
+    await router.subscribe(S.submit_all, queue="bear-router", cb=serve)
     await router.flush()
     snoopers = [await env.nc(w) for w in ("gateway", "estimator", "predictor", "calibrator", "instance-a")]
     snooped: list[Any] = []
@@ -227,7 +227,7 @@ async def test_inboxes_are_private(env: Env) -> None:
     inbox = client.new_inbox()
     assert inbox.startswith("_INBOX_client.")
     sub = await client.subscribe(inbox)
-    await client.publish(S.submit, b"query", reply=inbox)
+    await client.publish(S.submit_as("client"), b"query", reply=inbox)  # its own submit subject
     await asyncio.wait_for(answered.wait(), 3.0)
     for nc in snoopers:  # injection: publishing straight into the client's inbox
         await _publish(nc, inbox, b"forged answer")
