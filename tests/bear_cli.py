@@ -156,12 +156,16 @@ class UpProcess:
         return [self.proc.pid, *self.state().get("pids", {}).values()]
 
 
-def start_up(b: Bear, *args: str, timeout_s: float = 240.0) -> UpProcess:
-    """Start ``bear up ARGS`` in ``b``'s directory; return once it has published its state file."""
+def start_up(b: Bear, *args: str, timeout_s: float = 240.0,
+             preexec_fn: Callable[[], object] | None = None) -> UpProcess:
+    """Start ``bear up ARGS`` in ``b``'s directory; return once it has published its state file.
+    ``preexec_fn``: run in the child before ``exec`` (e.g. to ignore SIGINT as a script's
+    background job has it)."""
     log = b.root / "up.log"
     with log.open("w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "bear", "up", *args], cwd=b.cwd, env=b.env(), stdout=f,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                preexec_fn=preexec_fn)
     up = UpProcess(b, proc, log)
     wait_for(lambda: up.state().get("pids"), timeout_s, "up", proc, log)
     return up

@@ -197,10 +197,13 @@ def run_up(cfg: Any, load_rate: float, load_duration: float, load_out: Path | No
     received: list[int] = []
 
     def to_interrupt(signum: int, _: Any) -> None:
-        # SIGTERM and SIGHUP take the Ctrl-C path: the stack stops in order, exactly once
+        # SIGTERM and SIGHUP take the Ctrl-C path: the stack stops in order, exactly once. Raised
+        # here, not by re-raising SIGINT: a script's background job inherits SIGINT ignored (and
+        # Python then installs no handler for it), so a re-raised SIGINT was dropped (issue 26)
         received.append(signum)
-        signal.raise_signal(signal.SIGINT)
+        raise KeyboardInterrupt
 
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, to_interrupt)
     serving = False
@@ -240,8 +243,8 @@ def run_up(cfg: Any, load_rate: float, load_duration: float, load_out: Path | No
             stack.stop()
         finally:
             remove_state()
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+            for sig, handler in before.items():  # as they were: SIGINT stays ignored where it was
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     console.print("stopped.")
     if rep is not None:
         check_completed(rep)

@@ -47,6 +47,27 @@ def test_signal_under_load_stops_everything(tmp_path, sig) -> None:
     b.assert_clean()
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # what a non-interactive shell's `bear up &` inherits
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_signal_stops_a_background_job_with_sigint_ignored(tmp_path, sig) -> None:
+    """Issue 26: ``bear up &`` from a script (SIGINT ignored, as such a job inherits it) ignored
+    SIGTERM and SIGHUP — its handler re-raised SIGINT — and only SIGKILL stopped it."""
+    b = make_bear(tmp_path)
+    up = start_up(b, "--metrics-port", "0", preexec_fn=_ignore_sigint)
+    pids = up.pids()
+    t0 = time.monotonic()
+    up.proc.send_signal(sig)
+    wait_for(lambda: all_gone(pids), HANG_S, f"every process gone after {signal.Signals(sig).name}", log=up.log)
+    print(f"{signal.Signals(sig).name}, SIGINT ignored: every process gone {time.monotonic() - t0:.1f} s after it")
+    assert up.proc.wait(HANG_S) == 0, up.log.read_text()[-2000:]  # serving: a signal is the ordinary stop
+    assert "stopped." in up.log.read_text()
+    assert not list(b.state_dir.glob("up-*.json"))
+    b.assert_clean()
+
+
 def test_sigkill_of_bear_up_takes_its_children(tmp_path) -> None:
     b = make_bear(tmp_path)
     up = start_up(b, "--metrics-port", "0")
