@@ -96,6 +96,11 @@ def router(
         [], "--allow-base-url", help="Route only to instances whose registered base URL is under this one "
                                      "(scheme, host, optional port and path) or whose host is an address in this "
                                      "network (e.g. 10.0.0.0/8); repeatable; default: any"),
+    provisioning: bool = typer.Option(
+        False, "--provisioning/--no-provisioning",
+        help="Take only registry entries that agree with the instance's binding in the bear_provisioned bucket "
+             "(model, base URL, prices; written by admin: bear up, bear nats provision --instances) and send engine "
+             "keys only to the provisioned base URL (bear up turns it on with authentication)"),
     estimator_shards: int = typer.Option(1, "--estimator-shards", min=1,
                                          help="Estimator shards of the deployment (the workers' --shards)"),
     down_after: float = typer.Option(10.0, "--down-after", help="Registry heartbeat older than this (s): down"),
@@ -131,7 +136,7 @@ def router(
                        max_inflight=max_inflight, max_deciding=max_deciding, shed_lag_s=shed_lag,
                        down_after_s=down_after, outcome_log=outcome_log, estimator_shards=estimator_shards,
                        tokenize=tokenize, prime_answers=prime_answers, aliases=_aliases(model_alias), engine_keys=_engine_keys(engine_keys),
-                       allowed_base_urls=tuple(_base_urls(allow_base_url)))
+                       allowed_base_urls=tuple(_base_urls(allow_base_url)), provisioning=provisioning)
     start_metrics_server(metrics_port, metrics_host)
     aio.run(serve(nats_url, cfg, prefix))
 

@@ -17,6 +17,7 @@ import structlog
 
 from bear.protocol.errors import BearError
 from bear.protocol.messages import NOMINAL_CALIBRATION, Calibration, InstanceRecord, Outcome, decode
+from bear.protocol.provisioned import Provisioned, mismatch
 from bear.protocol.subjects import Subjects
 from bear.router.observations import Observations
 from bear.runtime.kv import watch_kv
@@ -90,11 +91,17 @@ class Registry:
     authorization on, only that instance's identity can write the key: bear.runtime.nats_auth)
     and its base URL is under ``allowed_base_urls`` (when given). At most ``max_instances``
     instances are followed; calibrations of instances not registered (yet) wait in a bounded
-    buffer of the same size. What is refused is counted (``rejected``), never raised."""
+    buffer of the same size. What is refused is counted (``rejected``), never raised.
+
+    With ``provisioning`` an entry is taken only when it agrees with the instance's binding in
+    the ``bear_provisioned`` bucket, which only ``admin`` writes (``unprovisioned``: no binding;
+    ``mismatch``: model, base URL, prices, predictor model or context differ): a leaked instance
+    credential can no longer move its instance to another address, model or price (issue 26).
+    Entries wait until the bindings are loaded; a binding that changes re-judges its entry."""
 
     def __init__(self, nc: Any, subjects: Subjects, *, down_after_s: float = 10.0,
                  aliases: dict[str, str] | None = None, allowed_base_urls: tuple[str, ...] = (),
-                 max_instances: int = MAX_INSTANCES) -> None:
+                 max_instances: int = MAX_INSTANCES, provisioning: bool = False) -> None:
         self.nc = nc
         self.subjects = subjects
         self.down_after_s = down_after_s
@@ -104,6 +111,11 @@ class Registry:
         self.instances: dict[str, InstanceInfo] = {}
         self._calibrations: OrderedDict[str, Calibration] = OrderedDict()  # of instances not registered
         self.rejected: dict[str, int] = {}
+        self.provisioning = provisioning
+        self.provisioned: dict[str, Provisioned] = {}  # instance → its binding (with provisioning)
+        self.provisioned_loaded = asyncio.Event()
+        self._entries: OrderedDict[str, bytes] = OrderedDict()  # the last registry value of each key (re-judged)
+        self._logged: dict[tuple[str, str], float] = {}  # (reason, key) → monotonic time of its last warning
         self._reconnects = 0
         self._reconnected_at = -1e9  # monotonic time of the last reconnect seen
         self._tasks: list[asyncio.Task[None]] = []
@@ -117,7 +129,23 @@ class Registry:
             from bear.router.outcomes import metrics
 
             metrics().registry_rejected.labels(reason=reason).inc()
-        log.warning("registry entry refused", reason=reason, key=key[:128], detail=detail[:200])
+        now = time.monotonic()
+        last = self._logged.get((reason, key[:128]))
+        if last is not None and now - last < 10.0:
+            return  # the same refusal at every heartbeat: one line per 10 s, every one counted
+        if len(self._logged) >= 4 * self.max_instances:
+            self._logged.clear()
+        self._logged[(reason, key[:128])] = now
+        log.warning("registry entry refused", reason=reason, key=key[:128], detail=detail[:200],
+                    refused_so_far=self.rejected[reason])
+
+    def engine_key_allowed(self, info: InstanceInfo) -> bool:
+        """Whether the instance's engine API key may go to ``info.base_url``: with provisioning,
+        only to the base URL the instance was provisioned with."""
+        if not self.provisioning:
+            return True
+        p = self.provisioned.get(info.id)
+        return p is not None and p.base_url.rstrip("/") == info.base_url.rstrip("/")
 
     def get(self, instance: str) -> InstanceInfo:
         info = self.instances.get(instance)
@@ -149,6 +177,10 @@ class Registry:
         """Follow the registry; ``observe=False``: only the instances (no θ, no outcome events —
         what the gateway needs to list the pool's models)."""
         js = self.nc.jetstream()
+        if self.provisioning:
+            self._tasks.append(asyncio.create_task(watch_kv(
+                js, self.subjects.provisioned_bucket, self._on_provisioned, on_loaded=self._provisioned_loaded,
+                retry_s=0.5, log=log, nc=self.nc)))
         self._tasks.append(asyncio.create_task(watch_kv(
             js, self.subjects.instances_bucket, self._on_instance, on_loaded=self.loaded.set, retry_s=0.5, log=log,
             nc=self.nc)))
@@ -166,10 +198,45 @@ class Registry:
         await cancel_all(self._tasks)
 
     # ------------------------------------------------------------------ feeds
+    def _provisioned_loaded(self) -> None:
+        if self.provisioned_loaded.is_set():
+            return
+        self.provisioned_loaded.set()
+        for key, value in list(self._entries.items()):  # the entries that waited for the bindings
+            self._on_instance(key, value)
+
+    def _on_provisioned(self, key: str, value: bytes | None) -> None:
+        if value is None:
+            self.provisioned.pop(key, None)
+        else:
+            try:
+                p = decode(Provisioned, value)
+            except BearError as exc:
+                self._reject("malformed_provisioned", key, exc.message)
+                return
+            if p.id != key:
+                self._reject("malformed_provisioned", key, f"binding names {p.id!r}")
+                return
+            if self.provisioned.get(key) == p:
+                return  # the same binding again (a re-watch): nothing to judge
+            self.provisioned[key] = p
+        if self.provisioned_loaded.is_set():  # a binding changed: its instance is judged again
+            self.instances.pop(key, None)
+            if key in self._entries:
+                self._on_instance(key, self._entries[key])
+
     def _on_instance(self, key: str, value: bytes | None) -> None:
         if value is None:
             self.instances.pop(key, None)
+            self._entries.pop(key, None)
             return
+        if self.provisioning:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.max_instances:
+                self._entries.popitem(last=False)
+            if not self.provisioned_loaded.is_set():
+                return  # judged once the bindings are loaded
         try:
             rec = decode(InstanceRecord, value)
         except BearError as exc:
@@ -181,6 +248,15 @@ class Registry:
         if not url_allowed(rec.base_url, self.allowed_base_urls):
             self._reject("base_url", key, rec.base_url)
             return
+        if self.provisioning:
+            bound = self.provisioned.get(key)
+            if bound is None:
+                self._reject("unprovisioned", key, f"no binding in {self.subjects.provisioned_bucket}")
+                return
+            differs = mismatch(bound, rec, lambda m: predictor_name(m, self.aliases))
+            if differs:
+                self._reject("mismatch", key, differs)
+                return
         info = self.instances.get(key)
         if info is None:
             if len(self.instances) >= self.max_instances:

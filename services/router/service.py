@@ -102,6 +102,7 @@ class RouterConfig:
     name: str = ""
     engine_keys: dict[str, str] = field(default_factory=dict)  # instance (or "*") → its engine's API key
     allowed_base_urls: tuple[str, ...] = ()  # instances only under these base URLs (empty: any)
+    provisioning: bool = False  # take only registry entries that match their binding (bear_provisioned)
     tokenize: bool = True  # exact prompt tokens (and prefix hits) where instances register a tokenizer
     prime_answers: bool = True  # encode each answer ahead of the next turn (TokenizerCache.prime)
 
@@ -309,7 +310,7 @@ class RouterService:
         self.name = self.cfg.name or f"{os.uname().nodename}:{os.getpid()}:{id(self) & 0xFFFF:x}"
         self.policy: Policy = make_policy(self.cfg.policy, **self.cfg.policy_params)
         self.registry = Registry(nc, self.subjects, down_after_s=self.cfg.down_after_s, aliases=self.cfg.aliases,
-                                 allowed_base_urls=self.cfg.allowed_base_urls)
+                                 allowed_base_urls=self.cfg.allowed_base_urls, provisioning=self.cfg.provisioning)
         self.admission = Admission(max_inflight=self.cfg.max_inflight, max_deciding=self.cfg.max_deciding,
                                    shed_lag_s=self.cfg.shed_lag_s)
         shards = max(1, self.cfg.estimator_shards)
@@ -700,7 +701,7 @@ class RouterService:
                            predicted_ttft_s=_finite(predicted)) as span:
             headers = dict(span.headers or {})
             key = self.cfg.engine_keys.get(inst.id) or self.cfg.engine_keys.get("*")
-            if key:
+            if key and self.registry.engine_key_allowed(inst):  # only to the provisioned address
                 headers["Authorization"] = f"Bearer {key}"
             try:
                 async for piece in stream_completion(self._session, inst.base_url, request_id, path, body,

@@ -30,10 +30,10 @@ async def ensure_kv(js: Any, bucket: str, *, ttl_s: float | None = None, replica
 async def provision(js: Any, subjects: Any, *, replicas: int = 1, dedup_ttl_s: float = DEDUP_TTL_S) -> list[str]:
     """Create the deployment's buckets (``bear up`` and ``bear nats provision`` do it as ``admin``
     before any service starts): the registry, the calibration and the dedup KV bucket (entries
-    expire after ``dedup_ttl_s``) and the tokenizer object store, each replicated ``replicas``
-    times in a cluster."""
+    expire after ``dedup_ttl_s``), the instances' provisioning (``bind_instances``) and the
+    tokenizer object store, each replicated ``replicas`` times in a cluster."""
     buckets = [(subjects.instances_bucket, None), (subjects.calibration_bucket, None),
-               (subjects.queries_bucket, dedup_ttl_s)]
+               (subjects.queries_bucket, dedup_ttl_s), (subjects.provisioned_bucket, None)]
     for bucket, ttl in buckets:
         await ensure_kv(js, bucket, ttl_s=ttl, replicas=replicas)
     from nats.js.api import ObjectStoreConfig
@@ -44,6 +44,18 @@ async def provision(js: Any, subjects: Any, *, replicas: int = 1, dedup_ttl_s: f
     except (BucketNotFoundError, NotFoundError):
         await js.create_object_store(subjects.tokenizers_bucket, ObjectStoreConfig(replicas=replicas))
     return [*(b for b, _ in buckets), subjects.tokenizers_bucket]
+
+
+async def bind_instances(js: Any, subjects: Any, bindings: list[Any]) -> list[str]:
+    """Write each instance's ``bear.protocol.provisioned.Provisioned`` binding into the provisioning
+    bucket (as ``admin``, the only identity that may): routers started with provisioning on take
+    only registry entries that agree with it. Returns the ids bound."""
+    from bear.protocol.messages import encode
+
+    kv = await ensure_kv(js, subjects.provisioned_bucket)
+    for b in bindings:
+        await kv.put(b.id, encode(b))
+    return [b.id for b in bindings]
 
 
 @dataclass

@@ -89,6 +89,9 @@ def up_cmd(
         False, "--insecure", help="No NATS authentication and no engine API keys: anyone on this machine can "
                                   "steer routing and read prompts (experiments only; default: one identity per "
                                   "service and per instance, generated per run)"),
+    client: list[str] = typer.Option(
+        [], "--client", help="One more client identity (repeatable): one per user or application, each its own "
+                             "<run>/auth/<NAME>.json and private inbox (`client` and `gateway` always exist)"),
     backend: Backend = typer.Option(Backend.sim, "--backend",
                                     help="Instances: sim (three simulated H100 instances) or vllm (real vLLM)"),
     vllm_model: Path | None = typer.Option(
@@ -138,6 +141,16 @@ def up_cmd(
         raise typer.BadParameter("--nats-auth goes with --nats (the local server gets identities of its own)")
     if nats_auth is not None and insecure:
         raise typer.BadParameter("--nats-auth and --insecure: choose one")
+    if client and (insecure or nats_url):
+        raise typer.BadParameter("--client makes identities for the local nats-server (with --nats: `bear nats config "
+                                 "--client`; --insecure has none)", param_hint="--client")
+    from bear.runtime.identity import NAME
+
+    for name in client:
+        if not NAME.match(name) or name in ("admin", "router", "predictor", "estimator", "calibrator") \
+                or name.startswith("instance-"):
+            raise typer.BadParameter(f"{name!r}: 1-128 letters, digits, '-' or '_' (one subject token), not a "
+                                     "service's or an instance's name", param_hint="--client")
     if backend == Backend.sim and (vllm_model is not None or vllm_arg or vllm_python):
         raise typer.BadParameter("--vllm-* options need --backend vllm")
     if vllm_instances < 1:
@@ -178,7 +191,7 @@ def up_cmd(
                       metrics_host=metrics_host, runs_kept=keep_runs, n_train=n_train, backend=str(backend),
                       vllm_python=vllm_python, vllm_model=vllm_model.resolve() if vllm_model else None,
                       vllm_instances=vllm_instances, vllm_args=list(vllm_arg) or None, gateway_port=gateway_port,
-                      gateway_key_file=key_file, insecure=insecure,
+                      gateway_key_file=key_file, insecure=insecure, clients=tuple(client),
                       auth_dir=nats_auth.resolve() if nats_auth is not None else None)
     raise typer.Exit(run_up(cfg, load_rate, load_duration, load_out))
 

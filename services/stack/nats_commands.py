@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -35,6 +36,9 @@ def config_cmd(
     for name in [*instance, *client]:
         if not NAME.match(name):
             raise typer.BadParameter(f"{name!r}: ids are 1-128 letters, digits, '-' or '_' (one subject token)")
+    for name in client:
+        if name in ("admin", "router", "predictor", "estimator", "calibrator") or name.startswith("instance-"):
+            raise typer.BadParameter(f"{name!r} is a service's or an instance's identity", param_hint="--client")
     if out.exists() and any(out.iterdir()):
         raise typer.BadParameter(f"{out} is not empty: identities are never overwritten", param_hint="--out")
     files = generate(out, list(instance), Subjects(prefix), clients=tuple(dict.fromkeys(client)))
@@ -48,23 +52,59 @@ def provision_cmd(
     nats_creds: NatsCreds = "",
     replicas: int = typer.Option(1, "--replicas", min=1, max=5, help="JetStream replicas of each KV bucket "
                                                                       "(3 on a 3-node cluster)"),
+    instances: Path | None = typer.Option(
+        None, "--instances", dir_okay=False,
+        help="JSON file {instance id: {model, base_url, price_input_per_mtok, price_output_per_mtok, "
+             "[predictor_model], [max_model_len]}}: bind each instance to what it was provisioned with (routers with "
+             "--provisioning take only registry entries that agree)"),
     prefix: Prefix = "bear",
 ) -> None:
-    """Create the KV buckets (registry, calibration, dedup) as the admin identity: the services'
-    identities may use them but not create, change or delete them."""
+    """Create the KV buckets (registry, calibration, dedup, provisioning) as the admin identity: the
+    services' identities may use them but not create, change or delete them; with --instances, bind
+    each instance to its model, base URL and prices (docs/security.md)."""
     from bear.protocol.subjects import Subjects
     from bear.runtime import aio
-    from bear.runtime.kv import provision
+    from bear.runtime.kv import bind_instances, provision
     from bear.runtime.service import connect
 
-    async def go() -> list[str]:
+    bindings = _bindings(instances) if instances is not None else []
+
+    async def go() -> tuple[list[str], list[str]]:
         nc = await connect(nats_url, "bear-nats-provision")
         try:
-            return await provision(nc.jetstream(timeout=10.0), Subjects(prefix), replicas=replicas)
+            buckets = await provision(nc.jetstream(timeout=10.0), Subjects(prefix), replicas=replicas)
+            return buckets, await bind_instances(nc.jetstream(timeout=10.0), Subjects(prefix), bindings)
         finally:
             await nc.close()
 
-    print("buckets: " + ", ".join(aio.run(go())))
+    buckets, bound = aio.run(go())
+    print("buckets: " + ", ".join(buckets) + (f"; bound {len(bound)} instances: {', '.join(bound)}" if bound else ""))
+
+
+def _bindings(path: Path) -> list[Any]:
+    """The instances' bindings in ``path`` (``--instances``); a one-line error naming what is wrong."""
+    import json
+
+    import msgspec
+
+    from bear.protocol.provisioned import Provisioned, provisioned
+
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(f"cannot read {path}: {exc}", param_hint="--instances") from exc
+    if not isinstance(d, dict) or not all(isinstance(v, dict) for v in d.values()):
+        raise typer.BadParameter(f"{path} must map instance ids to {{model, base_url, prices}}", param_hint="--instances")
+    out: list[Provisioned] = []
+    for inst, f in d.items():
+        try:
+            b = provisioned(inst, f["model"], f["base_url"], f.get("price_input_per_mtok", 0.0),
+                            f.get("price_output_per_mtok", 0.0), predictor_model=f.get("predictor_model", ""),
+                            max_model_len=f.get("max_model_len"))
+            out.append(msgspec.convert(msgspec.to_builtins(b), Provisioned))  # validated: id, types, prices ≥ 0
+        except (KeyError, TypeError, AttributeError, msgspec.ValidationError) as exc:
+            raise typer.BadParameter(f"{path}: instance {inst!r}: {exc!r}", param_hint="--instances") from exc
+    return out
 
 
 def register(app: typer.Typer) -> None:

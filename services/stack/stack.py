@@ -154,6 +154,7 @@ class StackConfig:
     gateway_key_file: Path | None = None  # its API keys; None: --no-auth (it listens on loopback)
     insecure: bool = False  # no NATS authentication, no engine API keys (experiments only)
     auth_dir: Path | None = None  # with nats_url: identities from `bear nats config` (else anonymous)
+    clients: tuple[str, ...] = ()  # client identities besides `client` and `gateway`: one per user or application
     nats_cluster: int = 1  # nodes of the local NATS; > 1: a cluster on loopback, KV buckets replicated
     restart_backoff_s: tuple[float, float] = (1.0, 30.0)  # first and longest wait before a restart
     healthy_after_s: float = 60.0  # a child that ran this long starts its backoff afresh
@@ -172,6 +173,7 @@ class Stack:
         self.url = cfg.nats_url or ""
         self.auth: AuthFiles | None = None  # the NATS identities (None: insecure or anonymous)
         self.engine_keys: dict[str, str] = {}  # instance → the API key its engine requires
+        self.bindings: list[Any] = []  # what each instance is provisioned with (bear.protocol.provisioned)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = cfg.workdir / "runs" / f"{stamp}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
 
@@ -252,6 +254,7 @@ class Stack:
             port = free_port()
             self.instances[inst] = port
             key = self._engine_key(inst)
+            self._bind_sim(inst, prof, port)
             self._child(f"sim-{inst}", self._bear("sim-engine", "--profile", prof, "--port", str(port),
                                                   "--instance", inst, "--nats", self.url, "--seed",
                                                   str(cfg.seed * 100 + k), *key, *cfg.sim_args),
@@ -264,6 +267,8 @@ class Stack:
             self._child("calibrator", self._bear("calibrator", "--nats", self.url, "--log-format", "json",
                                                  "--log-level", cfg.log_level), "calibrator")
         keys = ["--engine-keys", str(self._write_engine_keys())] if self.engine_keys else []
+        if self.secured:  # only what this stack started: its instances' bindings and base URLs (issue 26)
+            keys += ["--provisioning", *(a for i in self.instances for a in ("--allow-base-url", self._base_url(i)))]
         for i in range(cfg.routers):
             argv = self._bear("router", *common, "--policy", cfg.policy, "--outcome-log", str(self.outcome_log(i)),
                               *keys, *cfg.router_args)
@@ -273,6 +278,25 @@ class Stack:
         if cfg.gateway_port:  # last: it is stopped first, while the routers still answer
             auth = ["--api-key-file", str(cfg.gateway_key_file)] if cfg.gateway_key_file else ["--no-auth"]
             self._child("gateway", self._bear("gateway", *common, "--port", str(cfg.gateway_port), *auth), "gateway")
+
+    @property
+    def secured(self) -> bool:
+        """The stack runs with NATS identities (its own server's, or ``auth_dir``'s), so ``admin``
+        provisions the instances and the routers take only what was provisioned."""
+        return not self.cfg.insecure and (not self.cfg.nats_url or self.cfg.auth_dir is not None)
+
+    def _base_url(self, instance: str) -> str:
+        return f"http://127.0.0.1:{self.instances[instance]}/v1"
+
+    def _bind_sim(self, instance: str, profile_name: str, port: int) -> None:
+        """A sim instance's binding: what ``bear sim-engine --profile`` registers."""
+        from bear.protocol.provisioned import provisioned
+        from bear.sim.profile import load_profile
+
+        prof = load_profile(profile_name)
+        self.bindings.append(provisioned(
+            instance, prof.model, f"http://127.0.0.1:{port}/v1", prof.prices.get("input_per_mtok", 0.0),
+            prof.prices.get("output_per_mtok", 0.0), max_model_len=int(prof.engine_config()["max_model_len"])))
 
     def _engine_key(self, instance: str) -> list[str]:
         """A fresh API key for one engine (none with ``insecure``): the engine's option naming its
@@ -315,6 +339,10 @@ class Stack:
                 "snapshotter", "--instance", inst, "--shm", shm, *common, "--model", self.served_model,
                 "--base-url", f"http://127.0.0.1:{port}/v1", "--price-input", str(cfg.vllm_price_in * (k + 1)),
                 "--price-output", str(cfg.vllm_price_out * (k + 1))), instance_identity_name(inst))  # fmt: skip
+            from bear.protocol.provisioned import provisioned
+
+            self.bindings.append(provisioned(inst, self.served_model, f"http://127.0.0.1:{port}/v1",
+                                             cfg.vllm_price_in * (k + 1), cfg.vllm_price_out * (k + 1)))
 
     def _prepare_vllm(self) -> None:
         from bear.vllm_instance.launch import default_vllm_python, make_tiny_model
@@ -368,7 +396,8 @@ class Stack:
             self._spread()
             self.cluster.start()
         if self.auth is not None or self.cluster is not None:
-            aio.run(_provision(self.url, self.creds("admin"), cfg.prefix, min(3, cfg.nats_cluster)))
+            aio.run(_provision(self.url, self.creds("admin"), cfg.prefix, min(3, cfg.nats_cluster),
+                               bindings=self.bindings if self.secured else ()))
         for c in self.children.values():
             c.start(self._env())
         if cfg.backend == "vllm":
@@ -383,7 +412,8 @@ class Stack:
         if cfg.insecure:
             return
         if self.nats is not None or self.cluster is not None:
-            self.auth = generate(self.auth_path, list(self.instances), Subjects(cfg.prefix))
+            self.auth = generate(self.auth_path, list(self.instances), Subjects(cfg.prefix),
+                                 clients=tuple(dict.fromkeys(("client", "gateway", *cfg.clients))))
             for node in [self.nats] if self.nats is not None else self.cluster.nodes:  # type: ignore[union-attr]
                 node.config = self.auth.config
         elif cfg.auth_dir is not None:
@@ -521,10 +551,12 @@ def _private_file(path: Path, text: str) -> Path:
     return path
 
 
-async def _provision(url: str, admin: Path | None, prefix: str, replicas: int = 1, within_s: float = 30.0) -> None:
-    """Create the KV buckets as ``admin`` (the other identities may not); a cluster's JetStream
-    needs a few seconds to elect its leader first."""
-    from bear.runtime.kv import provision
+async def _provision(url: str, admin: Path | None, prefix: str, replicas: int = 1, within_s: float = 30.0,
+                     bindings: Any = ()) -> None:
+    """Create the KV buckets as ``admin`` (the other identities may not) and bind each instance
+    to what this stack starts it with (``bindings``); a cluster's JetStream needs a few seconds to
+    elect its leader first."""
+    from bear.runtime.kv import bind_instances, provision
     from bear.runtime.service import connect
 
     nc = await connect(url, "bear-up-provision", creds=admin if admin is not None else "")
@@ -533,6 +565,7 @@ async def _provision(url: str, admin: Path | None, prefix: str, replicas: int = 
         while True:
             try:
                 await provision(nc.jetstream(timeout=2.0), Subjects(prefix), replicas=replicas)
+                await bind_instances(nc.jetstream(timeout=2.0), Subjects(prefix), list(bindings))
                 return
             except Exception:
                 if time.monotonic() > end:
