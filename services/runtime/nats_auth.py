@@ -3,7 +3,8 @@ subscribe to what, and the server configuration that enforces it (``bear up`` ge
 run; ``bear nats config`` writes one for a deployment).
 
 Every identity subscribes only to its own inbox prefix (``_INBOX_<name>.>``), so nobody reads
-another's replies. The predictor and the estimator answer only through *response permissions*
+another's replies; a client submits only on its own ``bear.submit.<name>``, which routers answer
+only into that inbox prefix (issue 26). The predictor and the estimator answer only through *response permissions*
 (``allow_responses``: a reply subject they were sent, once); the routers — trusted with every
 prompt anyway — may publish into the client applications' inboxes (``_INBOX_<client>.>``) and
 nobody else may. Response permissions would not do for the routers: they are state of one server
