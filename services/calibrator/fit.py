@@ -224,13 +224,64 @@ def prefill_throughput(records: Iterable[dict[str, Any]]) -> float:
     return tokens / seconds
 
 
-def robust_fit(records: list[dict[str, Any]], instance: str = "", objective: str = DEFAULT_OBJECTIVE) -> Calibration:
+def robust_fit(records: list[dict[str, Any]], instance: str = "", objective: str = DEFAULT_OBJECTIVE,
+               prior: Calibration | None = None) -> Calibration:
     """The calibration that ``bear calibrator`` publishes (and ``bear eval`` uses) from
-    ``bear.batch/1`` records: ``robust_fit_arrays`` of their eq. 12 rows."""
+    ``bear.batch/1`` records: ``refit_arrays`` of their eq. 12 rows (``prior``: the instance's
+    calibration before serving, if any)."""
     kept = [r for r in records if usable(r)]
     x, y = design_matrix(kept)
     prefill = np.array([sum(int(it["n"]) for it in r["items"] if not it.get("decode")) for r in kept], dtype=float)
-    return robust_fit_arrays(x, y, prefill, instance, objective)
+    return refit_arrays(x, y, prefill, instance, objective, prior)
+
+
+def refit_arrays(x: np.ndarray, y: np.ndarray, prefill_tokens: np.ndarray, instance: str = "",
+                 objective: str = DEFAULT_OBJECTIVE, prior: Calibration | None = None) -> Calibration:
+    """The online refit over eq. 12 rows: a free ``robust_fit_arrays``, or — when the instance was
+    profiled before serving (``prior.source == "profiled"``) — that profile rescaled to the rows
+    (``rescale_fit_arrays``). ``bear calibrator`` and ``bear eval``'s simulated one both call it."""
+    if prior is not None and prior.source == "profiled":
+        return rescale_fit_arrays(x, y, prefill_tokens, prior, instance)
+    return robust_fit_arrays(x, y, prefill_tokens, instance, objective)
+
+
+def rescale_fit_arrays(x: np.ndarray, y: np.ndarray, prefill_tokens: np.ndarray, prior: Calibration,
+                       instance: str = "") -> Calibration:
+    """The profiled calibration times one factor s fitted to the records — how much slower (s > 1)
+    or faster the engine runs now than when it was profiled.
+
+    Why not a free refit: a serving window rarely spans what a profile sweeps. Its first records
+    are decodes and short prefills, where eq. 12's per-token and prefill-attention terms cannot be
+    told apart, and NNLS then sets them to 0 — on the 32B that fit priced a waiting 8k-token
+    prompt at 0.1 s for queries that waited 2–5 s (docs/estimator.md, "Calibration before
+    serving"). One factor is identified by any batch and keeps the profile's shape where the window
+    has no data; what the engine does differently from its profile in shape shows as the fit's
+    MAPE, which the calibrator logs. s is least squares on the durations (the ``absolute``
+    objective: a TTFT sums batch times, so each should be its mean), after the same outlier trim
+    as ``robust_fit_arrays``."""
+    base = predict(prior.coefficients, x)
+    ok = (base > 0) & (y > 0)
+    if ok.sum() < 4:
+        raise ValueError("fewer than 4 usable records to rescale the profiled calibration with")
+    base_ok, y_ok = base[ok], y[ok]
+    ratio = y_ok / base_ok
+    rel = np.abs(ratio / float(np.median(ratio)) - 1.0)
+    med = float(np.median(rel))
+    mad = float(np.median(np.abs(rel - med)))
+    keep = rel <= max(med + 3.0 * 1.4826 * mad, float(np.quantile(rel, 0.5)))
+    s = float(np.dot(y_ok[keep], base_ok[keep]) / np.dot(base_ok[keep], base_ok[keep]))
+    fit_mape = mape(s * base_ok[keep], y_ok[keep])
+    if not fit_mape <= MAX_FIT_MAPE:
+        raise ValueError(f"the rescaled profile misses its records by {fit_mape:.0%} on average: not published")
+    pf = prefill_tokens[ok][keep]
+    seconds = float(y_ok[keep][pf > 0].sum())
+    theta = float(pf[pf > 0].sum()) / seconds if seconds > 0 else (
+        prior.theta / s if prior.theta is not None else None)
+    scaled = tuple(float(b) * s for b in prior.beta)
+    gamma = None if prior.gamma is None else tuple(float(g) * s for g in prior.gamma)
+    return Calibration(instance=instance, beta=scaled, gamma=gamma, mape=fit_mape,  # type: ignore[arg-type]
+                       n=int(keep.sum()), theta=theta, objective="absolute", updated=time.time(), source="online",
+                       scale=s)
 
 
 def robust_fit_arrays(x: np.ndarray, y: np.ndarray, prefill_tokens: np.ndarray, instance: str = "",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -34,6 +35,7 @@ log = structlog.get_logger("bear.calibrator")
 
 MAX_INSTANCES = 1024  # instances followed (least recently heard of forgotten first)
 MAX_ITEMS = 8192  # requests in one batch record: more is no engine's batch
+FIRST_FIT_POLL_S = 0.5  # how often the loop looks for instances due a fit
 
 
 def valid_record(r: Any) -> bool:
@@ -81,6 +83,8 @@ class OnlineCalibrator:
         self._subs: list[Any] = []
         self._task: asyncio.Task[None] | None = None
         self._kv: Any = None
+        self._fitted_at: dict[str, float] = {}  # monotonic time of each instance's last fit attempt
+        self.priors: dict[str, Calibration | None] = {}  # profiled calibrations (None: none), read once
 
     async def start(self) -> None:
         self._kv = await ensure_kv(self.nc.jetstream(), self.subjects.calibration_bucket)
@@ -147,15 +151,26 @@ class OnlineCalibrator:
         rel = np.array([(p - o) / o for p, o in pairs])
         return float(np.mean(np.abs(rel))), float(np.median(rel)), len(rel)
 
-    async def refit_once(self) -> list[str]:
-        """Refit every instance with enough new records; returns the instances updated."""
+    async def refit_once(self, due_only: bool = False) -> list[str]:
+        """Refit every instance with enough new records; returns the instances updated.
+        ``due_only``: only those never fitted here or last fitted ``refit_s`` ago (the loop's
+        cadence: an instance's first fit comes as soon as it has ``min_records``, not up to
+        ``refit_s`` later — until then its estimates use a profiled or the nominal β)."""
         done = []
+        now = time.monotonic()
         for instance, buf in list(self.records.items()):
             if len(buf) < self.min_records or buf.new == 0:
                 continue
+            if due_only and now - self._fitted_at.get(instance, -math.inf) < self.refit_s:
+                continue
+            self._fitted_at[instance] = now
+            for table in (self._fitted_at, self.priors):  # instances forgotten (bounded table)
+                for gone in [k for k in table if k not in self.records]:
+                    del table[gone]
+            prior = await self.prior(instance)
             buf.new = 0
             try:
-                cal = await asyncio.to_thread(robust_fit, buf.batches(), instance, self.objective)
+                cal = await asyncio.to_thread(robust_fit, buf.batches(), instance, self.objective, prior)
             except ValueError as exc:
                 log.warning("calibration fit failed", instance=instance, error=str(exc))
                 continue
@@ -169,10 +184,33 @@ class OnlineCalibrator:
                 log.warning("calibration publish failed", instance=instance, error=str(exc))
         return done
 
+    async def prior(self, instance: str) -> Calibration | None:
+        """The instance's profiled calibration (``bear up``'s sim engines, an operator's ``bear
+        calibrate`` put in the bucket before serving), read once: the online refit rescales it
+        rather than fitting freely. An entry this calibrator rescaled earlier gives it back (its
+        β over its ``scale``), so a restarted calibrator keeps the profile."""
+        if instance in self.priors:
+            return self.priors[instance]
+        found: Calibration | None = None
+        try:
+            entry = await self._kv.get(instance)
+            cal = decode(Calibration, entry.value) if entry.value else None
+        except Exception:  # no entry (never profiled), or unreadable: a free fit
+            cal = None
+        if cal is not None and cal.source == "profiled":
+            found = cal
+        elif cal is not None and cal.scale:
+            s = cal.scale
+            found = msgspec.structs.replace(
+                cal, beta=tuple(b / s for b in cal.beta),
+                gamma=None if cal.gamma is None else tuple(g / s for g in cal.gamma), source="profiled", scale=None)
+        self.priors[instance] = found
+        return found
+
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.refit_s)
-            updated = await self.refit_once()
+            await asyncio.sleep(min(self.refit_s, FIRST_FIT_POLL_S))
+            updated = await self.refit_once(due_only=True)
             for inst in updated:
                 cal = self.fits[inst]
                 log.info("beta updated", instance=inst, beta=cal.beta, mape=round(cal.mape, 4), n=cal.n, theta=cal.theta,

@@ -180,6 +180,7 @@ def plan(query: EstimateQuery, candidates: list[EstimateCandidate], store: State
         st = store.peek(c.instance)
         if st is None:
             continue
+        row.calibration = st.calibration.source if st.calibrated else "nominal"
         parsed = st.ensure_parsed()
         if parsed is not None and on_parse is not None:
             on_parse(parsed)

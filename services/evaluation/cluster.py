@@ -24,10 +24,11 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from bear import libbea
-from bear.calibrator.fit import BatchWindow, RefitPolicy, robust_fit, robust_fit_arrays
+from bear.calibrator.fit import BatchWindow, RefitPolicy, refit_arrays, robust_fit
 from bear.estimator.estimate import EstimatorConfig, estimate
 from bear.estimator.state import StateStore
 from bear.evaluation.learned import Sample
@@ -194,6 +195,7 @@ class Cluster:
             for inst in self.insts:
                 inst.beta = calib[inst.spec.name].coefficients
         self.refit = refit
+        self.priors = dict(calib)  # what profiling fitted: the online refit rescales it (bear calibrator's rule)
         self.next_refit = refit.refit_s if refit is not None else math.inf
         if refit is not None:
             for inst in self.insts:
@@ -266,7 +268,7 @@ class Cluster:
             a = np.asarray(b.batches(), dtype=float)
             x = np.column_stack([np.ones(len(a)), a[:, 0], a[:, 1], a[:, 2]])
             try:
-                cal = robust_fit_arrays(x, a[:, 4], a[:, 3], inst.spec.name)
+                cal = refit_arrays(x, a[:, 4], a[:, 3], inst.spec.name, prior=self.priors.get(inst.spec.name))
             except ValueError:  # the calibrator logs and keeps the last fit
                 continue
             st = self.store.get(inst.spec.name)
@@ -417,7 +419,7 @@ def calibrate_pool(specs: list[InstanceSpec], qs: QuerySet, seed: int, light_rat
         while cl.events:
             te, kk = heapq.heappop(cl.events)
             cl._complete(te, kk)
-        out[spec.name] = robust_fit(inst.records, spec.name)
+        out[spec.name] = msgspec.structs.replace(robust_fit(inst.records, spec.name), source="profiled")
         hist = []
         for i in range(half):
             rid, n_out = qs.ids[i], int(min(qs.true_output[i, col], MAX_TOKENS))

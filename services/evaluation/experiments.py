@@ -41,7 +41,7 @@ PAPER_RATES = [5.0, 6.0, 7.0, 8.0, 8.9]  # Fig. 8's arrival rates (q/s)
 PAPER_RATE = 8.0  # Figs. 9 and 14
 DEFAULT_LAMBDA = 5e-4  # §5.1
 HEADLINE_SEEDS = (2026, 2027, 2028)  # seeds no earlier result of this project used
-SETUP_VERSION = "v8"  # v8: the profiling calibration may be a roofline (bear.calibrator.fit.fit_roofline)
+SETUP_VERSION = "v9"  # v9: the profiling calibration says so (Calibration.source); v8: it may be a roofline
 
 
 # ------------------------------------------------------------------------------------- entries

@@ -96,9 +96,15 @@ class Calibration(Message, tag="bear.calibration/1", kw_only=True):
     ttft_bias: float | None = None  # their median relative error (negative: predictions too low)
     ttft_n: NonNegInt = 0
     updated: float = 0.0
+    # what made the fit: ``online`` (the calibrator, from the instance's own batch records) or
+    # ``profiled`` (a profiling run before serving: ``bear calibrate``, ``bear up``'s sim engines)
+    source: Literal["online", "profiled"] = "online"
+    # an online refit of a profiled instance: the profile times this factor (how much slower the
+    # engine runs now than when profiled: bear.calibrator.fit.rescale_fit_arrays); None: a free fit
+    scale: float | None = None
 
     def __post_init__(self) -> None:
-        _finite(*self.beta, *(self.gamma or ()), self.theta, self.updated, self.ttft_mape, self.ttft_bias)
+        _finite(*self.beta, *(self.gamma or ()), self.theta, self.updated, self.ttft_mape, self.ttft_bias, self.scale)
         if any(b < 0 for b in (*self.beta, *(self.gamma or ()))):
             raise ValueError("beta and gamma must be non-negative")
         if self.theta is not None and self.theta <= 0:
@@ -323,6 +329,9 @@ class EstimateRow(msgspec.Struct, kw_only=True, omit_defaults=False):
     # the snapshot describes the pool block by block: a dispatch there should carry the prompt's
     # token ids (Dispatch.tokens), which the replay keys queued requests by; elsewhere they are unused
     pool_keyed: bool = False
+    # the β the estimate was made with: ``nominal`` (no calibration of this instance yet: a
+    # placeholder, so the estimate may be off by any factor), else the calibration's ``source``
+    calibration: str = "nominal"
 
 
 class EstimateReply(Message, tag="bear.estimate.reply/1", kw_only=True):

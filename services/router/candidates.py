@@ -105,6 +105,7 @@ def build_candidates(prompt_tokens: int, insts: Sequence[InstanceView],
             c.pending_decode_tokens = float(row.pending_decode_tokens)
             c.ttft = row.ttft_s if row.ttft_s is not None else math.inf
             c.ttft_method = row.method
+            c.ttft_calibration = row.calibration
         else:  # no estimate (estimator or its shard silent): eq. 8 over what this router has in flight there
             local = local or LocalLoad()
             c.n_running = local.running.get(inst.id, 0)

@@ -39,7 +39,7 @@ from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateRow
 from bear.protocol.sampling import check_sampling
 from bear.protocol.subjects import CANCEL_SCHEMA, Subjects
 from bear.protocol.token_ids import count
-from bear.router.admission import Admission
+from bear.router.admission import Admission, pool_soonest_ttft
 from bear.router.candidates import LocalLoad, ModelPrediction, build_candidates, dispatch_for, dispatch_tokens
 from bear.router.dedup import Deduplicator
 from bear.router.dispatch import (
@@ -606,7 +606,7 @@ class RouterService:
                                        exact_tokens=asked.exact_tokens, sequences=sequences(q.engine))
         ctx = QueryContext(q.query_id, q.ttft_target_s, q.lam, ptoks, session=q.session)
         if q.deadline is not None and cands and rows is not None:
-            soonest = min(c.ttft for c in cands)
+            soonest = pool_soonest_ttft(cands)
             if math.isfinite(soonest) and time.time() + soonest > q.deadline:
                 # every instance is predicted to start it after its client has given up
                 await out.error(ErrorCode.OVERLOADED, f"the soonest predicted first token ({soonest * 1e3:.0f} ms) "
@@ -770,6 +770,7 @@ class RouterService:
             "max_tokens": q.max_tokens_at(inst.max_model_len, p.prompt_tokens),
             "max_tokens_rest": q.rest_of_context,
             "predicted_ttft_s": predicted, "ttft_method": d.candidate.ttft_method, "feasible": d.feasible,
+            "ttft_calibration": d.candidate.ttft_calibration,
             "observed_ttft_s": ttft, "on_time": on_time, "utility": utility,
             "predicted_utility": d.candidate.utility(q.lam), "decision_s": decision_s, "wait_s": asked.wait_s,
             "decided_at": asked.decided_at, "estimated_at": asked.estimated_at,
@@ -778,7 +779,8 @@ class RouterService:
             "fallbacks": fallbacks, "attempt": attempt, "usage": usage, "request_id": request_id,
             "candidates": {c.instance: {
                 "model": c.model, "acc": c.acc, "cost": c.cost, "out_len": c.out_len, "out_p90": c.out_p90,
-                "ttft": c.ttft, "method": c.ttft_method, "ttft_prefill": c.ttft_prefill, "n_running": c.n_running,
+                "ttft": c.ttft, "method": c.ttft_method, "calibration": c.ttft_calibration,
+                "ttft_prefill": c.ttft_prefill, "n_running": c.n_running,
                 "n_waiting": c.n_waiting, "pending_prefill_tokens": c.pending_prefill_tokens,
                 "pending_decode_tokens": c.pending_decode_tokens, "prefill_tps": c.prefill_tps, "tpot": c.tpot,
                 "throughput_rps": c.throughput_rps, "observed_ttft_p50": c.observed_ttft_p50,

@@ -115,8 +115,8 @@ def permissions(role: str, name: str, subjects: Subjects | None = None, instance
             subscribe=(s.estimate, f"{s.estimate}.*", s.delta_all, s.snapshot_all, s.dispatch_all, s.kv_all, "$SRV.>",
                        inbox),
             responses=True)
-    if role == "calibrator":
-        return Permissions(publish=tuple(_kv_write(s.calibration_bucket)),
+    if role == "calibrator":  # reads an instance's entry too: a profiled calibration is the refit's prior
+        return Permissions(publish=tuple(_kv_claim(s.calibration_bucket)),
                            subscribe=(s.batches_all, s.outcome_all, inbox))
     if role == "gateway":
         return Permissions(publish=(s.submit_as(name), s.cancel, *_kv_read(s.instances_bucket)), subscribe=(inbox,))

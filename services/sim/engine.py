@@ -143,11 +143,13 @@ class SimEngine:
 
     async def run(self) -> None:
         self.publish_snapshot(time.time())
+        last_end: float | None = None  # the previous step's end while the engine stayed busy
         while not self._stopping:
             if not self.engine.has_work:
                 self._wake.clear()
                 await self._wake.wait()
                 self._vclock = time.time()
+                last_end = None
                 continue
             now = time.time()
             if now - self._vclock > self.max_lag_s:
@@ -160,6 +162,7 @@ class SimEngine:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=0.05)
                 self._vclock = time.time()
+                last_end = None
                 continue
             duration = self.time_model.sample([(n, ctx) for _, n, ctx, _ in batch])
             end = start + duration
@@ -177,12 +180,19 @@ class SimEngine:
             self.stats.max_lag_s = max(self.stats.max_lag_s, lag)
             self.step_log.append((end, duration))
             self._deliver(outputs, end)
+            # The loop period, as vLLM's is measured: from the previous step's end. It is the drawn
+            # duration unless the process fell behind the wall clock (a starved host: the virtual
+            # clock was re-synchronised), and then the lost time is the engine's too — a record of
+            # the drawn duration alone would hide from the calibrator an engine running slower than
+            # its model, while its first tokens come that much later.
+            period = end - last_end if last_end is not None else duration
+            last_end = end
             if self.publisher is not None:
                 self.publisher.batch(
                     {
                         "seq": self.engine.seq,
                         # loop period while the engine stays busy (bear.batch/1), null otherwise
-                        "duration_s": duration if self.engine.has_work else None,
+                        "duration_s": period if self.engine.has_work else None,
                         "items": [{"n": n, "context": ctx, "decode": dec} for _, n, ctx, dec in batch],
                     }
                 )

@@ -37,6 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from bear.protocol.messages import Calibration, encode
 from bear.protocol.subjects import Subjects
 from bear.runtime import aio
 from bear.runtime.children import spawn
@@ -167,6 +170,7 @@ class Stack:
         self.cluster: LocalNatsCluster | None = None  # nats_cluster > 1
         self.children: dict[str, Child] = {}
         self.instances: dict[str, int] = {}  # instance id → HTTP port
+        self.sim_profiles: dict[str, str] = {}  # sim instance id → its profile (profiled before serving)
         self.shms: list[str] = []  # vLLM plugin rings in /dev/shm, removed by stop()
         self.served_model = ""
         self.tiny = False  # vLLM backend serving the tiny random model
@@ -253,6 +257,7 @@ class Stack:
                 inst = f"{inst}-{k}"
             port = free_port()
             self.instances[inst] = port
+            self.sim_profiles[inst] = prof
             key = self._engine_key(inst)
             self._bind_sim(inst, prof, port)
             self._child(f"sim-{inst}", self._bear("sim-engine", "--profile", prof, "--port", str(port),
@@ -398,6 +403,8 @@ class Stack:
         if self.auth is not None or self.cluster is not None:
             aio.run(_provision(self.url, self.creds("admin"), cfg.prefix, min(3, cfg.nats_cluster),
                                bindings=self.bindings if self.secured else ()))
+        if self.sim_profiles and cfg.calibrator:
+            aio.run(_publish_profiled(self.url, self.creds("admin"), cfg.prefix, self.sim_profiles, cfg.seed))
         for c in self.children.values():
             c.start(self._env())
         if cfg.backend == "vllm":
@@ -571,6 +578,37 @@ async def _provision(url: str, admin: Path | None, prefix: str, replicas: int = 
                 if time.monotonic() > end:
                     raise
                 await asyncio.sleep(0.5)
+    finally:
+        await nc.close()
+
+
+def profiled_calibrations(profiles: dict[str, str], seed: int = 0) -> dict[str, Calibration]:
+    """Each sim instance's calibration from a profiling run of its profile, before it serves (as
+    an operator profiles an engine: bear.sim.profiling): β is then the instance's own from the
+    first query on, not the nominal placeholder until the online refit has records."""
+    from bear.calibrator.fit import robust_fit
+    from bear.sim.profile import load_profile
+    from bear.sim.profiling import profile_records
+
+    out: dict[str, Calibration] = {}
+    for k, (inst, prof) in enumerate(sorted(profiles.items())):
+        cal = robust_fit(profile_records(load_profile(prof), seed=seed * 100 + k), inst)
+        out[inst] = msgspec.structs.replace(cal, source="profiled")
+    return out
+
+
+async def _publish_profiled(url: str, admin: Path | None, prefix: str, profiles: dict[str, str], seed: int) -> None:
+    """Put the sim instances' profiled calibrations into ``bear_calibration`` (as ``admin``: only the
+    calibrator and admin may write it) before the estimators start watching it."""
+    from bear.runtime.kv import ensure_kv
+    from bear.runtime.service import connect
+
+    cals = await asyncio.to_thread(profiled_calibrations, profiles, seed)
+    nc = await connect(url, "bear-up-calibrate", creds=admin if admin is not None else "")
+    try:
+        kv = await ensure_kv(nc.jetstream(timeout=5.0), Subjects(prefix).calibration_bucket)
+        for inst, cal in cals.items():
+            await kv.put(inst, encode(cal))
     finally:
         await nc.close()
 

@@ -31,6 +31,9 @@ class Candidate:
     # estimator (per instance)
     ttft: float = math.inf  # BEA estimate, or the analytic fallback (see ttft_method)
     ttft_method: str = "none"
+    # the β behind ``ttft``: nominal (the instance was never calibrated: the estimate may be off by
+    # any factor, so nothing is refused on it), profiled or online (EstimateRow.calibration)
+    ttft_calibration: str = "nominal"
     ttft_prefill: float = math.inf  # prefill-throughput estimate, paper eq. 8
     # load and history (per instance)
     n_running: int = 0
