@@ -127,3 +127,28 @@ def test_bear_up_binds_what_it_starts_and_gives_each_client_its_identity(tmp_pat
                               price_output_per_mtok=prof.prices.get("output_per_mtok", 0.0),
                               config=prof.engine_config())
         assert mismatch(by_id[inst], rec) == "", inst
+
+
+def test_provision_instances_file_is_checked(tmp_path: Path) -> None:
+    """``bear nats provision --instances FILE``: each binding validated (id a subject token,
+    prices ≥ 0, model and base URL present); anything wrong is one error naming the instance."""
+    import json
+
+    import pytest
+    import typer
+
+    from bear.stack.nats_commands import _bindings
+
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"a": {"model": MODEL, "base_url": "http://10.0.0.5:8000/v1/",
+                                      "price_input_per_mtok": 0.1, "price_output_per_mtok": 0.2,
+                                      "max_model_len": 40960}}))
+    [b] = _bindings(good)
+    assert (b.id, b.model, b.base_url, b.prices.output_per_mtok, b.max_model_len) == (
+        "a", MODEL, "http://10.0.0.5:8000/v1", 0.2, 40960)
+    for bad in ({"a.b": {"model": "m", "base_url": "u"}}, {"a": {"model": "m"}},
+                {"a": {"model": "m", "base_url": "u", "price_input_per_mtok": -1}}, ["a"]):
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(bad))
+        with pytest.raises(typer.BadParameter):
+            _bindings(path)
