@@ -21,6 +21,7 @@ import numpy as np
 import structlog
 
 from bear.calibrator.fit import DEFAULT_OBJECTIVE, OBJECTIVES, BatchWindow, RefitPolicy, robust_fit
+from bear.calibrator.lengths import LengthWindow
 from bear.protocol.codec import unpack
 from bear.protocol.errors import BearError
 from bear.protocol.messages import Calibration, Outcome, decode, encode
@@ -85,6 +86,7 @@ class OnlineCalibrator:
         self._kv: Any = None
         self._fitted_at: dict[str, float] = {}  # monotonic time of each instance's last fit attempt
         self.priors: dict[str, Calibration | None] = {}  # profiled calibrations (None: none), read once
+        self.lengths: OrderedDict[str, LengthWindow] = OrderedDict()  # answers' lengths against the predictions
 
     async def start(self) -> None:
         self._kv = await ensure_kv(self.nc.jetstream(), self.subjects.calibration_bucket)
@@ -139,6 +141,8 @@ class OnlineCalibrator:
             o = decode(Outcome, msg.data)
         except BearError:
             return
+        if o.output_tokens is not None and o.predicted_output_tokens:
+            self._bounded(self.lengths, o.instance, LengthWindow).add(o.output_tokens, o.predicted_output_tokens)
         if o.method == "bea" and o.predicted_ttft_s is not None and o.ttft_s is not None and o.ttft_s > 0:
             self._bounded(self.ttft, o.instance, lambda: deque(maxlen=self.ttft_window)).append(
                 (o.predicted_ttft_s, o.ttft_s))
@@ -175,7 +179,9 @@ class OnlineCalibrator:
                 log.warning("calibration fit failed", instance=instance, error=str(exc))
                 continue
             mape_t, bias_t, n_t = self.ttft_error(instance)
-            cal = msgspec.structs.replace(cal, ttft_mape=mape_t, ttft_bias=bias_t, ttft_n=n_t)
+            lengths = self.lengths.get(instance)
+            cal = msgspec.structs.replace(cal, ttft_mape=mape_t, ttft_bias=bias_t, ttft_n=n_t,
+                                          length_scale=lengths.scale() if lengths is not None else None)
             self.fits[instance] = cal
             try:
                 await self._kv.put(instance, encode(cal))
@@ -214,7 +220,7 @@ class OnlineCalibrator:
             for inst in updated:
                 cal = self.fits[inst]
                 log.info("beta updated", instance=inst, beta=cal.beta, mape=round(cal.mape, 4), n=cal.n, theta=cal.theta,
-                         ttft_mape=cal.ttft_mape, ttft_n=cal.ttft_n)
+                         ttft_mape=cal.ttft_mape, ttft_n=cal.ttft_n, scale=cal.scale, length_scale=cal.length_scale)
 
 
 async def run_calibrator(nats_url: str, prefix: str = "bear", **kwargs: Any) -> None:

@@ -41,7 +41,9 @@ class InstanceState:
     snap_time: float = 0.0  # capture time (the instance's clock)
     snap_received: float = 0.0
     in_use: int = 0  # replays running on ``snap`` off the event loop: its lengths must not change
-    lengths: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    lengths: OrderedDict[str, int] = field(default_factory=OrderedDict)  # as the replay takes them (scaled)
+    predicted: OrderedDict[str, int] = field(default_factory=OrderedDict)  # as the router predicted them
+    length_scale: float = 1.0  # the calibration's length_scale (bear.calibrator.lengths)
     lengths_dirty: bool = False  # every resident's prediction is to be handed to libbea (a new snapshot)
     late_lengths: dict[str, int] = field(default_factory=dict)  # predictions of ids already seen
     gapped: bool = False  # a delta did not chain onto the state held: no BEA estimate until a full one
@@ -177,12 +179,15 @@ class InstanceState:
         ``now``: it would sort after every real dispatch and stay "ahead" of each new query."""
         if now is not None and d.t > now + MAX_CLOCK_SKEW_S:
             return False
-        self.lengths[d.request_id] = d.predicted_output_tokens
+        self.predicted[d.request_id] = d.predicted_output_tokens
+        self.predicted.move_to_end(d.request_id)
+        self.lengths[d.request_id] = n = self.scaled(d.predicted_output_tokens)
         self.lengths.move_to_end(d.request_id)
         while len(self.lengths) > MAX_LENGTHS_PER_INSTANCE:
             self.lengths.popitem(last=False)
+            self.predicted.popitem(last=False)
         for rid in self.seen.get(d.request_id, ()):  # already resident: hand it over with the next estimate
-            self.late_lengths[rid] = d.predicted_output_tokens
+            self.late_lengths[rid] = n
         # else it reaches libbea when it arrives: in a delta (looked up there) or a full snapshot
         if self.dispatches and d.t < self.dispatches[-1].t:  # clock skew between routers: keep order
             d = msgspec.structs.replace(d, t=self.dispatches[-1].t)
@@ -192,6 +197,20 @@ class InstanceState:
         self.mean_prompt = _ewma(self.mean_prompt, float(d.prompt_tokens))
         self.mean_output = _ewma(self.mean_output, float(d.predicted_output_tokens))
         return True
+
+    def scaled(self, predicted: int) -> int:
+        """A predicted output length as the replay takes it: times the instance's length scale."""
+        return predicted if self.length_scale == 1.0 else max(1, min(round(predicted * self.length_scale), 2**31 - 1))
+
+    def set_calibration(self, cal: Calibration | None) -> None:
+        """The instance's calibration (None: none, the nominal β): β, θ, and the length scale —
+        a new scale re-scales every known prediction and hands them all to libbea again."""
+        self.calibration, self.calibrated = (cal, True) if cal is not None else (NOMINAL_CALIBRATION, False)
+        scale = (cal.length_scale if cal is not None else None) or 1.0
+        if scale != self.length_scale:
+            self.length_scale = scale
+            self.lengths = OrderedDict((rid, self.scaled(n)) for rid, n in self.predicted.items())
+            self.lengths_dirty = True
 
     def apply_lengths(self) -> None:
         """Hand the predicted lengths of the snapshot's residents to libbea (all of them for a new
@@ -253,6 +272,10 @@ class InstanceState:
                 break
             if d.request_id not in self.seen:
                 r: dict[str, Any] = d.as_replay_request()
+                if self.length_scale != 1.0:
+                    r["predicted_output"] = self.scaled(r["predicted_output"])
+                    if d.max_tokens is None:  # the prediction was the cap: the scaled one is
+                        r["max_tokens"] = r["predicted_output"]
                 if keys_of is not None and d.tokens:
                     r["block_keys"] = keys_of(d.tokens)
                 out.append(r)

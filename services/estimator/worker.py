@@ -29,7 +29,6 @@ from bear.estimator.state import StateStore
 from bear.protocol.deadline import Deadline
 from bear.protocol.errors import BearError, ErrorCode
 from bear.protocol.messages import (
-    NOMINAL_CALIBRATION,
     Calibration,
     Dispatch,
     EstimateReply,
@@ -216,10 +215,10 @@ class EstimatorWorker:
     def _on_calibration(self, key: str, value: bytes | None) -> None:
         st = self.store.get(key)
         if value is None:
-            st.calibration, st.calibrated = NOMINAL_CALIBRATION, False
+            st.set_calibration(None)
             return
         try:
-            st.calibration, st.calibrated = decode(Calibration, value), True
+            st.set_calibration(decode(Calibration, value))
             self.m.calibration_updates.inc()
         except BearError as exc:
             log.warning("malformed calibration entry dropped", instance=key, error=exc.message)

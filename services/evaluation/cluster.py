@@ -29,6 +29,7 @@ import numpy as np
 
 from bear import libbea
 from bear.calibrator.fit import BatchWindow, RefitPolicy, refit_arrays, robust_fit
+from bear.calibrator.lengths import LengthWindow
 from bear.estimator.estimate import EstimatorConfig, estimate
 from bear.estimator.state import StateStore
 from bear.evaluation.learned import Sample
@@ -196,6 +197,8 @@ class Cluster:
                 inst.beta = calib[inst.spec.name].coefficients
         self.refit = refit
         self.priors = dict(calib)  # what profiling fitted: the online refit rescales it (bear calibrator's rule)
+        self.lengths = [LengthWindow() for _ in specs]  # answers' lengths against the dispatches' predictions
+        self._predicted: dict[str, int] = {}
         self.next_refit = refit.refit_s if refit is not None else math.inf
         if refit is not None:
             for inst in self.insts:
@@ -210,7 +213,7 @@ class Cluster:
             info = InstanceInfo(s.name, model=s.model, base_url="sim://", price_in=pin, price_out=pout,
                                 predictor_model=s.model)
             if cal is not None:
-                st.calibration, st.calibrated = cal, True
+                st.set_calibration(cal)
                 info.calibration = cal
             for ttft, tpot in (history or {}).get(s.name, []):
                 info.obs.add_outcome(0.0, ttft, tpot, False)
@@ -240,6 +243,9 @@ class Cluster:
             if q is not None and q.first is not None:  # what the router's outcome event carries
                 tpot = (t - q.first) / (q.true_out - 1) if q.true_out > 1 else None
                 info.obs.add_outcome(t, q.first - q.arrival, tpot, True)
+                predicted = self._predicted.pop(rid, None)
+                if predicted is not None:  # … and what the calibrator learns the length scale from
+                    self.lengths[k].add(q.true_out, predicted)
         end = inst.boundary(t)
         if end is not None:
             heapq.heappush(self.events, (end, k))
@@ -271,8 +277,9 @@ class Cluster:
                 cal = refit_arrays(x, a[:, 4], a[:, 3], inst.spec.name, prior=self.priors.get(inst.spec.name))
             except ValueError:  # the calibrator logs and keeps the last fit
                 continue
+            cal = msgspec.structs.replace(cal, length_scale=self.lengths[self.insts.index(inst)].scale())
             st = self.store.get(inst.spec.name)
-            st.calibration, st.calibrated = cal, True
+            st.set_calibration(cal)
             info.calibration = cal
 
     def submit(self, k: int, rid: str, prompt_tokens: int, true_out: int, t: float) -> None:
@@ -327,7 +334,9 @@ class Cluster:
             self._features[qs.ids[i]] = learned_features(rows[self.infos[k].id], sent.prompt_tokens)
         if self.oracle.lengths:
             sent = dataclasses.replace(sent, out_len=float(self._true_out(qs, i, self.insts[k].spec.model)))
-        self.store.get(self.infos[k].id).on_dispatch(dispatch_for(qs.ids[i], qs.ids[i], sent, MAX_TOKENS, t))
+        dispatch = dispatch_for(qs.ids[i], qs.ids[i], sent, MAX_TOKENS, t)
+        self.store.get(self.infos[k].id).on_dispatch(dispatch)
+        self._predicted[qs.ids[i]] = dispatch.predicted_output_tokens
         return k, policy.latency_estimate(d.candidate)
 
     @staticmethod

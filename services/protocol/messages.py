@@ -102,9 +102,14 @@ class Calibration(Message, tag="bear.calibration/1", kw_only=True):
     # an online refit of a profiled instance: the profile times this factor (how much slower the
     # engine runs now than when profiled: bear.calibrator.fit.rescale_fit_arrays); None: a free fit
     scale: float | None = None
+    # the router's predicted output lengths there, times this, is what the instance's answers
+    # turned out to be (Σ actual / Σ predicted over its recent outcomes: bear.calibrator.lengths);
+    # the replay scales the residents' and the dispatches' lengths by it. None: not measured
+    length_scale: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
     def __post_init__(self) -> None:
-        _finite(*self.beta, *(self.gamma or ()), self.theta, self.updated, self.ttft_mape, self.ttft_bias, self.scale)
+        _finite(*self.beta, *(self.gamma or ()), self.theta, self.updated, self.ttft_mape, self.ttft_bias, self.scale,
+                self.length_scale)
         if any(b < 0 for b in (*self.beta, *(self.gamma or ()))):
             raise ValueError("beta and gamma must be non-negative")
         if self.theta is not None and self.theta <= 0:
@@ -247,6 +252,9 @@ class Outcome(Message, tag="bear.outcome/1", kw_only=True):
     method: str = "none"  # how predicted_ttft_s was made (bea | analytic | router-eq8 | none)
     completed: bool = True
     t: float
+    # per sequence: the tokens the answer had and the length the dispatch predicted (None: unknown)
+    output_tokens: NonNegInt | None = None
+    predicted_output_tokens: NonNegInt | None = None
 
     def __post_init__(self) -> None:
         _finite(self.ttft_s, self.tpot_s, self.predicted_ttft_s, self.t)

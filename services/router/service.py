@@ -121,6 +121,7 @@ class Query:
     engine: dict[str, Any] = field(default_factory=dict)  # more engine fields, verbatim (bear.protocol.engine_fields)
     trace: dict[str, str] | None = None  # trace-context headers for the calls this query makes
     served_by: str | None = None  # the instance it was last dispatched to
+    predicted_output: int | None = None  # the output length (per sequence) its dispatch there announced
     deadline: float | None = None  # the client stops waiting for the start then (epoch s)
     inbox: str = ""  # where the answer goes (a cancel must name it)
     deciding: bool = True  # counted in Admission.deciding until dispatched or finished
@@ -318,7 +319,8 @@ class RouterService:
                                            subject=self.subjects.estimate_shard(k, shards)) for k in range(shards)]
         self.dedup = Deduplicator(nc, self.subjects.queries_bucket, ttl_s=self.cfg.dedup_ttl_s,
                                   timeout_s=self.cfg.dedup_timeout_s)
-        self.tokenizers = TokenizerCache(nc, self.subjects.tokenizers_bucket)
+        self.tokenizers = TokenizerCache(nc, self.subjects.tokenizers_bucket, sources=lambda bid: [
+            i.id for i in self.registry.instances.values() if i.tokenizer == bid])
         if self.cfg.tokenize:
             self.registry.on_tokenizer = lambda tid: self.tokenizers.want([tid])
         self.outcomes = OutcomeLog(self.cfg.outcome_log)
@@ -633,12 +635,13 @@ class RouterService:
             inst = self.registry.get(d.candidate.instance)
             p = used[inst.id]
             request_id = f"bear-{uuid.uuid4().hex}"
-            await self.nc.publish(self.subjects.dispatch(inst.id), encode(dispatch_for(
+            dispatch = dispatch_for(
                 q.query_id, request_id, p, q.max_tokens_at(inst.max_model_len, p.prompt_tokens), time.time(),
                 d.candidate.prefix_hit_tokens,
                 dispatch_tokens(asked.tokens, inst.tokenizer, rows.get(inst.id) if rows else None),
-                sequences=sequences(q.engine), skip_reading_prefix_cache=q.skips_prefix_cache)))
-            q.served_by = inst.id
+                sequences=sequences(q.engine), skip_reading_prefix_cache=q.skips_prefix_cache)
+            await self.nc.publish(self.subjects.dispatch(inst.id), encode(dispatch))
+            q.served_by, q.predicted_output = inst.id, dispatch.predicted_output_tokens
             decision_s = time.perf_counter() - t0
             if q.deciding:
                 q.deciding = False
@@ -755,7 +758,8 @@ class RouterService:
         with contextlib.suppress(Exception):
             await self.nc.publish(self.subjects.outcome(inst.id), encode(Outcome(
                 instance=inst.id, ttft_s=ttft, tpot_s=tpot, predicted_ttft_s=_finite(d.candidate.ttft),
-                method=d.candidate.ttft_method, completed=True, t=time.time())))
+                method=d.candidate.ttft_method, completed=True, t=time.time(),
+                output_tokens=min(round(per_seq), 2**31 - 1), predicted_output_tokens=q.predicted_output)))
         await out.finish({"v": "bear.done/1", "instance": inst.id, "model": inst.model,
                           "predictor_model": inst.predictor_model, "ttft_s": ttft, "target_s": q.ttft_target_s,
                           "on_time": on_time, "utility": utility, "predicted_utility": d.candidate.utility(q.lam),
