@@ -468,7 +468,8 @@ class Gateway:
         if len(ids) > 1:
             raise ApiError(400, f"the instances of {name!r} tokenize differently: name one model", param="model")
         if self._tokenizers is None:
-            self._tokenizers = TokenizerCache(self.nc, self.subjects.tokenizers_bucket)
+            self._tokenizers = TokenizerCache(self.nc, self.subjects.tokenizers_bucket, sources=lambda bid: [
+                i.id for i in self.registry.instances.values() if i.tokenizer == bid])
         tok = await self._tokenizers.get(ids.pop(), timeout_s=10.0)
         if tok is None:
             raise ApiError(503, f"the tokenizer of {name!r} could not be fetched; try again",

@@ -12,8 +12,30 @@ from nats.errors import TimeoutError as NatsTimeout
 
 DEDUP_TTL_S = 600.0  # how long a claimed query id is remembered (bear.router.dedup)
 
+MIB = 1 << 20
 
-async def ensure_kv(js: Any, bucket: str, *, ttl_s: float | None = None, replicas: int = 1) -> Any:
+
+@dataclass(frozen=True)
+class StoreLimits:
+    """What each bucket may hold (issue 26: the tokenizer store had no limit, filled the server's
+    JetStream store, and then the registry could not be written and every query was
+    ``unavailable``). Each stream gets its own ``max_bytes``, which JetStream *reserves* against
+    the server's (or account's) storage when the stream is created — a stream whose limit does not
+    fit is refused then, not when it fills — so a full tokenizer store never takes the registry's
+    or the calibration's room. KV entries are bounded in size too."""
+
+    kv_bytes: int = 64 * MIB  # the registry, calibration and provisioning buckets, each
+    queries_bytes: int = 256 * MIB  # the dedup claims of DEDUP_TTL_S (≈ 150 B each)
+    value_bytes: int = 64 * 1024  # one KV entry (a registry record is ~1 KiB)
+    tokenizers_bytes: int = 1024 * MIB  # the tokenizer object store (one bundle per instance)
+    tokenizer_object_bytes: int = 64 * MIB  # one bundle (a large tokenizer.json is ~11 MB)
+
+
+LIMITS = StoreLimits()
+
+
+async def ensure_kv(js: Any, bucket: str, *, ttl_s: float | None = None, replicas: int = 1,
+                    max_bytes: int | None = None, max_value_bytes: int | None = None) -> Any:
     """The JetStream KV bucket ``bucket``, created (history 1) when it does not exist yet. Under
     least-privilege credentials only ``admin`` may create one (``provision``): for any other
     identity a missing bucket is an error that its caller retries."""
@@ -24,25 +46,30 @@ async def ensure_kv(js: Any, bucket: str, *, ttl_s: float | None = None, replica
     except BucketNotFoundError:
         from nats.js.api import KeyValueConfig
 
-        return await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, replicas=replicas))
+        return await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, replicas=replicas,
+                                                        max_bytes=max_bytes, max_value_size=max_value_bytes))
 
 
-async def provision(js: Any, subjects: Any, *, replicas: int = 1, dedup_ttl_s: float = DEDUP_TTL_S) -> list[str]:
+async def provision(js: Any, subjects: Any, *, replicas: int = 1, dedup_ttl_s: float = DEDUP_TTL_S,
+                    limits: StoreLimits = LIMITS) -> list[str]:
     """Create the deployment's buckets (``bear up`` and ``bear nats provision`` do it as ``admin``
     before any service starts): the registry, the calibration and the dedup KV bucket (entries
     expire after ``dedup_ttl_s``), the instances' provisioning (``bind_instances``) and the
-    tokenizer object store, each replicated ``replicas`` times in a cluster."""
+    tokenizer object store, each replicated ``replicas`` times in a cluster and bounded by
+    ``limits`` (buckets that exist already are left as they are)."""
     buckets = [(subjects.instances_bucket, None), (subjects.calibration_bucket, None),
                (subjects.queries_bucket, dedup_ttl_s), (subjects.provisioned_bucket, None)]
     for bucket, ttl in buckets:
-        await ensure_kv(js, bucket, ttl_s=ttl, replicas=replicas)
+        await ensure_kv(js, bucket, ttl_s=ttl, replicas=replicas, max_value_bytes=limits.value_bytes,
+                        max_bytes=limits.queries_bytes if bucket == subjects.queries_bucket else limits.kv_bytes)
     from nats.js.api import ObjectStoreConfig
     from nats.js.errors import BucketNotFoundError, NotFoundError
 
     try:
         await js.object_store(subjects.tokenizers_bucket)
     except (BucketNotFoundError, NotFoundError):
-        await js.create_object_store(subjects.tokenizers_bucket, ObjectStoreConfig(replicas=replicas))
+        await js.create_object_store(subjects.tokenizers_bucket,
+                                     ObjectStoreConfig(replicas=replicas, max_bytes=limits.tokenizers_bytes))
     return [*(b for b, _ in buckets), subjects.tokenizers_bucket]
 
 

@@ -18,6 +18,7 @@ by watching a real nats-server serve nats-py's KV calls (tests/security)."""
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,13 +82,16 @@ def _obj_read(bucket: str) -> list[str]:
             f"$JS.API.CONSUMER.INFO.{s}.*", f"$JS.API.CONSUMER.DELETE.{s}.*", f"$JS.FC.{s}.>"]
 
 
-def _obj_write(bucket: str) -> list[str]:
-    """Look an object up and put one (chunks, then its meta message). Object names are not subject
-    tokens, so any writer may put any name: readers check that a bundle's content hashes to the id
-    they asked for (bear.tokenizer.store.get_bundle), so a forged object is refused, not used."""
+def _obj_write(bucket: str, name: str) -> list[str]:
+    """Look an object up and put the one named ``name`` (chunks, then its meta message, whose
+    subject is the name in URL-safe base64 as nats-py writes it): a writer may not replace anyone
+    else's object (issue 26). Chunk subjects are random ids, so any writer may add chunks — the
+    store's ``max_bytes`` bounds them (bear.runtime.kv.StoreLimits); readers still check that a
+    bundle's content hashes to the id they asked for (bear.tokenizer.store.get_bundle)."""
     s = f"OBJ_{bucket}"
+    meta = base64.urlsafe_b64encode(name.encode()).decode()
     return [f"$JS.API.STREAM.INFO.{s}", f"$JS.API.STREAM.MSG.GET.{s}", f"$JS.API.DIRECT.GET.{s}",
-            f"$JS.API.DIRECT.GET.{s}.>", f"$O.{bucket}.C.>", f"$O.{bucket}.M.>"]
+            f"$JS.API.DIRECT.GET.{s}.>", f"$O.{bucket}.C.>", f"$O.{bucket}.M.{meta}"]
 
 
 def permissions(role: str, name: str, subjects: Subjects | None = None, instance: str | None = None,
@@ -126,7 +130,8 @@ def permissions(role: str, name: str, subjects: Subjects | None = None, instance
         if not instance:
             raise ValueError("an instance identity needs its instance id")
         return Permissions(publish=(s.delta(instance), s.snapshot(instance), s.batches(instance), s.kv(instance),
-                                    *_kv_write(s.instances_bucket, instance), *_obj_write(s.tokenizers_bucket)),
+                                    *_kv_write(s.instances_bucket, instance),
+                                    *_obj_write(s.tokenizers_bucket, instance)),
                            subscribe=(s.resync(instance), s.kv_resync(instance), inbox),
                            responses=True)  # resync answers
     raise ValueError(f"unknown role {role!r} (admin, {', '.join(SERVICES)}, instance); prefix {p}")

@@ -66,9 +66,10 @@ async def serve(profile_name: str, port: int, instance: str, nats_url: str, *, h
     registration.update(config=profile.engine_config())
     if bundle is not None and hasher is not None:
         from bear.protocol.messages import PrefixCacheInfo
-        from bear.tokenizer.store import put_bundle
+        from bear.tokenizer.store import store_tokenizer
 
-        bid = await put_bundle(nc.jetstream(timeout=5.0), subjects.tokenizers_bucket, bundle)
+        # a full or refusing store: registered without a tokenizer (lengths estimated), logged, counted
+        bid = await store_tokenizer(nc.jetstream(timeout=5.0), subjects.tokenizers_bucket, bundle, instance)
         registration.update(tokenizer=bid, prefix_cache=PrefixCacheInfo(block_size=hasher.spec.block_size,
                                                                          events=True))
     tasks = [asyncio.create_task(publisher.run()), asyncio.create_task(sim.run()),

@@ -308,7 +308,8 @@ class Snapshotter:
         while True:
             if self._connected():
                 try:
-                    bid = await put_bundle(self.nc.jetstream(timeout=2.0), self.subjects.tokenizers_bucket, bundle)
+                    bid = await put_bundle(self.nc.jetstream(timeout=2.0), self.subjects.tokenizers_bucket, bundle,
+                                           self.cfg.instance)
                     self.registration.update(tokenizer=bid)
                     self.log.info("tokenizer_registered", tokenizer=bid, source=str(d))
                     return

@@ -112,9 +112,11 @@ def load(bundle: TokenizerBundle, *, chunked: bool = True) -> Loaded:
 
 
 class TokenizerCache:
-    def __init__(self, nc: Any, bucket: str, *, threads: int = 2) -> None:
+    def __init__(self, nc: Any, bucket: str, *, threads: int = 2,
+                 sources: Callable[[str], Iterable[str]] | None = None) -> None:
         self.nc = nc
         self.bucket = bucket
+        self.sources = sources  # bundle id → the instances naming it (objects are named by their writer)
         self.loaded: dict[str, Loaded] = {}
         self._failed: dict[str, float] = {}  # id → monotonic time of the last failure
         self._loading: dict[str, asyncio.Task[None]] = {}
@@ -140,7 +142,8 @@ class TokenizerCache:
 
     async def _fetch(self, bid: str) -> None:
         try:
-            bundle = await asyncio.wait_for(get_bundle(self.nc.jetstream(timeout=2.0), self.bucket, bid),
+            names = list(self.sources(bid)) if self.sources is not None else []
+            bundle = await asyncio.wait_for(get_bundle(self.nc.jetstream(timeout=2.0), self.bucket, bid, names),
                                             FETCH_TIMEOUT_S)
             if bundle is None:
                 raise BundleError("not in the object store")
