@@ -17,6 +17,12 @@ Every submission carries its ``deadline``: when this client stops waiting for th
 the answer would go to nobody. A query larger than the NATS
 server's ``max_payload`` is not sent: it gets a client-made ``too_large`` error at once.
 
+A stream silent for ``recover_s`` (or a submission not yet answered) reads the router's terminal
+record (``Subjects.terminals_bucket``, keyed by a hash of the answer's inbox): a ``done`` the
+router published while NATS restarted reached the new server before this client had subscribed
+again and was lost — the client used to wait ``idle_timeout_s`` and end in ``deadline_exceeded``
+(issue 26). A terminal message taken from there is counted in ``RECOVERED``.
+
 A submission goes to ``bear.submit.<identity>`` (the connection's inbox prefix names the
 identity; anonymous connections use ``bear.submit``) and carries a random ``nonce`` that the
 router echoes in every message of the stream: a message in the inbox without this query's id
@@ -43,6 +49,31 @@ TERMINAL = ("bear.done/1", "bear.error/1")
 # Messages that reached a submission's inbox but are not of its query (another query id, or not
 # the per-query nonce the router echoes): dropped, counted here, one warning line per submission.
 FOREIGN_DROPPED = {"messages": 0}
+# Terminal messages read from the routers' terminal records (their own message was lost), and reads.
+RECOVERED = {"terminals": 0, "reads": 0}
+RECOVER_S = 1.0  # the silence after which a submission reads its terminal record
+
+
+async def terminal_record(nc: Any, subjects: Subjects, inbox: str, query_id: str, nonce: str,
+                          timeout_s: float = 1.0) -> dict[str, Any] | None:
+    """The router's terminal message to ``inbox`` kept in JetStream (a direct get of one key);
+    None when there is none (yet), NATS is away, or it is not this query's (id and nonce)."""
+    b = subjects.terminals_bucket
+    RECOVERED["reads"] += 1
+    try:
+        msg = await nc.request(f"$JS.API.DIRECT.GET.KV_{b}.$KV.{b}.{subjects.terminal_key(inbox)}", b"",
+                               timeout=timeout_s)
+    except Exception:  # not connected, no such bucket, not allowed: the stream's own timeout decides
+        return None
+    if not msg.data or (msg.headers or {}).get("Status"):
+        return None
+    try:
+        d = unpack_map(msg.data)
+    except BearError:
+        return None
+    if d.get("query_id") != query_id or d.get("nonce") != nonce or not is_terminal(d):
+        return None
+    return d
 
 
 def is_terminal(msg: dict[str, Any]) -> bool:
@@ -94,7 +125,8 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
                  subjects: Subjects | None = None, accept_timeout_s: float = 2.0, idle_timeout_s: float = 30.0,
                  resubmits: int = 1, model: str | None = None, sampling: dict[str, Any] | None = None,
                  headers: dict[str, str] | None = None, inboxes: Inboxes | None = None,
-                 session: str | None = None, engine: dict[str, Any] | None = None) -> AsyncIterator[dict[str, Any]]:
+                 session: str | None = None, engine: dict[str, Any] | None = None,
+                 recover_s: float = RECOVER_S) -> AsyncIterator[dict[str, Any]]:
     """``max_tokens`` None: up to the rest of the chosen engine's context (``max_tokens_rest``,
     vLLM's default); ``model``: only that model's instances are candidates (served or predictor name);
     ``session``: the conversation the query belongs to (session-affinity routing);
@@ -102,7 +134,7 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
     fields, forwarded verbatim (``bear.protocol.engine_fields``: the answer's chunks then carry
     the engine's ``choices``); ``headers``: NATS headers of
     the submission (the trace context); ``inboxes``: a shared reply subscription (else one of its
-    own per call)."""
+    own per call); ``recover_s``: the silence after which the terminal record is read (0: never)."""
     from nats.errors import TimeoutError as NatsTimeout
 
     subjects = subjects or Subjects()
@@ -153,10 +185,25 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
         heard = False
         left = resubmits
         duplicate = False
+        loop = asyncio.get_running_loop()
+        since = loop.time()  # the last message (or the submission)
         while True:
+            wait = idle_timeout_s if heard else accept_timeout_s
+            left_s = max(0.0, since + wait - loop.time())
             try:
-                msg = await next_msg(idle_timeout_s if heard else accept_timeout_s)
+                msg = await next_msg(min(left_s, recover_s) if recover_s > 0 else left_s)
             except (NatsTimeout, TimeoutError):
+                if recover_s > 0:  # silent: the router's terminal message may have been lost
+                    rec = await terminal_record(nc, subjects, inbox, qid, nonce)
+                    if rec is not None:
+                        RECOVERED["terminals"] += 1
+                        log.info("terminal message read from its record", query_id=qid, v=rec.get("v"))
+                        answered = True
+                        yield rec
+                        return
+                    if loop.time() < since + wait:
+                        continue
+                since = loop.time()
                 if not heard and left > 0:
                     left -= 1
                     try:
@@ -171,6 +218,7 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
                 m.update(query_id=qid, client=True)
                 yield m
                 return
+            since = loop.time()
             try:
                 d = unpack_map(msg.data)
             except BearError:

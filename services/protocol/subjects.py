@@ -158,6 +158,21 @@ class Subjects:
         """Create-only KV bucket of the query ids routers have claimed (deduplication)."""
         return f"{self.prefix}_queries"
 
+    @property
+    def terminals_bucket(self) -> str:
+        """KV bucket of the routers' recent terminal messages (done/error, kept a minute), each
+        under ``terminal_key`` of its answer's inbox: a client whose stream went silent — a NATS
+        restart lost the router's last message — reads its own there (issue 26)."""
+        return f"{self.prefix}_terminals"
+
+    @staticmethod
+    def terminal_key(inbox: str) -> str:
+        """The terminal record's key of the answer to ``inbox``: a hash, so the key is a valid KV
+        key and as unguessable as the (private, random) inbox itself."""
+        import hashlib
+
+        return hashlib.sha256(inbox.encode()).hexdigest()[:40]
+
     @staticmethod
     def shard_of(instance: str, shards: int) -> int:
         """The estimator shard that owns ``instance``: FNV-1a (32 bit) of its id modulo the number

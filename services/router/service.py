@@ -260,13 +260,14 @@ class ClientStream:
     """Messages to one client inbox; guarantees exactly one terminal message (done or error)."""
 
     def __init__(self, nc: Any, inbox: str, query_id: str, recent: deque[tuple[float, str, bytes]] | None = None,
-                 nonce: str | None = None) -> None:
+                 nonce: str | None = None, terminals: str | None = None) -> None:
         self.nc = nc
         self.inbox = inbox
         self.query_id = query_id
         self.nonce = nonce  # the client's, echoed in every message (its library drops messages without it)
         self.finished = False
         self.recent = recent  # the router's recently sent terminal messages (resent after a reconnect)
+        self.terminals = terminals  # KV bucket keeping the terminal message for a client that missed it
 
     async def send(self, msg: dict[str, Any]) -> None:
         if self.finished:
@@ -290,6 +291,14 @@ class ClientStream:
             await self.nc.publish(self.inbox, data)
         except Exception as exc:
             log.warning("reply to client failed", query_id=self.query_id, error=str(exc))
+        if self.terminals:
+            # kept in JetStream too (a plain publish: stored without an ack round trip, buffered
+            # through a reconnect): a reply published while NATS restarts reaches the new server
+            # before the client has subscribed again, and is lost — the client then reads it here
+            try:
+                await self.nc.publish(f"$KV.{self.terminals}.{Subjects.terminal_key(self.inbox)}", data)
+            except Exception as exc:
+                log.warning("terminal record failed", query_id=self.query_id, error=str(exc))
         self.finished = True
         if self.recent is not None:
             now = time.monotonic()
@@ -391,7 +400,8 @@ class RouterService:
         if refusal is not None:
             self.m.loop_lag.set(self.admission.lag)
             qid, nonce = peek_ids(msg.data)
-            await ClientStream(self.nc, msg.reply, qid, nonce=nonce).error(refusal.code, refusal.message)
+            await ClientStream(self.nc, msg.reply, qid, nonce=nonce,
+                               terminals=self.subjects.terminals_bucket).error(refusal.code, refusal.message)
             self.m.queries.labels(status=str(refusal.code)).inc()
             self.m.shed.labels(reason=refusal.reason).inc()
             return
@@ -457,7 +467,7 @@ class RouterService:
 
     async def _serve(self, data: bytes, inbox: str, t0: float, headers: dict[str, str] | None = None,
                      client: str = "") -> None:
-        out = ClientStream(self.nc, inbox, "", self._recent)
+        out = ClientStream(self.nc, inbox, "", self._recent, terminals=self.subjects.terminals_bucket)
         out.query_id, out.nonce = peek_ids(data)  # a bad_request answer still carries them
         self.m.inflight.inc()
         q: Query | None = None

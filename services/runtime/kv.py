@@ -11,6 +11,7 @@ from typing import Any
 from nats.errors import TimeoutError as NatsTimeout
 
 DEDUP_TTL_S = 600.0  # how long a claimed query id is remembered (bear.router.dedup)
+TERMINAL_TTL_S = 60.0  # how long a terminal message is kept for a client that missed it (bear.client.submit)
 
 MIB = 1 << 20
 
@@ -26,6 +27,7 @@ class StoreLimits:
 
     kv_bytes: int = 64 * MIB  # the registry, calibration and provisioning buckets, each
     queries_bytes: int = 256 * MIB  # the dedup claims of DEDUP_TTL_S (≈ 150 B each)
+    terminals_bytes: int = 64 * MIB  # the terminal messages of TERMINAL_TTL_S (≈ 300 B each)
     value_bytes: int = 64 * 1024  # one KV entry (a registry record is ~1 KiB)
     tokenizers_bytes: int = 1024 * MIB  # the tokenizer object store (one bundle per instance)
     tokenizer_object_bytes: int = 64 * MIB  # one bundle (a large tokenizer.json is ~11 MB)
@@ -35,7 +37,7 @@ LIMITS = StoreLimits()
 
 
 async def ensure_kv(js: Any, bucket: str, *, ttl_s: float | None = None, replicas: int = 1,
-                    max_bytes: int | None = None, max_value_bytes: int | None = None) -> Any:
+                    max_bytes: int | None = None, max_value_bytes: int | None = None, direct: bool | None = None) -> Any:
     """The JetStream KV bucket ``bucket``, created (history 1) when it does not exist yet. Under
     least-privilege credentials only ``admin`` may create one (``provision``): for any other
     identity a missing bucket is an error that its caller retries."""
@@ -47,7 +49,8 @@ async def ensure_kv(js: Any, bucket: str, *, ttl_s: float | None = None, replica
         from nats.js.api import KeyValueConfig
 
         return await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, ttl=ttl_s, replicas=replicas,
-                                                        max_bytes=max_bytes, max_value_size=max_value_bytes))
+                                                        max_bytes=max_bytes, max_value_size=max_value_bytes,
+                                                        direct=direct))
 
 
 async def provision(js: Any, subjects: Any, *, replicas: int = 1, dedup_ttl_s: float = DEDUP_TTL_S,
@@ -70,7 +73,10 @@ async def provision(js: Any, subjects: Any, *, replicas: int = 1, dedup_ttl_s: f
     except (BucketNotFoundError, NotFoundError):
         await js.create_object_store(subjects.tokenizers_bucket,
                                      ObjectStoreConfig(replicas=replicas, max_bytes=limits.tokenizers_bytes))
-    return [*(b for b, _ in buckets), subjects.tokenizers_bucket]
+    # terminal messages, read by key with a direct get (clients may get a key, not list the bucket)
+    await ensure_kv(js, subjects.terminals_bucket, ttl_s=TERMINAL_TTL_S, replicas=replicas, direct=True,
+                    max_bytes=limits.terminals_bytes, max_value_bytes=limits.value_bytes)
+    return [*(b for b, _ in buckets), subjects.terminals_bucket, subjects.tokenizers_bucket]
 
 
 async def bind_instances(js: Any, subjects: Any, bindings: list[Any]) -> list[str]:

@@ -72,6 +72,13 @@ def _kv_claim(bucket: str) -> list[str]:
     return [*_kv_write(bucket), f"$JS.API.STREAM.MSG.GET.{s}", f"$JS.API.DIRECT.GET.{s}", f"$JS.API.DIRECT.GET.{s}.>"]
 
 
+def _terminal_read(bucket: str) -> str:
+    """Read one key of the terminal-message bucket with a direct get (``$JS.API.DIRECT.GET.<stream>.<subject>``:
+    the subject form only — the form without a subject, which gets any message by sequence, is
+    not granted, so a client reads only keys it knows: hashes of its own private inboxes)."""
+    return f"$JS.API.DIRECT.GET.KV_{bucket}.$KV.{bucket}.*"
+
+
 def _obj_read(bucket: str) -> list[str]:
     """Open an object store and get objects (nats-py ``object_store`` + ``get``: stream info, the
     object's last meta message, the stream of its chunk subject looked up by name, an ordered push
@@ -109,6 +116,7 @@ def permissions(role: str, name: str, subjects: Subjects | None = None, instance
             publish=(s.predict, s.estimate, f"{s.estimate}.*", s.dispatch_all, s.outcome_all,
                      *_kv_claim(s.queries_bucket), *_kv_read(s.instances_bucket), *_kv_read(s.calibration_bucket),
                      *_kv_read(s.provisioned_bucket), *_obj_read(s.tokenizers_bucket),
+                     f"$KV.{s.terminals_bucket}.*",  # terminal records (published, not acked)
                      *(f"_INBOX_{c}.>" for c in clients)),
             subscribe=(s.submit, s.submit_all, s.cancel, s.outcome_all, inbox))
     if role == "predictor":
@@ -123,9 +131,11 @@ def permissions(role: str, name: str, subjects: Subjects | None = None, instance
         return Permissions(publish=tuple(_kv_claim(s.calibration_bucket)),
                            subscribe=(s.batches_all, s.outcome_all, inbox))
     if role == "gateway":
-        return Permissions(publish=(s.submit_as(name), s.cancel, *_kv_read(s.instances_bucket)), subscribe=(inbox,))
+        return Permissions(publish=(s.submit_as(name), s.cancel, *_kv_read(s.instances_bucket),
+                                    _terminal_read(s.terminals_bucket)), subscribe=(inbox,))
     if role == "client":  # its own submit subject: routers answer it only into its own inbox (issue 26)
-        return Permissions(publish=(s.submit_as(name), s.cancel), subscribe=(inbox,))
+        return Permissions(publish=(s.submit_as(name), s.cancel, _terminal_read(s.terminals_bucket)),
+                           subscribe=(inbox,))
     if role == "instance":
         if not instance:
             raise ValueError("an instance identity needs its instance id")

@@ -26,7 +26,8 @@ from bear.tokenizer import store
 from bear.tokenizer.bundle import TokenizerBundle
 
 S = Subjects()
-SMALL = StoreLimits(kv_bytes=1 * MIB, queries_bytes=1 * MIB, value_bytes=16 * 1024, tokenizers_bytes=4 * MIB,
+SMALL = StoreLimits(kv_bytes=1 * MIB, queries_bytes=1 * MIB, terminals_bytes=1 * MIB, value_bytes=16 * 1024,
+                    tokenizers_bytes=4 * MIB,
                     tokenizer_object_bytes=1 * MIB)
 
 
@@ -78,7 +79,7 @@ def _bundle(tag: str, pad: int = 0) -> TokenizerBundle:
 async def test_every_bucket_and_store_is_bounded(env: Env) -> None:
     js = (await env.nc("admin")).jetstream(timeout=5.0)
     names = [f"KV_{S.instances_bucket}", f"KV_{S.calibration_bucket}", f"KV_{S.queries_bucket}",
-             f"OBJ_{S.tokenizers_bucket}"]
+             f"KV_{S.provisioned_bucket}", f"KV_{S.terminals_bucket}", f"OBJ_{S.tokenizers_bucket}"]
     unbounded = {}
     for name in names:
         cfg = (await js.stream_info(name)).config
