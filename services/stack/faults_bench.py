@@ -39,6 +39,57 @@ class Sent:
     routed: bool = False
     ttft_s: float | None = None
     message: str = ""  # the error's message
+    first_s: float | None = None  # the client's wait for its first token (or its done), from the submission
+
+
+WINDOW_S = 10.0  # the first-token figures after a fault: the queries submitted in this window
+RECOVERY_WINDOW_S, RECOVERY_STEP_S = 2.0, 0.5  # the p99 recovery: sliding windows of submissions
+
+
+def _pcts(xs: list[float]) -> dict[str, float] | None:
+    """p50/p99 in ms (a query that never got a first token counts as infinitely slow)."""
+    if not xs:
+        return None
+    a = np.array(xs)
+    return {"p50": round(float(np.percentile(a, 50, method="higher")) * 1e3, 1),
+            "p99": round(float(np.percentile(a, 99, method="higher")) * 1e3, 1),
+            "n": len(xs)}
+
+
+def first_token_figures(queries: list[Sent], t_fault: float | None, window_s: float = WINDOW_S,
+                        factor: float = 2.0) -> dict[str, Any]:
+    """The client's first-token wait before the fault and in the ``window_s`` after it (by
+    submission time; a query without a first token counts as infinite), and the seconds from the
+    fault until the p99 is back within ``factor``× of before: the start of the first sliding
+    window (``RECOVERY_WINDOW_S`` wide, every ``RECOVERY_STEP_S``) from which on every window's p99
+    is (None: not within the run)."""
+    if t_fault is None:
+        return {}
+    def wait(q: Sent) -> float:
+        return q.first_s if q.first_s is not None else math.inf
+
+    before = [wait(q) for q in queries if q.t < t_fault]
+    after = [wait(q) for q in queries if t_fault <= q.t < t_fault + window_s]
+    out: dict[str, Any] = {"first_token_before_ms": _pcts(before), "first_token_after_ms": _pcts(after)}
+    if not before:
+        return out
+    bound = factor * float(np.percentile(np.array(before), 99, method="higher"))
+    late = [q for q in queries if q.t >= t_fault]
+    if not late:
+        return out
+    end = max(q.t for q in late)
+    starts = np.arange(t_fault, end + 1e-9, RECOVERY_STEP_S)
+    ok = []
+    for s0 in starts:
+        w = [wait(q) for q in late if s0 <= q.t < s0 + RECOVERY_WINDOW_S]
+        ok.append(not w or float(np.percentile(np.array(w), 99, method="higher")) <= bound)
+    recovered = None
+    for i in range(len(ok)):
+        if all(ok[i:]):
+            recovered = round(float(starts[i] - t_fault), 2)
+            break
+    out["first_token_p99_recovery_s"] = recovered
+    return out
 
 
 @dataclass
@@ -62,10 +113,11 @@ class FaultRun:
             # the queries sent after the fault's last failure, all done: routing went on
             "done_after_recovery": 0 if last_failure is None else sum(q.t > last_failure for q in done),
         }
-        if done:
+        if any(q.ttft_s is not None for q in done):
             ttft = np.array([q.ttft_s for q in done if q.ttft_s is not None])
             out["ttft_ms"] = {"p50": round(float(np.percentile(ttft, 50)) * 1e3, 1),
                               "p99": round(float(np.percentile(ttft, 99)) * 1e3, 1)}
+        out.update(first_token_figures(self.queries, self.t_fault))
         failed = [q for q in self.queries if q.status != "done"]
         if failed:  # why, in the router's words (the first few)
             out["errors"] = [f"+{q.t - (self.t_fault or 0.0):.1f} s {q.status}: {q.message}" for q in failed[:5]]
@@ -76,9 +128,10 @@ class FaultRun:
 
 async def drive(url: str, nats_options: dict[str, Any], rate: float, duration: float, seed: int,
                 inject: Any = None, at: float = 3.0, max_tokens: int = 32, run: FaultRun | None = None,
-                accept_timeout_s: float = 2.0) -> FaultRun:
+                accept_timeout_s: float = 2.0, reconnect_wait_s: float = 0.1) -> FaultRun:
     """Poisson arrivals at ``rate`` for ``duration`` s; ``inject()`` (blocking, run in a thread)
-    at ``at`` s."""
+    at ``at`` s; ``reconnect_wait_s``: the client's wait between reconnect attempts (nats-py's
+    default is 2 s: a client then comes back after the routers)."""
     from bear.client.submit import submit
     from bear.load.arrivals import arrivals
     from bear.load.generator import make_queries
@@ -88,15 +141,18 @@ async def drive(url: str, nats_options: dict[str, Any], rate: float, duration: f
     n = max(1, round(rate * duration))
     qs = make_queries(n, seed, None, MODELS)
     times = arrivals("poisson", rate, n, seed=seed)
-    nc = await connect(url, "bear-bench-faults", creds="", reconnect_time_wait=0.1, **nats_options)
+    nc = await connect(url, "bear-bench-faults", creds="", reconnect_time_wait=reconnect_wait_s, **nats_options)
     t0 = time.monotonic()
 
     async def one(q: Any, t: float) -> None:
         rec = Sent(q.query_id, t)
         run.queries.append(rec)
+        sent = time.monotonic()
         async for m in submit(nc, q.prompt, ttft_target_s=q.target_s, max_tokens=max_tokens, query_id=q.query_id,
                               accept_timeout_s=accept_timeout_s, idle_timeout_s=15.0):
             v = m.get("v")
+            if rec.first_s is None and v in ("bear.chunk/1", "bear.done/1"):
+                rec.first_s = time.monotonic() - sent
             if v == "bear.routed/1":
                 rec.routed = True
             elif v == "bear.done/1":
@@ -263,10 +319,17 @@ def node_kill(work: Path, *, rate: float = 8.0, duration: float = 12.0, at: floa
 
 def faults_table(results: list[dict[str, Any]]) -> str:
     """The figures as a Markdown table."""
-    rows = ["| fault | sent | done | coded errors | lost | recovery | TTFT p50 / p99 |", "|---|---|---|---|---|---|---|"]
+    rows = ["| fault | sent | done | coded errors | lost | recovery | TTFT p50 / p99 | first token p50 / p99 before "
+            "| in the 10 s after | p99 within 2× after |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         errs = ", ".join(f"{k} {v}" for k, v in sorted(r["coded_errors"].items())) or "—"
         t = r.get("ttft_ms") or {}
         ttft = f"{t.get('p50', math.nan):.0f} / {t.get('p99', math.nan):.0f} ms" if t else "—"
-        rows.append(f"| {r['fault']} | {r['sent']} | {r['done']} | {errs} | {r['lost']} | {r['recovery_s']} s | {ttft} |")
+        def pp(x: dict[str, Any] | None) -> str:
+            return f"{x['p50']:.0f} / {x['p99']:.0f} ms" if x else "—"
+
+        rec = r.get("first_token_p99_recovery_s", "—")
+        rec = "not in the run" if rec is None else (f"{rec} s" if rec != "—" else rec)
+        rows.append(f"| {r['fault']} | {r['sent']} | {r['done']} | {errs} | {r['lost']} | {r['recovery_s']} s | {ttft} "
+                    f"| {pp(r.get('first_token_before_ms'))} | {pp(r.get('first_token_after_ms'))} | {rec} |")
     return "\n".join(rows)
