@@ -28,6 +28,7 @@ static int run_one(const std::vector<uint8_t>& buf) {
     bea::ReplayOptions opt;
     opt.beta = {0.001, 1e-5, 1e-7, 1e-9};
     opt.max_steps = 100000;
+    opt.length_sigma = buf.size() % 2 ? 0.8 : 0.0;  // half the inputs with conditioned lengths
     bea::Prepared p = bea::prepare(s, opt);
     bea::Query q;
     q.prompt_tokens = 100;

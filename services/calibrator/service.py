@@ -181,7 +181,8 @@ class OnlineCalibrator:
             mape_t, bias_t, n_t = self.ttft_error(instance)
             lengths = self.lengths.get(instance)
             cal = msgspec.structs.replace(cal, ttft_mape=mape_t, ttft_bias=bias_t, ttft_n=n_t,
-                                          length_scale=lengths.scale() if lengths is not None else None)
+                                          length_scale=lengths.scale() if lengths is not None else None,
+                                          length_sigma=lengths.sigma() if lengths is not None else None)
             self.fits[instance] = cal
             try:
                 await self._kv.put(instance, encode(cal))

@@ -277,7 +277,8 @@ class Cluster:
                 cal = refit_arrays(x, a[:, 4], a[:, 3], inst.spec.name, prior=self.priors.get(inst.spec.name))
             except ValueError:  # the calibrator logs and keeps the last fit
                 continue
-            cal = msgspec.structs.replace(cal, length_scale=self.lengths[self.insts.index(inst)].scale())
+            lengths = self.lengths[self.insts.index(inst)]
+            cal = msgspec.structs.replace(cal, length_scale=lengths.scale(), length_sigma=lengths.sigma())
             st = self.store.get(inst.spec.name)
             st.set_calibration(cal)
             info.calibration = cal

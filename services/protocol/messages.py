@@ -106,10 +106,13 @@ class Calibration(Message, tag="bear.calibration/1", kw_only=True):
     # turned out to be (Σ actual / Σ predicted over its recent outcomes: bear.calibrator.lengths);
     # the replay scales the residents' and the dispatches' lengths by it. None: not measured
     length_scale: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    # … and σ of log(actual / predicted) around it: a resident that has generated k tokens is
+    # replayed to its median length given that it is longer than k (None: to its prediction)
+    length_sigma: Annotated[float, msgspec.Meta(ge=0, le=8)] | None = None
 
     def __post_init__(self) -> None:
         _finite(*self.beta, *(self.gamma or ()), self.theta, self.updated, self.ttft_mape, self.ttft_bias, self.scale,
-                self.length_scale)
+                self.length_scale, self.length_sigma)
         if any(b < 0 for b in (*self.beta, *(self.gamma or ()))):
             raise ValueError("beta and gamma must be non-negative")
         if self.theta is not None and self.theta <= 0:

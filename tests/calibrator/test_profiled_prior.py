@@ -4,6 +4,7 @@ than fitting freely, the calibrator reads it from the bucket, and the lengths' s
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -114,18 +115,20 @@ def test_bear_up_profiles_each_sim_instance() -> None:
     assert back == cals["b"]
 
 
-def test_length_window_is_the_ratio_of_sums_within_bounds() -> None:
+def test_length_window_is_a_log_normal_fit_within_bounds() -> None:
     w = LengthWindow(window=100)
     for _ in range(MIN_LENGTHS - 1):
         w.add(100, 300)
-    assert w.scale() is None  # too few finished queries: the predictions as they are
+    assert w.scale() is None and w.sigma() is None  # too few finished queries: the predictions as they are
     w.add(400, 300)
+    logs = [math.log(100 / 300)] * (MIN_LENGTHS - 1) + [math.log(400 / 300)]
     assert w.scale() == pytest.approx((100 * (MIN_LENGTHS - 1) + 400) / (300 * MIN_LENGTHS))
+    assert w.sigma() == pytest.approx(float(np.std(logs, ddof=1)))
     w.add(5, 0)  # no prediction: nothing to compare
     assert len(w) == MIN_LENGTHS
     for _ in range(100):
-        w.add(0, 1000)
-    assert w.scale() == 1.0 / MAX_FACTOR
+        w.add(0, 1000)  # an empty answer counts as one token
+    assert w.scale() == 1.0 / MAX_FACTOR and w.sigma() == pytest.approx(0.0, abs=1e-9)
 
 
 async def test_the_calibrator_rescales_the_profile_in_the_bucket_and_publishes_the_length_scale(nats_server) -> None:
@@ -147,7 +150,7 @@ async def test_the_calibrator_rescales_the_profile_in_the_bucket_and_publishes_t
         assert sorted(await cal.refit_once()) == ["free-1", "p-1"]
         got = decode(Calibration, (await kv.get("p-1")).value)
         assert got.source == "online" and got.scale == pytest.approx(1.2, rel=0.03)
-        assert got.length_scale == pytest.approx(1 / 3)
+        assert got.length_scale == pytest.approx(1 / 3) and got.length_sigma == pytest.approx(0.0, abs=1e-9)
         assert cal.fits["free-1"].scale is None  # never profiled: a free fit
         # A restarted calibrator finds the profile again in its own rescaled entry.
         again = OnlineCalibrator(nc)

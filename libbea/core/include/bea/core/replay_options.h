@@ -19,6 +19,12 @@ struct ReplayOptions {
   // A resident already past its prediction is given this fraction of its prediction again
   // (at least one token) as remaining length, capped by max_tokens (design.md §3).
   double overrun_fraction = 0.5;
+  // The spread of the instance's answers around their predictions: σ of log(actual / predicted)
+  // (0: unknown). When > 0, a resident that has already generated k tokens runs to the median of
+  // its length given that it is longer than k — the length a log-normal around the prediction
+  // with this σ has, conditioned on what the snapshot shows — instead of the prediction (or, past
+  // it, the overrun rule). At k = 0 that median is the prediction itself.
+  double length_sigma = 0.0;
   int64_t max_steps = 2'000'000;  // a guard: no valid state needs this many steps
   // Expected prompt tokens per second that other clients will send to this instance after the
   // query (0: ignore). They queue behind the query, so they never change its schedule, but they
