@@ -11,7 +11,14 @@ import pytest
 from bear import libbea
 from bear.estimator.estimate import EstimatorConfig, estimate
 from bear.estimator.state import StateStore
-from bear.protocol.messages import Calibration, Dispatch, EstimateCandidate, EstimateQuery, InstanceRecord, encode
+from bear.protocol.messages import (
+    Calibration,
+    Dispatch,
+    EstimateCandidate,
+    EstimateQuery,
+    InstanceRecord,
+    encode,
+)
 from bear.router.admission import pool_soonest_ttft
 from bear.router.policies import Candidate
 from bear.sim.profile import load_profile
