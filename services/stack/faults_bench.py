@@ -58,8 +58,9 @@ def _pcts(xs: list[float]) -> dict[str, float] | None:
 
 def first_token_figures(queries: list[Sent], t_fault: float | None, window_s: float = WINDOW_S,
                         factor: float = 2.0) -> dict[str, Any]:
-    """The client's first-token wait before the fault and in the ``window_s`` after it (by
-    submission time; a query without a first token counts as infinite), and the seconds from the
+    """The client's first-token wait of the queries served before the fault (first token before
+    it), and of the others submitted before ``t_fault + window_s`` (a query without a first token
+    counts as infinite; one waiting across the fault counts after it), and the seconds from the
     fault until the p99 is back within ``factor``× of before: the start of the first sliding
     window (``RECOVERY_WINDOW_S`` wide, every ``RECOVERY_STEP_S``) from which on every window's p99
     is (None: not within the run)."""
@@ -68,20 +69,21 @@ def first_token_figures(queries: list[Sent], t_fault: float | None, window_s: fl
     def wait(q: Sent) -> float:
         return q.first_s if q.first_s is not None else math.inf
 
-    before = [wait(q) for q in queries if q.t < t_fault]
-    after = [wait(q) for q in queries if t_fault <= q.t < t_fault + window_s]
+    served_before = {id(q) for q in queries if q.t + wait(q) < t_fault}
+    before = [wait(q) for q in queries if id(q) in served_before]
+    after = [wait(q) for q in queries if q.t < t_fault + window_s and id(q) not in served_before]
     out: dict[str, Any] = {"first_token_before_ms": _pcts(before), "first_token_after_ms": _pcts(after)}
     if not before:
         return out
     bound = factor * float(np.percentile(np.array(before), 99, method="higher"))
-    late = [q for q in queries if q.t >= t_fault]
+    late = [q for q in queries if id(q) not in served_before]
     if not late:
         return out
     end = max(q.t for q in late)
     starts = np.arange(t_fault, end + 1e-9, RECOVERY_STEP_S)
     ok = []
-    for s0 in starts:
-        w = [wait(q) for q in late if s0 <= q.t < s0 + RECOVERY_WINDOW_S]
+    for i, s0 in enumerate(starts):  # the first window also holds those submitted before the fault
+        w = [wait(q) for q in late if (i == 0 or s0 <= q.t) and q.t < s0 + RECOVERY_WINDOW_S]
         ok.append(not w or float(np.percentile(np.array(w), 99, method="higher")) <= bound)
     recovered = None
     for i in range(len(ok)):
@@ -258,7 +260,7 @@ def _executions(stack: Any) -> Counter[str]:
 
 def run_faults(faults: tuple[str, ...] = FAULTS, *, rate: float = 8.0, duration: float = 12.0, at: float = 3.0,
                hang_s: float = 5.0, overload_rate: float = 300.0, overload_s: float = 5.0, seed: int = 0,
-               workdir: Path | None = None, log: Any = print) -> list[dict[str, Any]]:
+               workdir: Path | None = None, log: Any = print, client_reconnect_s: float = 0.1) -> list[dict[str, Any]]:
     from bear.stack.stack import Stack, StackConfig
 
     work = workdir or Path(tempfile.mkdtemp(prefix="bear-faults-"))
@@ -279,7 +281,7 @@ def run_faults(faults: tuple[str, ...] = FAULTS, *, rate: float = 8.0, duration:
                     figs["ghost_executions"] = _ghosts(stack, run)
                 else:
                     run = aio.run(drive(stack.url, opts, rate, duration, seed + k, _injector(stack, fault, hang_s),
-                                        at, run=FaultRun(fault)))
+                                        at, run=FaultRun(fault), reconnect_wait_s=client_reconnect_s))
                     figs = run.figures()
                 figs["executed_twice"] = sum(v > 1 for v in _executions(stack).values())
                 figs["restarts"] = [e for e in sup.events if "restarted" in e]

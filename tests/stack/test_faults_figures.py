@@ -34,3 +34,11 @@ def test_a_query_without_a_first_token_is_infinitely_slow() -> None:
     assert math.isinf(figs["first_token_after_ms"]["p99"])
     assert figs["first_token_p99_recovery_s"] == 1.0  # the windows from 2.5 s on: after the failed one
     assert first_token_figures(qs, None) == {}
+
+
+def test_a_query_waiting_across_the_fault_counts_after_it() -> None:
+    qs = [_q(0.0, 0.1), _q(1.0, 0.1), _q(1.4, 3.0), _q(2.0, 0.1), _q(4.0, 0.1)]
+    figs = first_token_figures(qs, t_fault=1.5)
+    assert figs["first_token_before_ms"]["n"] == 2  # served before the fault
+    assert figs["first_token_after_ms"] == {"p50": 100.0, "p99": 3000.0, "n": 3}
+    assert figs["first_token_p99_recovery_s"] == 0.5  # the first window (from before the fault) is slow
