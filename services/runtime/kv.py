@@ -63,20 +63,37 @@ async def provision(js: Any, subjects: Any, *, replicas: int = 1, dedup_ttl_s: f
     buckets = [(subjects.instances_bucket, None), (subjects.calibration_bucket, None),
                (subjects.queries_bucket, dedup_ttl_s), (subjects.provisioned_bucket, None)]
     for bucket, ttl in buckets:
-        await ensure_kv(js, bucket, ttl_s=ttl, replicas=replicas, max_value_bytes=limits.value_bytes,
-                        max_bytes=limits.queries_bytes if bucket == subjects.queries_bucket else limits.kv_bytes)
+        size = limits.queries_bytes if bucket == subjects.queries_bucket else limits.kv_bytes
+        await _sized(bucket, size, ensure_kv(js, bucket, ttl_s=ttl, replicas=replicas, max_bytes=size,
+                                             max_value_bytes=limits.value_bytes))
     from nats.js.api import ObjectStoreConfig
     from nats.js.errors import BucketNotFoundError, NotFoundError
 
     try:
         await js.object_store(subjects.tokenizers_bucket)
     except (BucketNotFoundError, NotFoundError):
-        await js.create_object_store(subjects.tokenizers_bucket,
-                                     ObjectStoreConfig(replicas=replicas, max_bytes=limits.tokenizers_bytes))
+        await _sized(subjects.tokenizers_bucket, limits.tokenizers_bytes, js.create_object_store(
+            subjects.tokenizers_bucket, ObjectStoreConfig(replicas=replicas, max_bytes=limits.tokenizers_bytes)))
     # terminal messages, read by key with a direct get (clients may get a key, not list the bucket)
-    await ensure_kv(js, subjects.terminals_bucket, ttl_s=TERMINAL_TTL_S, replicas=replicas, direct=True,
-                    max_bytes=limits.terminals_bytes, max_value_bytes=limits.value_bytes)
+    await _sized(subjects.terminals_bucket, limits.terminals_bytes,
+                 ensure_kv(js, subjects.terminals_bucket, ttl_s=TERMINAL_TTL_S, replicas=replicas, direct=True,
+                           max_bytes=limits.terminals_bytes, max_value_bytes=limits.value_bytes))
     return [*(b for b, _ in buckets), subjects.terminals_bucket, subjects.tokenizers_bucket]
+
+
+async def _sized(bucket: str, max_bytes: int, create: Any) -> Any:
+    """``await create``; JetStream's refusal to reserve ``max_bytes`` (err 10047) as one clear line."""
+    try:
+        return await create
+    except Exception as exc:
+        if getattr(exc, "err_code", None) != 10047:
+            raise
+        from bear.protocol.errors import BearError, ErrorCode
+
+        raise BearError(ErrorCode.UNAVAILABLE, f"JetStream has no room to reserve {max_bytes // MIB} MiB for "
+                                               f"bucket {bucket} (insufficient storage resources): raise the "
+                                               "server's max_file_store (or the account's limit), or free its "
+                                               "store's disk") from exc
 
 
 async def bind_instances(js: Any, subjects: Any, bindings: list[Any]) -> list[str]:
