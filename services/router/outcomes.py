@@ -45,6 +45,9 @@ def metrics() -> Any:
         loop_lag=Gauge("bear_router_loop_lag_seconds", "Recent event-loop lag (what admission sheds on)"),
         primed=Counter("bear_router_answers_primed_total", "Answers encoded ahead of their next turn (queued), "
                                                            "or not (skipped: the priming thread was busy)", ["outcome"]),
+        prompt_tokens=Counter("bear_router_prompt_tokens_total", "Queries done by how the chosen instance's prompt "
+                                                                 "length was known: exact (its tokenizer) or estimated "
+                                                                 "(none registered or fetched)", ["how"]),
     )
 
 

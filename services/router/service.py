@@ -775,6 +775,7 @@ class RouterService:
                           "on_time": on_time, "utility": utility, "predicted_utility": d.candidate.utility(q.lam),
                           "predicted_ttft_s": _finite(predicted), "usage": usage, "finish_reason": finish,
                           "decision_s": decision_s})
+        self.m.prompt_tokens.labels(how="exact" if d.candidate.tokens_exact else "estimated").inc()
         self.outcomes.record({
             "query_id": q.query_id, "t": time.time(), "status": "done", "policy": self.policy.name,
             "router": self.name, "instance": inst.id, "model": inst.model, "predictor_model": inst.predictor_model,
