@@ -74,10 +74,10 @@ async def test_done_published_while_nats_restarts_reaches_the_client(tmp_path: P
         await router.flush()
         await wait_until(lambda: len(got) == 1, what="the routed message at the client")
 
-        srv.stop()  # the broker goes away; the query finishes meanwhile
+        await asyncio.to_thread(srv.stop)  # the broker goes away; the query finishes meanwhile
         await wait_until(lambda: not router.is_connected, what="the router noticing the outage")
         await out.finish({"v": "bear.done/1", "output_tokens": 3})  # buffered by nats-py
-        srv.start()
+        await asyncio.to_thread(srv.start)
         await wait_until(lambda: router.is_connected, what="the router reconnected")
         await router.flush()  # its buffered done has reached the new server
         assert not client_reconnected.is_set(), "precondition: the router reconnected first"
