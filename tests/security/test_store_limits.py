@@ -132,3 +132,55 @@ async def test_a_full_tokenizer_store_leaves_the_registry_writable(small: Env) -
     assert await kv.put("b", b'{"instance": "b"}') > 0  # registry still writable
     cal = await (await small.nc("calibrator")).jetstream(timeout=3.0).key_value(S.calibration_bucket)
     assert await cal.put("b", b"{}") > 0
+
+
+async def test_routing_goes_on_when_the_store_is_full(tmp_path: Path) -> None:
+    """A sim engine whose tokenizer the full store refuses registers without one (it used to fail
+    its start-up: the put raised) and the router serves its queries on estimated prompt lengths,
+    counted (``bear_router_prompt_tokens_total{how="estimated"}``)."""
+    import asyncio
+
+    import nats
+
+    from bear.client.submit import submit
+    from bear.router.service import RouterConfig, RouterService
+    from bear.sim.run import serve
+    from bear.vllm_instance.launch import free_port
+    from bear.vllm_instance.tiny_model import write_tokenizer
+
+    from waiting import wait_until
+
+    write_tokenizer(tmp_path)
+    with LocalNatsServer() as srv:
+        nc = await nats.connect(srv.url)
+        await provision(nc.jetstream(timeout=5.0), S, limits=SMALL)
+        js = nc.jetstream(timeout=3.0)
+        for size in (256 * 1024, 4096, 64):  # the store full to the last byte
+            with contextlib.suppress(Exception):
+                for k in range(10 * SMALL.tokenizers_bytes // size):
+                    await js.publish(f"$O.{S.tokenizers_bucket}.C.fill{size}-{k}", b"x" * size)
+        not_stored = store.STATS["not_stored"]
+        ready = asyncio.Event()
+        sim = asyncio.create_task(serve("qwen3-8b-h100", free_port(), "sim-0", srv.url, seed=1,
+                                        output_lengths="lognormal:8:0.3", tokenizer_dir=str(tmp_path), ready=ready))
+        router = RouterService(nc, RouterConfig(policy="bear", outcome_log=tmp_path / "out.jsonl",
+                                                predict_budget_s=0.05, predict_try_s=0.025))
+        try:
+            await asyncio.wait_for(asyncio.wait([sim, asyncio.ensure_future(ready.wait())],
+                                                return_when=asyncio.FIRST_COMPLETED), 60)
+            assert not sim.done(), f"the sim engine stopped: {sim.exception() if not sim.cancelled() else 'cancelled'}"
+            assert store.STATS["not_stored"] == not_stored + 1
+            await router.start()
+            await wait_until(lambda: "sim-0" in router.registry.instances, what="sim-0 registered")
+            assert router.registry.instances["sim-0"].tokenizer == ""
+            before = router.m.prompt_tokens.labels(how="estimated")._value.get()
+            out = [m async for m in submit(nc, messages=[{"role": "user", "content": "hello " * 20}],
+                                           ttft_target_s=5.0, max_tokens=8)]
+            assert out[-1]["v"] == "bear.done/1", out[-1]
+            assert router.m.prompt_tokens.labels(how="estimated")._value.get() == before + 1
+        finally:
+            await router.stop()
+            sim.cancel()
+            with contextlib.suppress(BaseException):
+                await sim
+            await nc.close()
