@@ -22,6 +22,7 @@ import structlog
 
 from bear.calibrator.fit import DEFAULT_OBJECTIVE, OBJECTIVES, BatchWindow, RefitPolicy, robust_fit
 from bear.calibrator.lengths import LengthWindow
+from bear.calibrator.ttft_error import ratio_quantiles
 from bear.protocol.codec import unpack
 from bear.protocol.errors import BearError
 from bear.protocol.messages import Calibration, Outcome, decode, encode
@@ -182,7 +183,8 @@ class OnlineCalibrator:
             lengths = self.lengths.get(instance)
             cal = msgspec.structs.replace(cal, ttft_mape=mape_t, ttft_bias=bias_t, ttft_n=n_t,
                                           length_scale=lengths.scale() if lengths is not None else None,
-                                          length_sigma=lengths.sigma() if lengths is not None else None)
+                                          length_sigma=lengths.sigma() if lengths is not None else None,
+                                          ttft_ratio_q=ratio_quantiles(self.ttft.get(instance, ())))
             self.fits[instance] = cal
             try:
                 await self._kv.put(instance, encode(cal))

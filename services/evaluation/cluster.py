@@ -30,6 +30,7 @@ import numpy as np
 from bear import libbea
 from bear.calibrator.fit import BatchWindow, RefitPolicy, refit_arrays, robust_fit
 from bear.calibrator.lengths import LengthWindow
+from bear.calibrator.ttft_error import ratio_quantiles
 from bear.estimator.estimate import EstimatorConfig, estimate
 from bear.estimator.state import StateStore
 from bear.evaluation.learned import Sample
@@ -199,6 +200,8 @@ class Cluster:
         self.priors = dict(calib)  # what profiling fitted: the online refit rescales it (bear calibrator's rule)
         self.lengths = [LengthWindow() for _ in specs]  # answers' lengths against the dispatches' predictions
         self._predicted: dict[str, int] = {}
+        self.ttft_pairs: list[deque[tuple[float, float]]] = [deque(maxlen=500) for _ in specs]
+        self._estimated: dict[str, float] = {}  # the chosen instance's BEA estimate, until its first token
         self.next_refit = refit.refit_s if refit is not None else math.inf
         if refit is not None:
             for inst in self.insts:
@@ -246,6 +249,9 @@ class Cluster:
                 predicted = self._predicted.pop(rid, None)
                 if predicted is not None:  # … and what the calibrator learns the length scale from
                     self.lengths[k].add(q.true_out, predicted)
+                est = self._estimated.pop(rid, None)
+                if est is not None:  # … and the TTFT error distribution (BEA estimates only)
+                    self.ttft_pairs[k].append((est, q.first - q.arrival))
         end = inst.boundary(t)
         if end is not None:
             heapq.heappush(self.events, (end, k))
@@ -278,7 +284,8 @@ class Cluster:
             except ValueError:  # the calibrator logs and keeps the last fit
                 continue
             lengths = self.lengths[self.insts.index(inst)]
-            cal = msgspec.structs.replace(cal, length_scale=lengths.scale(), length_sigma=lengths.sigma())
+            cal = msgspec.structs.replace(cal, length_scale=lengths.scale(), length_sigma=lengths.sigma(),
+                                          ttft_ratio_q=ratio_quantiles(self.ttft_pairs[self.insts.index(inst)]))
             st = self.store.get(inst.spec.name)
             st.set_calibration(cal)
             info.calibration = cal
@@ -335,6 +342,8 @@ class Cluster:
             self._features[qs.ids[i]] = learned_features(rows[self.infos[k].id], sent.prompt_tokens)
         if self.oracle.lengths:
             sent = dataclasses.replace(sent, out_len=float(self._true_out(qs, i, self.insts[k].spec.model)))
+        if d.candidate.ttft_method == "bea" and math.isfinite(d.candidate.ttft):
+            self._estimated[qs.ids[i]] = d.candidate.ttft
         dispatch = dispatch_for(qs.ids[i], qs.ids[i], sent, MAX_TOKENS, t)
         self.store.get(self.infos[k].id).on_dispatch(dispatch)
         self._predicted[qs.ids[i]] = dispatch.predicted_output_tokens

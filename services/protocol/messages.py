@@ -10,6 +10,7 @@ definition, and it builds the replay's state directly from the bytes.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -34,6 +35,8 @@ PackedTokenIds = Annotated[bytes, msgspec.Meta(max_length=4 * MAX_PROMPT_TOKEN_I
 # β used when an instance has no calibration yet: a nominal mid-size model on one modern GPU
 # (8 ms per step, 40 µs/token) — a placeholder until the first fit replaces it.
 NOMINAL_BETA: tuple[float, float, float, float] = (8e-3, 4e-5, 0.0, 0.0)
+# The levels at which a calibration gives its TTFT error distribution (Calibration.ttft_ratio_q).
+TTFT_RATIO_LEVELS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 NOMINAL_PROMPT_TOKENS = 512.0  # E[P] of the θ that a β implies when θ itself was never measured
 
 
@@ -109,6 +112,9 @@ class Calibration(Message, tag="bear.calibration/1", kw_only=True):
     # … and σ of log(actual / predicted) around it: a resident that has generated k tokens is
     # replayed to its median length given that it is longer than k (None: to its prediction)
     length_sigma: Annotated[float, msgspec.Meta(ge=0, le=8)] | None = None
+    # the instance's recent BEA estimates' error as a distribution: observed / predicted TTFT at
+    # each level of TTFT_RATIO_LEVELS (bear.calibrator.ttft_error); what P(on time) is read from
+    ttft_ratio_q: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         _finite(*self.beta, *(self.gamma or ()), self.theta, self.updated, self.ttft_mape, self.ttft_bias, self.scale,
@@ -117,6 +123,11 @@ class Calibration(Message, tag="bear.calibration/1", kw_only=True):
             raise ValueError("beta and gamma must be non-negative")
         if self.theta is not None and self.theta <= 0:
             raise ValueError("theta must be > 0")
+        if self.ttft_ratio_q is not None:
+            r = self.ttft_ratio_q
+            if len(r) != len(TTFT_RATIO_LEVELS) or not all(math.isfinite(x) and x > 0 for x in r) \
+                    or any(a > b for a, b in itertools.pairwise(r)):
+                raise ValueError(f"ttft_ratio_q must be {len(TTFT_RATIO_LEVELS)} positive, non-decreasing numbers")
         # A model no engine could have: a one-token decode step (context 1k) or a 1k-token prefill
         # predicted below 10 µs or beyond a minute (a β of zeros, a forged or degenerate fit).
         b0, b1, b2, b3 = self.beta

@@ -106,6 +106,8 @@ def build_candidates(prompt_tokens: int, insts: Sequence[InstanceView],
             c.ttft = row.ttft_s if row.ttft_s is not None else math.inf
             c.ttft_method = row.method
             c.ttft_calibration = row.calibration
+            if row.method == "bea" and row.calibration != "nominal":
+                c.ttft_ratio_q = inst.calibration.ttft_ratio_q
         else:  # no estimate (estimator or its shard silent): eq. 8 over what this router has in flight there
             local = local or LocalLoad()
             c.n_running = local.running.get(inst.id, 0)

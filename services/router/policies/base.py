@@ -34,6 +34,9 @@ class Candidate:
     # the β behind ``ttft``: nominal (the instance was never calibrated: the estimate may be off by
     # any factor, so nothing is refused on it), profiled or online (EstimateRow.calibration)
     ttft_calibration: str = "nominal"
+    # the instance's BEA error deciles (observed / predicted, Calibration.ttft_ratio_q) when ``ttft``
+    # is a calibrated BEA estimate: what P(on time) is read from (bear.router.policies.on_time)
+    ttft_ratio_q: tuple[float, ...] | None = None
     ttft_prefill: float = math.inf  # prefill-throughput estimate, paper eq. 8
     # load and history (per instance)
     n_running: int = 0

@@ -7,7 +7,12 @@ soonest. It earns nothing wherever it runs, so it should take the least capacity
 that can still be on time; the least-TTFT rule sent such long prompts to the big models, where
 each held the engine for seconds of prefill and made every later query late (docs/evaluation.md
 §7.1). Chosen on the tuning seed, like the baselines' parameters. ``overflow=0`` is the paper's
-rule (the evaluation's ``bear`` and ``bear+ext`` entries pin it)."""
+rule (the evaluation's ``bear`` and ``bear+ext`` entries pin it).
+
+``confidence`` > 0: an instance is feasible when the query's probability of being on time there
+is at least that (``bear.router.policies.on_time``: the estimate and the instance's published
+error distribution), not when the estimate alone is within the target; 0 (the default) is the
+point test. Instances without an error distribution yet keep the point test."""
 
 from __future__ import annotations
 
@@ -16,20 +21,33 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from bear.router.policies.base import Candidate, Decision, Policy, QueryContext
+from bear.router.policies.on_time import p_on_time
 
 
 class BearPolicy(Policy):
     name: ClassVar[str] = "bear"
     uses_ttft: ClassVar[bool] = True
 
-    def __init__(self, overflow: float = 1.0) -> None:
+    uses_error_distribution: ClassVar[bool] = True  # the ratio deciles describe this rule's estimate (BEA)
+
+    def __init__(self, overflow: float = 1.0, confidence: float = 0.0) -> None:
         if overflow not in (0, 1):
             raise ValueError("overflow must be 0 (least predicted TTFT, the paper) or 1 (least own prefill work)")
+        if not 0.0 <= confidence < 1.0:
+            raise ValueError("confidence must be in [0, 1): 0 is the point test (predicted TTFT <= target)")
         self.overflow = bool(overflow)
+        self.confidence = confidence
 
     def latency(self, c: Candidate) -> float:
         """Which TTFT estimate the rule trusts: BEA (or its fallback) here."""
         return c.ttft
+
+    def on_time(self, q: QueryContext, c: Candidate) -> bool:
+        """The feasibility test: the estimate within the target — or, with ``confidence`` > 0 and
+        the instance's error distribution known, P(on time) at least ``confidence``."""
+        if self.confidence > 0 and self.uses_error_distribution and c.ttft_ratio_q is not None:
+            return p_on_time(self.latency(c), q.ttft_target, c.ttft_ratio_q) >= self.confidence
+        return self.latency(c) <= q.ttft_target
 
     @staticmethod
     def prefill_work(c: Candidate) -> float:
@@ -43,7 +61,7 @@ class BearPolicy(Policy):
         healthy = self.filter(q, cands)
         if not healthy:
             raise ValueError("no healthy candidate instance")
-        feasible = [c for c in healthy if self.latency(c) <= q.ttft_target]
+        feasible = [c for c in healthy if self.on_time(q, c)]
         if feasible:
             scores = self.score(q, feasible)
             k = self.pick(q, feasible, scores)
@@ -63,6 +81,7 @@ class PrefillThroughputPolicy(BearPolicy):
     isolates what the estimator contributes (paper Fig. 16)."""
 
     name: ClassVar[str] = "prefill-throughput"
+    uses_error_distribution: ClassVar[bool] = False
 
     def latency(self, c: Candidate) -> float:
         return c.ttft_prefill
