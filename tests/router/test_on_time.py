@@ -20,7 +20,7 @@ def test_the_deciles_are_those_of_observed_over_predicted() -> None:
     rng = np.random.default_rng(4)
     pred = rng.uniform(0.05, 2.0, 400)
     ratio = rng.lognormal(0.1, 0.3, 400)
-    pairs = list(zip(pred, pred * ratio, strict=True)) + [(0.0, 1.0), (1.0, 0.0)]  # the last two say nothing
+    pairs = [*zip(pred, pred * ratio, strict=True), (0.0, 1.0), (1.0, 0.0)]  # the last two say nothing
     got = ratio_quantiles(pairs)
     assert got == pytest.approx(tuple(np.quantile(ratio, TTFT_RATIO_LEVELS)))
     assert ratio_quantiles(pairs[:MIN_PAIRS - 1]) is None
