@@ -88,6 +88,10 @@ def router(
                                      help="Queries being decided (not yet dispatched) before `overloaded`"),
     shed_lag: float = typer.Option(1.0, "--shed-lag", min=0.001,
                                    help="Event-loop lag (s) beyond which new submits are refused `overloaded`"),
+    first_token_timeout: float = typer.Option(
+        25.0, "--first-token-timeout", min=0.001,
+        help="Seconds after dispatch without a first token before the engine request is aborted and the "
+             "client gets `deadline_exceeded` (below the client library's 30 s silence limit)"),
     engine_keys: Path | None = typer.Option(
         None, "--engine-keys", dir_okay=False,
         help="JSON file {instance id (or \"*\"): API key} of the engines; sent as Authorization: Bearer "
@@ -134,7 +138,7 @@ def router(
                        predict_try_s=predict_budget / 2, estimate_budget_s=estimate_budget,
                        estimate_try_s=estimate_budget / 2, default_output_tokens=default_output_tokens,
                        max_inflight=max_inflight, max_deciding=max_deciding, shed_lag_s=shed_lag,
-                       down_after_s=down_after, outcome_log=outcome_log, estimator_shards=estimator_shards,
+                       first_token_timeout_s=first_token_timeout, down_after_s=down_after, outcome_log=outcome_log, estimator_shards=estimator_shards,
                        tokenize=tokenize, prime_answers=prime_answers, aliases=_aliases(model_alias), engine_keys=_engine_keys(engine_keys),
                        allowed_base_urls=tuple(_base_urls(allow_base_url)), provisioning=provisioning)
     start_metrics_server(metrics_port, metrics_host)

@@ -95,6 +95,10 @@ class RouterConfig:
     max_attempts: int = 2  # instances tried per query before an `unavailable` error
     connect_timeout_s: float = 2.0
     idle_timeout_s: float = 60.0
+    # an engine that has produced no first token this long after dispatch is given up: its request
+    # is aborted and the client gets ``deadline_exceeded`` — before the client library's own limit
+    # (30 s of silence), so an accepted query never just goes silent under overload (issue 26)
+    first_token_timeout_s: float = 25.0
     dedup_ttl_s: float = 600.0
     dedup_timeout_s: float = 0.1
     outcome_log: Path | None = None
@@ -716,30 +720,45 @@ class RouterService:
             key = self.cfg.engine_keys.get(inst.id) or self.cfg.engine_keys.get("*")
             if key and self.registry.engine_key_allowed(inst):  # only to the provisioned address
                 headers["Authorization"] = f"Bearer {key}"
+            limit = asyncio.timeout(self.cfg.first_token_timeout_s)
             try:
-                async for piece in stream_completion(self._session, inst.base_url, request_id, path, body,
-                                                     connect_timeout_s=self.cfg.connect_timeout_s,
-                                                     idle_timeout_s=self.cfg.idle_timeout_s, headers=headers,
-                                                     raw=raw):
-                    relay = piece.choices is not None
-                    if relay or piece.text:
-                        if first is None and (piece.produced or not relay):
-                            first = time.perf_counter()
-                            local.pending_prefill_tokens[inst.id] -= uncached
-                            pending_open = False
-                            span.event("first_token")
-                        await out.send({"v": "bear.chunk/1", "seq": seq, "choices": piece.choices} if relay
-                                       else {"v": "bear.chunk/1", "seq": seq, "text": piece.text})
-                        seq += 1
-                        if relay:
-                            answer_chars = MAX_PRIMED_CHARS + 1  # choices and tool calls: not one text to prime
-                        elif answer_chars <= MAX_PRIMED_CHARS:
-                            answer.append(piece.text)
-                            answer_chars += len(piece.text)
-                    if piece.usage:
-                        usage = piece.usage
-                    if piece.finish_reason:
-                        finish = piece.finish_reason
+                async with limit:  # until the first token only (rescheduled to never then)
+                    async for piece in stream_completion(self._session, inst.base_url, request_id, path, body,
+                                                         connect_timeout_s=self.cfg.connect_timeout_s,
+                                                         idle_timeout_s=self.cfg.idle_timeout_s, headers=headers,
+                                                         raw=raw):
+                        relay = piece.choices is not None
+                        if relay or piece.text:
+                            if first is None and (piece.produced or not relay):
+                                first = time.perf_counter()
+                                limit.reschedule(None)
+                                local.pending_prefill_tokens[inst.id] -= uncached
+                                pending_open = False
+                                span.event("first_token")
+                            await out.send({"v": "bear.chunk/1", "seq": seq, "choices": piece.choices} if relay
+                                           else {"v": "bear.chunk/1", "seq": seq, "text": piece.text})
+                            seq += 1
+                            if relay:
+                                answer_chars = MAX_PRIMED_CHARS + 1  # choices and tool calls: not one text to prime
+                            elif answer_chars <= MAX_PRIMED_CHARS:
+                                answer.append(piece.text)
+                                answer_chars += len(piece.text)
+                        if piece.usage:
+                            usage = piece.usage
+                        if piece.finish_reason:
+                            finish = piece.finish_reason
+            except TimeoutError:
+                if not limit.expired():
+                    raise
+                span.error("no first token")
+                await out.error(ErrorCode.DEADLINE_EXCEEDED,
+                                f"no first token from {inst.id} within {self.cfg.first_token_timeout_s:g} s of "
+                                "dispatch; its request was aborted", instance=inst.id)
+                self.m.shed.labels(reason="first_token_timeout").inc()
+                self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "first_token_timeout",
+                                      "instance": inst.id, "policy": self.policy.name, "target_s": q.ttft_target_s,
+                                      "predicted_ttft_s": _finite(predicted)})
+                return
             except StreamBroken as exc:
                 span.error(str(exc))
                 await out.error(ErrorCode.UNAVAILABLE, f"instance stream failed mid-answer: {exc}", instance=inst.id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -21,9 +22,11 @@ class FakeEngine:
     """Answers every completion with ``tokens`` tokens, or refuses with ``refuse = (status,
     message)``; records each request's id and Authorization header."""
 
-    def __init__(self, tokens: int = 3, refuse: tuple[int, str] | None = None) -> None:
+    def __init__(self, tokens: int = 3, refuse: tuple[int, str] | None = None, stall: bool = False) -> None:
         self.tokens = tokens
         self.refuse = refuse
+        self.stall = stall  # accept the request and never produce a token (an engine buried in work)
+        self.aborted = 0  # stalled requests whose client closed the connection
         self.port = free_port()
         self.requests: list[tuple[str, str]] = []  # (X-Request-Id, Authorization)
         self.runner: web.AppRunner | None = None
@@ -37,6 +40,11 @@ class FakeEngine:
             return web.json_response({"object": "error", "message": message, "code": status}, status=status)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if self.stall:  # until the client goes away (aiohttp does not cancel a handler then)
+            while request.transport is not None and not request.transport.is_closing():
+                await asyncio.sleep(0.02)
+            self.aborted += 1
+            return resp
         for k in range(self.tokens):
             await resp.write(f"data: {json.dumps({'choices': [{'text': f't{k} ', 'finish_reason': None}]})}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")

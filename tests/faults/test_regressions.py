@@ -322,6 +322,20 @@ async def test_overload_is_shed_with_overloaded(nats_server, tmp_path) -> None:
         assert router.admission.deciding == 0
 
 
+async def test_an_engine_that_never_starts_an_accepted_query_ends_in_a_coded_error(nats_server, tmp_path) -> None:
+    """Issue 26, item 6: under overload an accepted, dispatched query got no token for 30 s and the
+    client gave up on the silence. The router now gives up on the engine first: it aborts the
+    request and answers ``deadline_exceeded`` (a router's error, not the client's own)."""
+    eng = FakeEngine(stall=True)
+    async with router_with(nats_server, tmp_path, {"e": eng}, first_token_timeout_s=1.0) as (nc, _):
+        msgs = await collect(nc, max_tokens=3, idle_timeout_s=HANG_S)
+        assert [m["v"] for m in msgs] == ["bear.routed/1", "bear.error/1"]
+        err = msgs[-1]
+        assert err["error"]["code"] == "deadline_exceeded" and not err.get("client")
+        await wait_until(lambda: eng.aborted == 1, what="the engine's request aborted")
+        assert len(eng.requests) == 1
+
+
 async def test_a_query_whose_client_deadline_passed_is_not_executed(nats_server, tmp_path) -> None:
     """Ghost execution after a client timeout: a submit that arrives after its deadline, or whose
     deadline passes while it is being decided, is answered deadline_exceeded and never dispatched."""
