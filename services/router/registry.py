@@ -10,7 +10,7 @@ import contextlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import structlog
@@ -23,6 +23,12 @@ from bear.router.observations import Observations
 from bear.runtime.kv import watch_kv
 from bear.runtime.shutdown import cancel_all
 
+
+class _Keyed(Protocol):
+    id: str
+
+
+K = TypeVar("K", bound=_Keyed)
 log = structlog.get_logger("bear.router")
 
 MAX_INSTANCES = 1024  # registry entries a router follows; more are refused (counted), not grown into
@@ -205,17 +211,25 @@ class Registry:
         for key, value in list(self._entries.items()):  # the entries that waited for the bindings
             self._on_instance(key, value)
 
+    def _decoded(self, kind: type[K], key: str, value: bytes, malformed: str, mismatch: str, what: str) -> K | None:
+        """``value`` as a ``kind`` whose id is ``key`` (an entry under another's key could speak for
+        it), else None: refused, counted under ``malformed`` or ``mismatch`` and logged."""
+        try:
+            out = decode(kind, value)
+        except BearError as exc:
+            self._reject(malformed, key, exc.message)
+            return None
+        if out.id != key:
+            self._reject(mismatch, key, f"{what} names {out.id!r}")
+            return None
+        return out
+
     def _on_provisioned(self, key: str, value: bytes | None) -> None:
         if value is None:
             self.provisioned.pop(key, None)
         else:
-            try:
-                p = decode(Provisioned, value)
-            except BearError as exc:
-                self._reject("malformed_provisioned", key, exc.message)
-                return
-            if p.id != key:
-                self._reject("malformed_provisioned", key, f"binding names {p.id!r}")
+            p = self._decoded(Provisioned, key, value, "malformed_provisioned", "malformed_provisioned", "binding")
+            if p is None:
                 return
             if self.provisioned.get(key) == p:
                 return  # the same binding again (a re-watch): nothing to judge
@@ -237,13 +251,8 @@ class Registry:
                 self._entries.popitem(last=False)
             if not self.provisioned_loaded.is_set():
                 return  # judged once the bindings are loaded
-        try:
-            rec = decode(InstanceRecord, value)
-        except BearError as exc:
-            self._reject("malformed", key, exc.message)
-            return
-        if rec.id != key:
-            self._reject("id_mismatch", key, f"record names {rec.id!r}")
+        rec = self._decoded(InstanceRecord, key, value, "malformed", "id_mismatch", "record")
+        if rec is None:
             return
         if not url_allowed(rec.base_url, self.allowed_base_urls):
             self._reject("base_url", key, rec.base_url)

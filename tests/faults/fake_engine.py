@@ -41,8 +41,8 @@ class FakeEngine:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         if self.stall:  # until the client goes away (aiohttp does not cancel a handler then)
-            while request.transport is not None and not request.transport.is_closing():
-                await asyncio.sleep(0.02)
+            while request.transport is not None and not request.transport.is_closing():  # noqa: ASYNC110
+                await asyncio.sleep(0.02)  # no event tells a handler its client left: the transport is polled
             self.aborted += 1
             return resp
         for k in range(self.tokens):

@@ -46,15 +46,21 @@ async def _everything_routed(pool: SecuredPool, alice: Any, held: int = 0) -> No
     await wait_until(lambda: len(router._tasks) <= held, what="the router to finish every other query")
 
 
+
+async def serving_a(pool: Any) -> tuple[Any, Any]:
+    """Instance a registered and a router that routes to it: (its engine, the router)."""
+    engine = await pool.engine("a")
+    await pool.register("a", engine.url)
+    router = await pool.router({"a": "key-a"})
+    await wait_until(lambda: len(router.registry.healthy()) == 1, what="instance a registered")
+    return engine, router
+
 async def test_router_answers_only_into_the_submitters_inbox(tmp_path: Path) -> None:
     """Item 3: with a client identity, answers were published onto bear.outcome.<id>,
     bear.dispatch.<id>, the gateway's and admin's inboxes and into the query-id bucket under a
     key the client chose. Now none of them receives anything; every such submit is counted."""
     async with secured_pool(tmp_path, ["a"], CLIENTS) as pool:
-        engine = await pool.engine("a")
-        await pool.register("a", engine.url)
-        router = await pool.router({"a": "key-a"})
-        await wait_until(lambda: len(router.registry.healthy()) == 1, what="instance a registered")
+        engine, router = await serving_a(pool)
         admin = await pool.nc("admin")
         alice = await pool.nc("alice")
         targets = [S.outcome("a"), S.dispatch("a"), "_INBOX_gateway.x1", "_INBOX_admin.x1", "_INBOX_bob.x1",
@@ -91,10 +97,7 @@ async def test_query_id_keys_are_scoped_by_client(tmp_path: Path) -> None:
     """Item 3: dedup keys are the router's (hash of client and id): one client's ids do not
     block another's, while a client's own resubmission is still a duplicate."""
     async with secured_pool(tmp_path, ["a"], CLIENTS) as pool:
-        engine = await pool.engine("a")
-        await pool.register("a", engine.url)
-        router = await pool.router({"a": "key-a"})
-        await wait_until(lambda: len(router.registry.healthy()) == 1, what="instance a registered")
+        await serving_a(pool)
         alice, bob = await pool.nc("alice"), await pool.nc("bob")
         assert (await _answer(alice, "first", "same-id"))[-1]["v"] == "bear.done/1"
         assert (await _answer(bob, "second", "same-id"))[-1]["v"] == "bear.done/1"  # not alice's duplicate
@@ -108,10 +111,7 @@ async def test_one_client_cannot_read_or_inject_into_anothers_answers(tmp_path: 
     forged answers. Now alice cannot subscribe to bob's inbox, the router does not answer her
     submits into it, and a message without bob's query id and nonce is dropped by his library."""
     async with secured_pool(tmp_path, ["a"], CLIENTS) as pool:
-        engine = await pool.engine("a")
-        await pool.register("a", engine.url)
-        router = await pool.router({"a": "key-a"})
-        await wait_until(lambda: len(router.registry.healthy()) == 1, what="instance a registered")
+        engine, router = await serving_a(pool)
         alice, bob = await pool.nc("alice"), await pool.nc("bob")
         read: list[Any] = []
 
@@ -157,10 +157,7 @@ async def test_the_client_library_takes_only_its_own_querys_messages(tmp_path: P
     """Item 2: a message in a client's inbox without its query id and the nonce it sent (a
     stray or replayed answer, another query's) is dropped and counted, never yielded."""
     async with secured_pool(tmp_path, ["a"], CLIENTS) as pool:
-        engine = await pool.engine("a")
-        await pool.register("a", engine.url)
-        router = await pool.router({"a": "key-a"})
-        await wait_until(lambda: len(router.registry.healthy()) == 1, what="instance a registered")
+        engine, router = await serving_a(pool)
         bob = await pool.nc("bob")
         got: list[dict[str, Any]] = []
         task = asyncio.create_task(_collect(bob, "hold: bob's question", "bob-q", got))
