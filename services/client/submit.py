@@ -18,7 +18,10 @@ the answer would go to nobody. A query larger than the NATS
 server's ``max_payload`` is not sent: it gets a client-made ``too_large`` error at once.
 
 A stream silent for ``recover_s`` (or a submission not yet answered) reads the router's terminal
-record (``Subjects.terminals_bucket``, keyed by a hash of the answer's inbox): a ``done`` the
+record — then, while the connection has not reconnected since the submission, after twice that
+silence, four times … (back to ``recover_s`` when a message comes; every ``recover_s`` once it
+has reconnected, when a terminal message is most likely lost): an overloaded pool's queries wait
+seconds for a first token, and a read a second each put load on NATS exactly then (``Subjects.terminals_bucket``, keyed by a hash of the answer's inbox): a ``done`` the
 router published while NATS restarted reached the new server before this client had subscribed
 again and was lost — the client used to wait ``idle_timeout_s`` and end in ``deadline_exceeded``
 (issue 26). A terminal message taken from there is counted in ``RECOVERED``.
@@ -52,6 +55,12 @@ FOREIGN_DROPPED = {"messages": 0}
 # Terminal messages read from the routers' terminal records (their own message was lost), and reads.
 RECOVERED = {"terminals": 0, "reads": 0}
 RECOVER_S = 1.0  # the silence after which a submission reads its terminal record
+
+
+def _reconnects(nc: Any) -> int:
+    """How often ``nc`` reconnected (nats-py's stats; 0 for a connection without them)."""
+    stats = getattr(nc, "stats", None)
+    return int(stats.get("reconnects", 0)) if isinstance(stats, dict) else 0
 
 
 async def terminal_record(nc: Any, subjects: Subjects, inbox: str, query_id: str, nonce: str,
@@ -187,13 +196,19 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
         duplicate = False
         loop = asyncio.get_running_loop()
         since = loop.time()  # the last message (or the submission)
+        recover_every = recover_s  # doubles after each read that found nothing (back to recover_s on news)
+        reconnects = _reconnects(nc)
         while True:
             wait = idle_timeout_s if heard else accept_timeout_s
             left_s = max(0.0, since + wait - loop.time())
+            if _reconnects(nc) != reconnects:  # the connection came back since the submission: a terminal
+                recover_every = recover_s  # message may have been lost — read every recover_s from now on
             try:
-                msg = await next_msg(min(left_s, recover_s) if recover_s > 0 else left_s)
+                msg = await next_msg(min(left_s, recover_every) if recover_s > 0 else left_s)
             except (NatsTimeout, TimeoutError):
                 if recover_s > 0:  # silent: the router's terminal message may have been lost
+                    if _reconnects(nc) == reconnects:  # no reconnect: most likely a slow first token
+                        recover_every = min(2.0 * recover_every, max(recover_s, idle_timeout_s))
                     rec = await terminal_record(nc, subjects, inbox, qid, nonce)
                     if rec is not None:
                         RECOVERED["terminals"] += 1
@@ -218,7 +233,7 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
                 m.update(query_id=qid, client=True)
                 yield m
                 return
-            since = loop.time()
+            since, recover_every = loop.time(), recover_s
             try:
                 d = unpack_map(msg.data)
             except BearError:

@@ -67,6 +67,7 @@ REST_UNKNOWN_MAX_TOKENS = 1 << 20  # max_tokens_rest where no candidate register
 MAX_MESSAGE_DEPTH = 8  # chat messages: role/content maps, content parts, their fields
 DISPATCH_MARGIN_S = 0.05  # a query is not dispatched this close to its client's deadline
 RESEND_S = 3.0  # terminal messages sent this long before a reconnect are sent again after it
+TERMINAL_STORE_TRIES = 40  # tries (0.25 s apart) to store a terminal record again after a reconnect
 RESEND_MAX = 20_000
 CANCEL_MEMORY = 4096  # ids of cancelled queries remembered (a cancel may overtake its submission)
 CANCEL_MEMORY_S = 60.0
@@ -438,6 +439,27 @@ class RouterService:
                 with contextlib.suppress(Exception):
                     await self.nc.publish(inbox, data)
             log.info("reconnected: terminal messages sent again", count=len(recent))
+            if recent:  # inline: a reconnect during it is seen by the count when it returns
+                await self._store_terminals(recent)
+
+    async def _store_terminals(self, recent: list[tuple[float, str, bytes]]) -> None:
+        """Store the recent terminal records again, each until JetStream acknowledges it: the plain
+        publish of a record that went out while NATS restarted can reach the new server before its
+        JetStream has loaded the bucket, and is then dropped — the client that missed its ``done``
+        then found no record either (1–3 of 480 queries in 20 restarts)."""
+        bucket = self.subjects.terminals_bucket
+        for _, inbox, data in recent:
+            subject = f"$KV.{bucket}.{Subjects.terminal_key(inbox)}"
+            for _attempt in range(TERMINAL_STORE_TRIES):
+                try:
+                    ack = await self.nc.request(subject, data, timeout=0.5)
+                    if b'"error"' not in ack.data:
+                        break
+                except Exception:  # not connected yet, or JetStream not ready: try again
+                    pass
+                await asyncio.sleep(0.25)
+            else:
+                log.warning("terminal record not stored after a reconnect", inbox=inbox[:64])
 
     async def _on_cancel(self, msg: Any) -> None:
         """``bear.cancel/1``: abort the query if this router serves it, and remember the id for a
