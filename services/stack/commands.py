@@ -209,11 +209,18 @@ def run_up(cfg: Any, load_rate: float, load_duration: float, load_out: Path | No
     stack = Stack(cfg)
     received: list[int] = []
 
-    def to_interrupt(signum: int, _: Any) -> None:
-        # SIGTERM and SIGHUP take the Ctrl-C path: the stack stops in order, exactly once. Raised
-        # here, not by re-raising SIGINT: a script's background job inherits SIGINT ignored (and
-        # Python then installs no handler for it), so a re-raised SIGINT was dropped (issue 26)
+    def to_interrupt(signum: int, frame: Any) -> None:
+        # SIGTERM and SIGHUP take the Ctrl-C path: the stack stops in order, exactly once. While an
+        # event loop runs (the load), through its runner's SIGINT handler, which cancels the main
+        # task and then raises KeyboardInterrupt where it is safe — raised here instead, it landed
+        # inside a transport callback and left tracebacks in the log. Otherwise raised here, not by
+        # re-raising SIGINT: a script's background job inherits SIGINT ignored (and Python then
+        # installs no handler for it), so a re-raised SIGINT was dropped (issue 26)
         received.append(signum)
+        on_sigint = signal.getsignal(signal.SIGINT)
+        if callable(on_sigint) and on_sigint is not signal.default_int_handler:
+            on_sigint(signal.SIGINT, frame)
+            return
         raise KeyboardInterrupt
 
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
