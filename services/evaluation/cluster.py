@@ -339,7 +339,7 @@ class Cluster:
                            context_tokens=query.prompt_tokens + MAX_TOKENS)  # what the client asks for
         profile = profile_for(policy)
         rows = None
-        if profile.needs_estimate(ctx) or self.samples is not None:  # the learned samples' features are rows
+        if profile.needs_estimate or self.samples is not None:  # the learned samples' features are rows
             cands = [EstimateCandidate(instance=info.id, prompt_tokens=preds[info.predictor_model].prompt_tokens)
                      for info in self.infos]
             rows = {r.instance: r for r in estimate(query, cands, self.store, t, self.cfg,

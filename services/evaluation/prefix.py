@@ -157,7 +157,7 @@ class PrefixCluster(Cluster):
         ctx = QueryContext(rid, target_s, lam, n, session=session, context_tokens=n + MAX_TOKENS)
         profile = profile_for(policy)
         rows = None
-        if profile.needs_estimate(ctx):
+        if profile.needs_estimate:
             query = EstimateQuery(id=rid, prompt_tokens=n, max_tokens=MAX_TOKENS)
             cands = [EstimateCandidate(instance=info.id, tokenizer=TOKENIZER, prompt_tokens=n) for info in self.infos]
             rows = {r.instance: r for r in estimate(query, cands, self.store, t, self.cfg, tokens={TOKENIZER: tokens})}

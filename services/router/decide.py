@@ -28,9 +28,12 @@ class RoutingProfile:
     filters: tuple[Filter, ...]
     policy: Policy
 
-    def needs_estimate(self, q: QueryContext) -> bool:
-        """Whether deciding ``q`` reads the estimator's rows (else the estimator is not asked)."""
-        return self.policy.needs_estimate or any(f.reads_estimate and f.applies(q) for f in self.filters)
+    @property
+    def needs_estimate(self) -> bool:
+        """Whether the estimator is asked: when the policy reads its rows. The deadline filter
+        judges on the estimates there are and asks for none (every client's submit carries a
+        deadline): without rows, no candidate has a calibrated estimate, and it drops nothing."""
+        return self.policy.needs_estimate
 
     @property
     def registry_filters(self) -> tuple[Filter, ...]:

@@ -13,8 +13,9 @@ order, on the same ``Candidate`` fields live and in ``bear eval``:
 
 A filter says per candidate why it drops it (the outcome log's ``dropped``), and the coded error
 the client gets when it drops every candidate left. ``reads_estimate``: the filter reads the
-estimator's row, so the router runs it after the estimate; the others run on what the registry
-knows, before the predictor and the estimator are asked.
+estimator's row, so the router runs it after the estimate (with what estimates there are: it
+never makes the router ask for one); the others run on what the registry knows, before the
+predictor and the estimator are asked.
 """
 
 from __future__ import annotations

@@ -624,7 +624,7 @@ class RouterService:
             self.m.shed.labels(reason="pool_deadline").inc()
         self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": str(r.code), "reason": r.message,
                               "filter": r.filter, "dropped": r.dropped, "policy": self.policy.name,
-                              "target_s": q.ttft_target_s, **extra})
+                              "target_s": q.ttft_target_s, "deadline": q.deadline, **extra})
 
     async def _route(self, q: Query, out: ClientStream, t0: float) -> None:
         healthy = {i.id for i in self.registry.healthy()}
@@ -642,7 +642,7 @@ class RouterService:
             q.max_tokens = max(q.max_tokens_at(i.max_model_len, q.token_estimate()) or 1 for i in insts)
         ptoks = q.token_estimate()
         # The dedup claim (a JetStream round trip) runs concurrently with the two questions.
-        estimate = self.profile.needs_estimate(ctx)
+        estimate = self.profile.needs_estimate
         asked = await self._ask(q, insts, ptoks, estimate)
         claimed, preds, rows, waited = asked.claimed, asked.preds, asked.rows, asked.wait_s
         if not claimed:
@@ -676,7 +676,8 @@ class RouterService:
                 return
             d = decide(self.profile, ctx, live, asked.decided_at if attempt == 1 else time.time(), dropped)
             if isinstance(d, Refused):  # every instance is predicted to start it after its client has given up
-                await self._refuse(q, out, d, attempt=attempt)
+                await self._refuse(q, out, d, attempt=attempt, prompt_tokens=ptoks, decided_at=asked.decided_at,
+                                   estimated_at=asked.estimated_at)
                 return
             inst = self.registry.get(d.candidate.instance)
             p = used[inst.id]
@@ -839,7 +840,7 @@ class RouterService:
             "ttft_calibration": d.candidate.ttft_calibration,
             "observed_ttft_s": ttft, "on_time": on_time, "utility": utility,
             "predicted_utility": d.candidate.utility(q.lam), "decision_s": decision_s, "wait_s": asked.wait_s,
-            "decided_at": asked.decided_at, "estimated_at": asked.estimated_at,
+            "decided_at": asked.decided_at, "estimated_at": asked.estimated_at, "deadline": q.deadline,
             "predict_s": asked.predict_s, "estimate_s": asked.estimate_s, "claim_s": asked.claim_s,
             "tokenize_s": asked.tokenize_s, "estimator_service_s": asked.estimator_service_s,
             "fallbacks": fallbacks, "dropped": d.dropped, "attempt": attempt, "usage": usage, "request_id": request_id,
