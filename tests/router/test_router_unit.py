@@ -205,6 +205,16 @@ async def register(nc, inst: str, model: str, port: int, price_out: float, confi
     await kv.put(inst, encode(msgspec.structs.replace(rec, heartbeat=time.time())))
 
 
+async def started_router(nc, log_path, instances: set[str], **cfg) -> RouterService:
+    """A router with short predictor and estimator budgets (nobody answers them here), once it
+    sees ``instances`` healthy."""
+    router = RouterService(nc, RouterConfig(predict_budget_s=0.05, predict_try_s=0.025, estimate_budget_s=0.05,
+                                            estimate_try_s=0.025, outcome_log=log_path, **cfg))
+    await router.start()
+    await wait_until(lambda: {i.id for i in router.registry.healthy()} == instances, what="registered")
+    return router
+
+
 async def collect(nc, **kw) -> list[dict]:
     return [m async for m in submit(nc, "hello there", **kw)]
 
@@ -269,12 +279,8 @@ async def test_engine_refusal_reaches_the_client_and_is_not_retried(nats_server,
     await register(nc, "picky", "m/cheap", picky.port, 0.01)  # the fallback utility prefers the cheap one
     await register(nc, "good", "m/pricey", good.port, 10.0)
     log_path = tmp_path / "out.jsonl"
-    router = RouterService(nc, RouterConfig(predict_budget_s=0.05, predict_try_s=0.025, estimate_budget_s=0.05,
-                                            estimate_try_s=0.025, outcome_log=log_path))
-    await router.start()
+    router = await started_router(nc, log_path, {"picky", "good"})
     try:
-        await wait_until(lambda: {i.id for i in router.registry.healthy()} == {"picky", "good"},
-                         what="both registered")
         for k in range(2):
             msgs = await collect(nc, ttft_target_s=1.0, max_tokens=3, query_id=f"refused-{k}")
             assert [m["instance"] for m in msgs if m["v"] == "bear.routed/1"] == ["picky"]  # not avoided next time
@@ -334,10 +340,7 @@ async def test_a_policy_that_reads_no_estimate_asks_the_estimator_nothing(nats_s
     try:
         for n, (policy, asks) in enumerate((("round-robin", False), ("latency-agnostic", False), ("bear", True))):
             log_path = tmp_path / f"{policy}.jsonl"
-            router = RouterService(nc, RouterConfig(policy=policy, predict_budget_s=0.05, predict_try_s=0.025,
-                                                    estimate_budget_s=0.05, estimate_try_s=0.025, outcome_log=log_path))
-            await router.start()
-            await wait_until(lambda r=router: [i.id for i in r.registry.healthy()] == ["good"], what="registered")
+            router = await started_router(nc, log_path, {"good"}, policy=policy)
             before = len(asked)
             msgs = await collect(nc, ttft_target_s=1.0, max_tokens=3, query_id=f"est-{n}")
             await router.stop()
@@ -364,11 +367,8 @@ async def test_filters_refuse_with_their_coded_errors_and_record_why(nats_server
     await register(nc, "long", "m/one", good.port, 1.0, config={"max_model_len": 1000})
     await register(nc, "other", "m/two", good.port, 1.0)
     log_path = tmp_path / "out.jsonl"
-    router = RouterService(nc, RouterConfig(predict_budget_s=0.05, predict_try_s=0.025, estimate_budget_s=0.05,
-                                            estimate_try_s=0.025, outcome_log=log_path))
-    await router.start()
+    router = await started_router(nc, log_path, {"short", "long", "other"})
     try:
-        await wait_until(lambda: len(router.registry.healthy()) == 3, what="registered")
         msgs = await collect(nc, max_tokens=3, model="m/none", query_id="f-model")
         assert msgs[-1]["error"] == {"code": "not_found", "message": "no instance serves model 'm/none'"}
         msgs = await collect(nc, max_tokens=2000, model="m/one", query_id="f-context")
