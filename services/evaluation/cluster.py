@@ -12,8 +12,10 @@ router side sees goes through the same pieces as on NATS:
   exactly as a worker does;
 * the router's view of each instance (``bear.router.registry.InstanceInfo``: prices, θ, observed
   TTFT/TPOT/throughput from completed queries) and ``bear.router.candidates.build_candidates``
-  turn predictions and estimate rows into candidates; the policy decides; the dispatch message is
-  the router's own (``dispatch_for``).
+  turn predictions and estimate rows into candidates; ``bear.router.decide.decide`` runs the
+  router's profile on them (its request filters, then the policy; the estimator is asked only
+  when the profile reads its rows, as live); the dispatch message is the router's own
+  (``dispatch_for``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from bear.load.metrics import Outcome
 from bear.predictor.synth import MAX_OUTPUT_TOKENS
 from bear.protocol.messages import Calibration, EstimateCandidate, EstimateQuery
 from bear.router.candidates import ModelPrediction, build_candidates, dispatch_for
-from bear.router.policies import Candidate, Policy, QueryContext
+from bear.router.decide import Refused, RoutingProfile, decide, profile_for
+from bear.router.policies import Candidate, Decision, Policy, QueryContext
 from bear.router.registry import InstanceInfo
 from bear.sim.profile import Profile, load_profile
 from bear.sim.roofline import RooflineModel
@@ -62,9 +65,14 @@ class InstanceSpec:
         return cls(name=p.name, model=p.model.rsplit("/", 1)[-1], profile=p)
 
     @property
+    def max_model_len(self) -> int:
+        """The engine's context, as the instance registers it (the router's context filter reads it)."""
+        return int(self.profile.engine_config()["max_model_len"])
+
+    @property
     def max_prompt_tokens(self) -> int:
         """The longest prompt the instance accepts with ``max_tokens`` = MAX_TOKENS."""
-        return int(self.profile.engine_config()["max_model_len"]) - MAX_TOKENS
+        return self.max_model_len - MAX_TOKENS
 
 
 @dataclass(frozen=True)
@@ -214,7 +222,7 @@ class Cluster:
             st = self.store.get(s.name)
             pin, pout = (prices or {}).get(s.model, (0.0, 0.0))
             info = InstanceInfo(s.name, model=s.model, base_url="sim://", price_in=pin, price_out=pout,
-                                predictor_model=s.model)
+                                predictor_model=s.model, max_model_len=s.max_model_len)
             if cal is not None:
                 st.set_calibration(cal)
                 info.calibration = cal
@@ -327,18 +335,24 @@ class Cluster:
                                     out_p90=float(qs.pred_p90[i, j]), prompt_tokens=int(qs.prompt_tokens[i, j]),
                                     cost_usd=qs.pred_cost(i, j) / 1e6) for j, m in enumerate(qs.models)}
         query = EstimateQuery(id=qs.ids[i], prompt_tokens=int(qs.prompt_tokens[i, 0]), max_tokens=MAX_TOKENS)
-        cands = [EstimateCandidate(instance=info.id, prompt_tokens=preds[info.predictor_model].prompt_tokens)
-                 for info in self.infos]
-        rows = {r.instance: r for r in estimate(query, cands, self.store, t, self.cfg, later=self._later(qs, i, t))}
+        ctx = QueryContext(qs.ids[i], target_s, lam, query.prompt_tokens,
+                           context_tokens=query.prompt_tokens + MAX_TOKENS)  # what the client asks for
+        profile = profile_for(policy)
+        rows = None
+        if profile.needs_estimate or self.samples is not None:  # the learned samples' features are rows
+            cands = [EstimateCandidate(instance=info.id, prompt_tokens=preds[info.predictor_model].prompt_tokens)
+                     for info in self.infos]
+            rows = {r.instance: r for r in estimate(query, cands, self.store, t, self.cfg,
+                                                    later=self._later(qs, i, t))}
         cs, used = build_candidates(query.prompt_tokens, self.infos, preds, rows, t,
                                     default_output_tokens=self.cfg.default_output_tokens)
-        d = policy.decide(QueryContext(qs.ids[i], target_s, lam, query.prompt_tokens), cs)
+        d = self.decided(profile, ctx, cs, t)
         if self.trace is not None:
             self.trace.append((cs, {inst.spec.name: int(self.store.get(inst.spec.name).snap.free_blocks)
                                     for inst in self.insts}))
         k = next(n for n, info in enumerate(self.infos) if info.id == d.candidate.instance)
         sent = used[self.infos[k].id]
-        if self.samples is not None:
+        if rows is not None and self.samples is not None:
             self._features[qs.ids[i]] = learned_features(rows[self.infos[k].id], sent.prompt_tokens)
         if self.oracle.lengths:
             sent = dataclasses.replace(sent, out_len=float(self._true_out(qs, i, self.insts[k].spec.model)))
@@ -348,6 +362,15 @@ class Cluster:
         self.store.get(self.infos[k].id).on_dispatch(dispatch)
         self._predicted[qs.ids[i]] = dispatch.predicted_output_tokens
         return k, policy.latency_estimate(d.candidate)
+
+    @staticmethod
+    def decided(profile: RoutingProfile, ctx: QueryContext, cands: list[Candidate], t: float) -> Decision:
+        """``decide`` as the router runs it; a refusal is an error here (the workload's prompts
+        are cut to fit every instance's context with MAX_TOKENS, and no query has a deadline)."""
+        d = decide(profile, ctx, cands, t)
+        if isinstance(d, Refused):
+            raise ValueError(f"query {ctx.query_id} refused: {d.message}")
+        return d
 
     @staticmethod
     def _true_out(qs: QuerySet, i: int, model: str) -> int:

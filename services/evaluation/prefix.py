@@ -8,7 +8,7 @@ did to it through the instance publisher's KV stream (``bear.instance.kv_stream`
 are encoded, delayed like snapshots and decoded into the estimator's mirror, the same messages a
 live estimator gets on ``bear.kv.<id>``. Decisions go through the live code: the estimate with
 the prompt's token ids (``bear.estimator.estimate``: exact lengths, mirrored hits into the
-replay), ``build_candidates``, the policy.
+replay), ``build_candidates``, ``bear.router.decide`` (the request filters, the policy).
 
 Compared (docs/prefix.md): BEAR with hits, BEAR without them (the estimator's prefix mirror
 off: every prompt estimated as if nothing were cached), llm-d's default scorer set, Dynamo's KV
@@ -44,6 +44,7 @@ from bear.protocol.messages import (
 )
 from bear.protocol.subjects import Subjects
 from bear.router.candidates import ModelPrediction, build_candidates, dispatch_for
+from bear.router.decide import profile_for
 from bear.router.policies import PREFIX_BASELINES, Policy, QueryContext, make_policy
 
 TOKENIZER = "qwen3"  # the pool's one tokenizer (the three Qwen3 models share it)
@@ -153,12 +154,16 @@ class PrefixCluster(Cluster):
                                     out_p90=float(qs.pred_p90[i, j]), prompt_tokens=n,
                                     cost_usd=(n * qs.price_in[j] + qs.pred_len[i, j] * qs.price_out[j]) / 1e6)
                  for j, m in enumerate(qs.models)}
-        query = EstimateQuery(id=rid, prompt_tokens=n, max_tokens=MAX_TOKENS)
-        cands = [EstimateCandidate(instance=info.id, tokenizer=TOKENIZER, prompt_tokens=n) for info in self.infos]
-        rows = {r.instance: r for r in estimate(query, cands, self.store, t, self.cfg, tokens={TOKENIZER: tokens})}
+        ctx = QueryContext(rid, target_s, lam, n, session=session, context_tokens=n + MAX_TOKENS)
+        profile = profile_for(policy)
+        rows = None
+        if profile.needs_estimate:
+            query = EstimateQuery(id=rid, prompt_tokens=n, max_tokens=MAX_TOKENS)
+            cands = [EstimateCandidate(instance=info.id, tokenizer=TOKENIZER, prompt_tokens=n) for info in self.infos]
+            rows = {r.instance: r for r in estimate(query, cands, self.store, t, self.cfg, tokens={TOKENIZER: tokens})}
         cs, used = build_candidates(n, self.infos, preds, rows, t, default_output_tokens=self.cfg.default_output_tokens,
                                     exact_tokens={info.id: n for info in self.infos})
-        d = policy.decide(QueryContext(rid, target_s, lam, n, session=session), cs)
+        d = self.decided(profile, ctx, cs, t)
         k = next(m for m, info in enumerate(self.infos) if info.id == d.candidate.instance)
         self.store.get(self.infos[k].id).on_dispatch(dispatch_for(rid, rid, used[self.infos[k].id], MAX_TOKENS, t,
                                                                   d.candidate.prefix_hit_tokens))

@@ -14,19 +14,16 @@ client can go elsewhere — when
   nearer than the decision is expected to take (recent decisions' EWMA plus the lag) — the
   admission by deadline. A deadline already past is ``deadline_exceeded``: nobody waits for it.
 
-After the estimate, a query whose soonest predicted first token anywhere comes after its
-client's deadline is refused too (``pool_soonest_ttft``): it would run for nobody. Only estimates
-made with a calibrated β count for that (``EstimateRow.calibration``).
+After the estimate, the instances predicted to start the query after its client's deadline are
+dropped, and the query is refused when none is left (``bear.router.filters.DeadlineFilter``): it
+would run for nobody.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
 from bear.protocol.errors import ErrorCode
 
@@ -85,21 +82,3 @@ class Admission:
                            f"{(deadline - now) * 1e3:.0f} ms left of the client's deadline; deciding takes "
                            f"≈{self.expected_wait_s() * 1e3:.0f} ms here")
         return None
-
-
-class _Estimated(Protocol):
-    ttft: float
-    ttft_calibration: str
-
-
-def pool_soonest_ttft(cands: Iterable[_Estimated]) -> float:
-    """The soonest first token the pool can be held to, for the admission by deadline after the
-    estimate: the smallest estimate — or ``inf`` (refuse nothing) when any candidate's estimate
-    was made with the nominal β, which may be off by any factor either way (an instance not yet
-    calibrated: the query might start there in time)."""
-    soonest = math.inf
-    for c in cands:
-        if c.ttft_calibration == "nominal":
-            return math.inf
-        soonest = min(soonest, c.ttft)
-    return soonest

@@ -1,7 +1,8 @@
 """The candidates of one query: one ``Candidate`` per instance, built from plain inputs — the
 predictor's answer per model, the estimator's row per instance, and what the router knows of
 each instance (prices, θ, observed latencies). No I/O: the live router and ``bear eval`` both call
-``build_candidates``, so a policy sees the same fields in both.
+``build_candidates``, so a policy sees the same fields in both; ``bare_candidate`` is what the
+registry alone knows (the request filters, ``bear.router.filters``, read only that).
 
 Fallbacks, each visible in the candidate:
   * no prediction for a model (predictor silent or the model unknown to it) → accuracy 0, output
@@ -53,11 +54,19 @@ class InstanceView(Protocol):
     """What the decision needs to know of an instance besides the estimator's row."""
 
     id: str
+    model: str  # served name
     predictor_model: str
+    max_model_len: int | None
     price_in: float
     price_out: float
     calibration: Calibration
     obs: Observations
+
+
+def bare_candidate(inst: InstanceView, healthy: bool = True) -> Candidate:
+    """What the registry alone knows of an instance as a candidate (the request filters read it)."""
+    return Candidate(instance=inst.id, model=inst.predictor_model, healthy=healthy, served_model=inst.model,
+                     max_model_len=inst.max_model_len)
 
 
 @dataclass
@@ -91,11 +100,11 @@ def build_candidates(prompt_tokens: int, insts: Sequence[InstanceView],
         p50, p90 = inst.obs.percentiles()
         ttft95, tpot90 = inst.obs.semantic_router_percentiles()
         extra = (sequences - 1) * p.out_len * inst.price_out if sequences > 1 and math.isfinite(p.out_len) else 0.0
-        c = Candidate(instance=inst.id, model=inst.predictor_model, acc=p.acc, cost=p.cost_usd * MUSD + extra,
-                      out_len=p.out_len, out_p90=p.out_p90, prefill_tps=theta, tpot=inst.obs.tpot,
-                      throughput_rps=inst.obs.throughput_rps(now), observed_ttft_p50=p50, observed_ttft_p90=p90,
-                      observed_ttft_p95=ttft95, observed_tpot_p90=tpot90,
-                      prompt_tokens=p.prompt_tokens, tokens_exact=exact is not None)
+        c = replace(bare_candidate(inst), acc=p.acc, cost=p.cost_usd * MUSD + extra, out_len=p.out_len,
+                    out_p90=p.out_p90, prefill_tps=theta, tpot=inst.obs.tpot,
+                    throughput_rps=inst.obs.throughput_rps(now), observed_ttft_p50=p50, observed_ttft_p90=p90,
+                    observed_ttft_p95=ttft95, observed_tpot_p90=tpot90,
+                    prompt_tokens=p.prompt_tokens, tokens_exact=exact is not None)
         row = rows.get(inst.id) if rows is not None else None
         if row is not None:
             c.n_running, c.n_waiting = row.n_running, row.n_waiting

@@ -1,8 +1,10 @@
 """The router (``bear router``): subscribes to ``bear.submit`` in queue group ``bear-router``;
-per query it asks the predictor and the estimator concurrently (deadlines, fallbacks), builds one
-``Candidate`` per healthy instance (``router.candidates``, which ``bear eval`` calls too), lets the
-policy pick, publishes ``bear.dispatch.<instance>``, streams the instance's answer to the client's inbox and logs the
-outcome. Before asking the estimator it tokenises the query once per tokenizer its candidates
+per query it drops the instances the registry already rules out (``router.decide.screen``: model,
+health, context), asks the predictor and — when the decision reads its rows — the estimator
+concurrently (deadlines, fallbacks), builds one ``Candidate`` per instance left
+(``router.candidates``), decides (``router.decide.decide``: the request filters, then the policy;
+``bear eval`` calls the same), publishes ``bear.dispatch.<instance>``, streams the instance's answer to the client's
+inbox and logs the outcome; an instance that does not answer is retried once elsewhere. Before asking the estimator it tokenises the query once per tokenizer its candidates
 use (``bear.tokenizer``, off the event loop; the predictor is asked meanwhile), so that the
 estimator gets exact prompt lengths and the token ids it finds prefix-cache hits with. Routers
 share nothing but NATS. Protocol and decisions: docs/router.md."""
@@ -39,8 +41,16 @@ from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateRow
 from bear.protocol.sampling import check_sampling
 from bear.protocol.subjects import CANCEL_SCHEMA, Subjects
 from bear.protocol.token_ids import count
-from bear.router.admission import Admission, pool_soonest_ttft
-from bear.router.candidates import LocalLoad, ModelPrediction, build_candidates, dispatch_for, dispatch_tokens
+from bear.router.admission import Admission
+from bear.router.candidates import (
+    LocalLoad,
+    ModelPrediction,
+    bare_candidate,
+    build_candidates,
+    dispatch_for,
+    dispatch_tokens,
+)
+from bear.router.decide import Refused, decide, profile_for, screen
 from bear.router.dedup import Deduplicator
 from bear.router.dispatch import (
     InstanceRefused,
@@ -324,6 +334,7 @@ class RouterService:
         self.subjects = subjects or Subjects()
         self.name = self.cfg.name or f"{os.uname().nodename}:{os.getpid()}:{id(self) & 0xFFFF:x}"
         self.policy: Policy = make_policy(self.cfg.policy, **self.cfg.policy_params)
+        self.profile = profile_for(self.policy)  # the request filters, then the policy (bear.router.decide)
         self.registry = Registry(nc, self.subjects, down_after_s=self.cfg.down_after_s, aliases=self.cfg.aliases,
                                  allowed_base_urls=self.cfg.allowed_base_urls, provisioning=self.cfg.provisioning)
         self.admission = Admission(max_inflight=self.cfg.max_inflight, max_deciding=self.cfg.max_deciding,
@@ -562,9 +573,10 @@ class RouterService:
                 return
             await asyncio.sleep(0)
 
-    async def _ask(self, q: Query, insts: list[InstanceInfo], ptoks: int) -> Asked:
+    async def _ask(self, q: Query, insts: list[InstanceInfo], ptoks: int, estimate: bool = True) -> Asked:
         """The dedup claim, the predictor and the estimator, concurrently (three tasks, no nesting),
-        each clocked where it finished; the estimator after the tokenisation (its input)."""
+        each clocked where it finished; the estimator after the tokenisation (its input), and only
+        with ``estimate`` (the decision reads its rows)."""
         models = sorted({i.predictor_model for i in insts})
         t = time.perf_counter()
         pred = _traced("router.predict", q.trace, lambda h: ask_predictor(
@@ -578,6 +590,8 @@ class RouterService:
             t_tok = time.perf_counter()
             tokens = await self._tokenize(q, insts)
             tokenize_s = time.perf_counter() - t_tok
+            if not estimate:
+                return None
             cands = [EstimateCandidate(instance=i.id, tokenizer=i.tokenizer, prompt_tokens=count(tokens[i.tokenizer]))
                      if i.tokenizer in tokens else EstimateCandidate(instance=i.id) for i in insts]
             return await _traced("router.estimate", q.trace, lambda h: ask_estimator(
@@ -595,37 +609,41 @@ class RouterService:
                      tokens=tokens,
                      estimator_service_s=reply.service_s if reply is not None else None)
 
+    def _context(self, q: Query, ptoks: int) -> QueryContext:
+        """What the decision knows of ``q``: the tokens it needs in a context are the client's
+        prompt length (0 when it gave none: the estimate from the text is not refused on) and its
+        ``max_tokens`` (one token of a ``max_tokens_rest`` query)."""
+        need = (q.prompt_tokens or 0) + (1 if q.rest_of_context else q.max_tokens)
+        return QueryContext(q.query_id, q.ttft_target_s, q.lam, ptoks, session=q.session, model=q.model,
+                            context_tokens=need, deadline=q.deadline)
+
+    async def _refuse(self, q: Query, out: ClientStream, r: Refused, **extra: Any) -> None:
+        """The coded error of a query no candidate is left for, and its record."""
+        await out.error(r.code, r.message)
+        if r.filter == "deadline":
+            self.m.shed.labels(reason="pool_deadline").inc()
+        self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": str(r.code), "reason": r.message,
+                              "filter": r.filter, "dropped": r.dropped, "policy": self.policy.name,
+                              "target_s": q.ttft_target_s, "deadline": q.deadline, **extra})
+
     async def _route(self, q: Query, out: ClientStream, t0: float) -> None:
-        insts = self.registry.healthy()
-        if q.model is not None:
-            insts = [i for i in insts if q.model in (i.model, i.predictor_model)]
-            if not insts and not any(q.model in (i.model, i.predictor_model) for i in self.registry.instances.values()):
-                await out.error(ErrorCode.NOT_FOUND, f"no instance serves model {q.model!r}")
-                self.m.queries.labels(status="not_found").inc()
-                return
-        if not insts:
-            what = "" if q.model is None else f" of model {q.model!r}"
-            await out.error(ErrorCode.UNAVAILABLE, f"no healthy instance{what} registered")
-            self.m.queries.labels(status="unavailable").inc()
+        healthy = {i.id for i in self.registry.healthy()}
+        ctx = self._context(q, q.token_estimate())
+        # the filters that read only the registry, before anything is asked about the instances
+        dropped: dict[str, str] = {}
+        kept = screen(self.profile.registry_filters, ctx, [
+            bare_candidate(i, i.id in healthy) for i in sorted(self.registry.instances.values(), key=lambda i: i.id)],
+            time.time(), dropped)
+        if isinstance(kept, Refused):
+            await self._refuse(q, out, kept)
             return
-        need = (q.prompt_tokens or 0) + (1 if q.rest_of_context else q.max_tokens)  # tokens the query needs at least
-        fits = [i for i in insts if i.max_model_len is None or need <= i.max_model_len]
-        if q.rest_of_context and fits and all(i.max_model_len for i in fits):
-            q.max_tokens = max(q.max_tokens_at(i.max_model_len, q.token_estimate()) or 1 for i in fits)
-        if not fits:
-            most = max(i.max_model_len or 0 for i in insts)
-            # vLLM's and OpenAI's wording: clients (LiteLLM) recognise a context overflow by it
-            reason = (f"This model's maximum context length is {most} tokens. However, you requested {need} "
-                      f"tokens (prompt + max_tokens; the largest max_model_len of the candidate instances).")
-            await out.error(ErrorCode.CONTEXT_LENGTH_EXCEEDED, reason)
-            self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "context_length_exceeded",
-                                  "reason": reason,
-                                  "policy": self.policy.name, "target_s": q.ttft_target_s})
-            return
-        insts = fits
+        insts = [self.registry.get(c.instance) for c in kept]
+        if q.rest_of_context and all(i.max_model_len for i in insts):
+            q.max_tokens = max(q.max_tokens_at(i.max_model_len, q.token_estimate()) or 1 for i in insts)
         ptoks = q.token_estimate()
         # The dedup claim (a JetStream round trip) runs concurrently with the two questions.
-        asked = await self._ask(q, insts, ptoks)
+        estimate = self.profile.needs_estimate
+        asked = await self._ask(q, insts, ptoks, estimate)
         claimed, preds, rows, waited = asked.claimed, asked.preds, asked.rows, asked.wait_s
         if not claimed:
             self.m.duplicates.inc()
@@ -635,24 +653,13 @@ class RouterService:
         if preds is None:
             fallbacks.append("predictor")
             self.m.fallbacks.labels(kind="predictor").inc()
-        if rows is None:
+        if rows is None and estimate:
             fallbacks.append("estimator")
             self.m.fallbacks.labels(kind="estimator").inc()
         asked.decided_at = time.time()
         cands, used = build_candidates(ptoks, insts, preds, rows, asked.decided_at,
                                        default_output_tokens=self.cfg.default_output_tokens, local=self.local,
                                        exact_tokens=asked.exact_tokens, sequences=sequences(q.engine))
-        ctx = QueryContext(q.query_id, q.ttft_target_s, q.lam, ptoks, session=q.session)
-        if q.deadline is not None and cands and rows is not None:
-            soonest = pool_soonest_ttft(cands)
-            if math.isfinite(soonest) and time.time() + soonest > q.deadline:
-                # every instance is predicted to start it after its client has given up
-                await out.error(ErrorCode.OVERLOADED, f"the soonest predicted first token ({soonest * 1e3:.0f} ms) "
-                                                      "comes after the client's deadline; not executed")
-                self.m.shed.labels(reason="pool_deadline").inc()
-                self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "overloaded",
-                                      "policy": self.policy.name, "target_s": q.ttft_target_s})
-                return
         excluded: set[str] = set()
         attempts: list[dict[str, Any]] = []
         for attempt in range(1, self.cfg.max_attempts + 1):
@@ -667,7 +674,11 @@ class RouterService:
                 self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "deadline_exceeded",
                                       "policy": self.policy.name, "attempt": attempt, "target_s": q.ttft_target_s})
                 return
-            d = self.policy.decide(ctx, live)
+            d = decide(self.profile, ctx, live, asked.decided_at if attempt == 1 else time.time(), dropped)
+            if isinstance(d, Refused):  # every instance is predicted to start it after its client has given up
+                await self._refuse(q, out, d, attempt=attempt, prompt_tokens=ptoks, decided_at=asked.decided_at,
+                                   estimated_at=asked.estimated_at)
+                return
             inst = self.registry.get(d.candidate.instance)
             p = used[inst.id]
             request_id = f"bear-{uuid.uuid4().hex}"
@@ -829,10 +840,10 @@ class RouterService:
             "ttft_calibration": d.candidate.ttft_calibration,
             "observed_ttft_s": ttft, "on_time": on_time, "utility": utility,
             "predicted_utility": d.candidate.utility(q.lam), "decision_s": decision_s, "wait_s": asked.wait_s,
-            "decided_at": asked.decided_at, "estimated_at": asked.estimated_at,
+            "decided_at": asked.decided_at, "estimated_at": asked.estimated_at, "deadline": q.deadline,
             "predict_s": asked.predict_s, "estimate_s": asked.estimate_s, "claim_s": asked.claim_s,
             "tokenize_s": asked.tokenize_s, "estimator_service_s": asked.estimator_service_s,
-            "fallbacks": fallbacks, "attempt": attempt, "usage": usage, "request_id": request_id,
+            "fallbacks": fallbacks, "dropped": d.dropped, "attempt": attempt, "usage": usage, "request_id": request_id,
             "candidates": {c.instance: {
                 "model": c.model, "acc": c.acc, "cost": c.cost, "out_len": c.out_len, "out_p90": c.out_p90,
                 "ttft": c.ttft, "method": c.ttft_method, "calibration": c.ttft_calibration,

@@ -19,8 +19,9 @@ from bear.protocol.messages import (
     InstanceRecord,
     encode,
 )
-from bear.router.admission import pool_soonest_ttft
-from bear.router.policies import Candidate
+from bear.router.decide import Refused, screen
+from bear.router.filters import REQUEST_FILTERS
+from bear.router.policies import Candidate, QueryContext
 from bear.sim.profile import load_profile
 
 CFG = EstimatorConfig(compensate_staleness=False, arrival_fill=False)
@@ -95,10 +96,11 @@ def test_the_reply_says_which_beta_it_used() -> None:
 def test_nothing_is_refused_on_a_nominal_estimate() -> None:
     a = Candidate(instance="a", model="m", ttft=9.0, ttft_calibration="online")
     b = Candidate(instance="b", model="m", ttft=4.0, ttft_calibration="profiled")
-    assert pool_soonest_ttft([a, b]) == 4.0
+    q = QueryContext("q", 1.0, deadline=103.0)  # 3 s from now: both calibrated estimates come after it
+    refused = screen(REQUEST_FILTERS, q, [a, b], 100.0)
+    assert isinstance(refused, Refused) and refused.filter == "deadline" and "4000 ms" in refused.message
     c = Candidate(instance="c", model="m", ttft=30.0, ttft_calibration="nominal")
-    assert pool_soonest_ttft([a, b, c]) == float("inf")
-    assert pool_soonest_ttft([]) == float("inf")
+    assert screen(REQUEST_FILTERS, q, [a, b, c], 100.0) == [c]  # β nominal: off by any factor, kept
 
 
 def test_calibration_fields_are_checked() -> None:

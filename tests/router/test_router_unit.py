@@ -196,13 +196,23 @@ class FakeInstance:
             await self.runner.cleanup()
 
 
-async def register(nc, inst: str, model: str, port: int, price_out: float) -> None:
+async def register(nc, inst: str, model: str, port: int, price_out: float, config: dict | None = None) -> None:
     import time
 
     kv = await ensure_kv(nc.jetstream(), S.instances_bucket)
     rec = instance_record(inst, model, f"http://127.0.0.1:{port}/v1", price_input_per_mtok=0.1,
-                          price_output_per_mtok=price_out, backend="vllm")
+                          price_output_per_mtok=price_out, backend="vllm", config=config)
     await kv.put(inst, encode(msgspec.structs.replace(rec, heartbeat=time.time())))
+
+
+async def started_router(nc, log_path, instances: set[str], **cfg) -> RouterService:
+    """A router with short predictor and estimator budgets (nobody answers them here), once it
+    sees ``instances`` healthy."""
+    router = RouterService(nc, RouterConfig(predict_budget_s=0.05, predict_try_s=0.025, estimate_budget_s=0.05,
+                                            estimate_try_s=0.025, outcome_log=log_path, **cfg))
+    await router.start()
+    await wait_until(lambda: {i.id for i in router.registry.healthy()} == instances, what="registered")
+    return router
 
 
 async def collect(nc, **kw) -> list[dict]:
@@ -269,12 +279,8 @@ async def test_engine_refusal_reaches_the_client_and_is_not_retried(nats_server,
     await register(nc, "picky", "m/cheap", picky.port, 0.01)  # the fallback utility prefers the cheap one
     await register(nc, "good", "m/pricey", good.port, 10.0)
     log_path = tmp_path / "out.jsonl"
-    router = RouterService(nc, RouterConfig(predict_budget_s=0.05, predict_try_s=0.025, estimate_budget_s=0.05,
-                                            estimate_try_s=0.025, outcome_log=log_path))
-    await router.start()
+    router = await started_router(nc, log_path, {"picky", "good"})
     try:
-        await wait_until(lambda: {i.id for i in router.registry.healthy()} == {"picky", "good"},
-                         what="both registered")
         for k in range(2):
             msgs = await collect(nc, ttft_target_s=1.0, max_tokens=3, query_id=f"refused-{k}")
             assert [m["instance"] for m in msgs if m["v"] == "bear.routed/1"] == ["picky"]  # not avoided next time
@@ -315,6 +321,76 @@ async def test_no_instance_gives_one_clear_error(nats_server) -> None:
         assert len(bad) == 1 and bad[0]["error"]["code"] == "bad_request"
     finally:
         await router.stop()
+        await nc.close()
+
+
+async def test_a_policy_that_reads_no_estimate_asks_the_estimator_nothing(nats_server, tmp_path) -> None:
+    """Round robin is decided without the estimator (its requests are counted on the subject);
+    BEAR asks it for every query."""
+    nc = await nats.connect(nats_server.url)
+    good = FakeInstance()
+    await good.start()
+    await register(nc, "good", "m/one", good.port, 1.0)
+    asked: list[str] = []
+
+    async def count(msg) -> None:
+        asked.append(msg.subject)
+
+    sub = await nc.subscribe(S.estimate_shard(0, 1), cb=count)  # nobody answers: BEAR falls back after asking
+    try:
+        for n, (policy, asks) in enumerate((("round-robin", False), ("latency-agnostic", False), ("bear", True))):
+            log_path = tmp_path / f"{policy}.jsonl"
+            router = await started_router(nc, log_path, {"good"}, policy=policy)
+            before = len(asked)
+            msgs = await collect(nc, ttft_target_s=1.0, max_tokens=3, query_id=f"est-{n}")
+            await router.stop()
+            await nc.flush()
+            assert msgs[-1]["v"] == "bear.done/1"
+            assert (len(asked) > before) == asks, policy
+            rec = json.loads(log_path.read_text().splitlines()[-1])
+            # not asking is no fallback; asking and getting no answer is
+            assert rec["fallbacks"] == (["predictor", "estimator"] if asks else ["predictor"]), policy
+    finally:
+        await sub.unsubscribe()
+        await good.stop()
+        await nc.close()
+
+
+async def test_filters_refuse_with_their_coded_errors_and_record_why(nats_server, tmp_path) -> None:
+    """Model, health and context filters before anything is asked: each refusal is the coded
+    error the client library and the gateway know, and the outcome log says which filter dropped
+    which instance; a query that fits somewhere goes there."""
+    nc = await nats.connect(nats_server.url)
+    good = FakeInstance()
+    await good.start()
+    await register(nc, "short", "m/one", good.port, 1.0, config={"max_model_len": 100})
+    await register(nc, "long", "m/one", good.port, 1.0, config={"max_model_len": 1000})
+    await register(nc, "other", "m/two", good.port, 1.0)
+    log_path = tmp_path / "out.jsonl"
+    router = await started_router(nc, log_path, {"short", "long", "other"})
+    try:
+        msgs = await collect(nc, max_tokens=3, model="m/none", query_id="f-model")
+        assert msgs[-1]["error"] == {"code": "not_found", "message": "no instance serves model 'm/none'"}
+        msgs = await collect(nc, max_tokens=2000, model="m/one", query_id="f-context")
+        assert msgs[-1]["error"]["code"] == "context_length_exceeded"
+        assert msgs[-1]["error"]["message"].startswith(
+            "This model's maximum context length is 1000 tokens. However, you requested 2000 tokens")
+        msgs = await collect(nc, max_tokens=500, model="m/one", query_id="f-fits")
+        assert [m["instance"] for m in msgs if m["v"] == "bear.routed/1"] == ["long"]
+        assert msgs[-1]["v"] == "bear.done/1"
+        router.outcomes.flush()
+        recs = {r["query_id"]: r for r in map(json.loads, log_path.read_text().splitlines())}
+        assert recs["f-model"]["status"] == "not_found" and recs["f-model"]["filter"] == "model"
+        assert set(recs["f-model"]["dropped"]) == {"short", "long", "other"}
+        assert recs["f-context"]["status"] == "context_length_exceeded" and recs["f-context"]["filter"] == "context"
+        assert {k: v.split(":")[0] for k, v in recs["f-context"]["dropped"].items()} == {
+            "other": "model", "short": "context", "long": "context"}
+        assert {k: v.split(":")[0] for k, v in recs["f-fits"]["dropped"].items()} == {
+            "other": "model", "short": "context"}
+        assert set(recs["f-fits"]["candidates"]) == {"long"}  # the dropped ones were not estimated
+    finally:
+        await router.stop()
+        await good.stop()
         await nc.close()
 
 

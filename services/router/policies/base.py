@@ -5,7 +5,8 @@ router knows about it (predicted accuracy/length/cost from the predictor, TTFT e
 estimator, load counters from snapshots, observed latencies), and picks one. Like llm-d's endpoint
 picker it is three stages: ``filter`` (which candidates may be chosen), ``score`` (a number per
 remaining candidate, higher is better) and ``pick`` (usually the best score). Policies never do
-I/O, so the same object runs in the router and in ``bear eval``.
+I/O, so the same object runs in the router and in ``bear eval``, as the last stage of a profile
+(``bear.router.decide``: the request filters run before it).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ class Candidate:
     """One instance as seen for one query."""
 
     instance: str
-    model: str
+    model: str  # the predictor's name of the instance's model
     healthy: bool = True
+    served_model: str = ""  # the engine's served model name (what a query's ``model`` may name)
+    max_model_len: int | None = None  # the engine's context, when it registered one
     # predictor (per model)
     acc: float = 0.0
     cost: float = 0.0  # micro-USD (USD per million tokens × tokens): the unit λ = 5e-4 is meant for
@@ -79,6 +82,9 @@ class QueryContext:
     lam: float = 5e-4
     prompt_tokens: int = 0
     session: str | None = None  # the conversation the query belongs to (session-affinity routing)
+    model: str | None = None  # only this model's instances (served or predictor name); None: any
+    context_tokens: int = 0  # tokens the query needs at least in an instance's context (0: unknown)
+    deadline: float | None = None  # the client stops waiting for the first token then (epoch s)
 
 
 @dataclass
@@ -88,14 +94,16 @@ class Decision:
     score: float
     feasible: bool  # predicted to meet the target (for policies that predict TTFT)
     scores: dict[str, float] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)  # instance → why a request filter dropped it
 
 
 class Policy:
     """Base policy: healthy candidates, score = utility, pick the max (ties: first)."""
 
     name: ClassVar[str] = "base"
-    uses_ttft: ClassVar[bool] = False  # whether the policy needs the estimator
-    uses_history: ClassVar[bool] = False  # whether it needs observed TTFT percentiles
+    # whether the policy reads the estimator's row (TTFT, queue, KV, prefix hit): a policy that
+    # does not is decided without asking the estimator at all (its candidates' load is eq. 8's)
+    needs_estimate: ClassVar[bool] = True
 
     def latency_estimate(self, c: Candidate) -> float:
         """The TTFT-like latency this policy believes for ``c`` (nan when it has none): what the

@@ -26,8 +26,6 @@ from bear.router.policies.on_time import p_on_time
 
 class BearPolicy(Policy):
     name: ClassVar[str] = "bear"
-    uses_ttft: ClassVar[bool] = True
-
     uses_error_distribution: ClassVar[bool] = True  # the ratio deciles describe this rule's estimate (BEA)
 
     def __init__(self, overflow: float = 1.0, confidence: float = 0.0) -> None:
@@ -91,7 +89,6 @@ class BearLagrangePolicy(Policy):
     """Paper eq. 7: maximise utility − δ·TTFT; δ traces the utility–latency trade-off."""
 
     name: ClassVar[str] = "bear-lagrange"
-    uses_ttft: ClassVar[bool] = True
 
     def __init__(self, delta: float = 0.5) -> None:
         if delta < 0:

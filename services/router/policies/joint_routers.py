@@ -64,7 +64,7 @@ class SemanticRouterLatencyPolicy(Policy):
     data the first candidate is taken."""
 
     name: ClassVar[str] = "semantic-router"
-    uses_history: ClassVar[bool] = True
+    needs_estimate: ClassVar[bool] = False  # observed latencies only
 
     def latency_estimate(self, c: Candidate) -> float:
         return c.observed_ttft_p95 if c.observed_ttft_p95 > 0 else math.nan

@@ -13,6 +13,7 @@ class RoundRobinPolicy(Policy):
     """Cycle over the healthy instances in a fixed (sorted) order."""
 
     name: ClassVar[str] = "round-robin"
+    needs_estimate: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._next = 0
@@ -51,3 +52,4 @@ class LatencyAgnosticPolicy(Policy):
     """Accuracy–cost router without latency: max utility (eq. 4)."""
 
     name: ClassVar[str] = "latency-agnostic"
+    needs_estimate: ClassVar[bool] = False  # accuracy and cost: the predictor's
