@@ -142,7 +142,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     q = lambda xs, p: xs[min(len(xs) - 1, int(len(xs) * p))]  # noqa: E731
     return {"mode": args.mode, "churn": args.churn, "residents": args.residents, "steps": len(rows), "records": kinds,
             "wall_us_median": q(wall, 0.5), "wall_us_p90": q(wall, 0.9), "wall_us_mean": sum(wall) / len(wall),
-            "cpu_us_min": cpu[0], "cpu_us_median": q(cpu, 0.5), "cpu_us_p90": q(cpu, 0.9),
+            "cpu_us_min": cpu[0], "cpu_us_median": q(cpu, 0.5), "cpu_us_p90": q(cpu, 0.9), "cpu_us_p99": q(cpu, 0.99), "wall_us_p99": q(wall, 0.99),
             "cpu_us_mean": sum(cpu) / len(cpu),
             "loadavg": os.getloadavg()[0]}  # fmt: skip
 
