@@ -52,3 +52,45 @@ def check_mirror(fulls: list[bytes], deltas: list[bytes], final: bytes | None = 
         elif (diff := libbea.snapshot_difference(mirror, truth, compare_time=False)) is not None:
             out["differences"].append(f"final seq {truth.seq}: {diff}")
     return out
+
+
+def check_plugin_deltas(raws: list[Any], config: dict[str, Any], generation: int = 7) -> dict[str, Any]:
+    """The vLLM plugin's raw records of one engine generation, decoded as the snapshotter decodes
+    them: every step whose record carried a delta that applied has its ``bear.delta/1`` forwarded
+    from the decoder's change (no diff of two states); that delta, applied by libbea to the
+    previous step's full snapshot, must give exactly the step's full snapshot — and must be the
+    delta ``encode_delta`` computes from the two states. Returns counts and the first differences."""
+    from bear.instance.delta import encode_delta, forward_delta
+    from bear.protocol.codec import pack
+    from bear.snapshotter.records import to_snapshot
+    from bear.snapshotter.step_decoder import StepDecoder
+
+    dec = StepDecoder()
+    prev: dict[str, Any] | None = None
+    out: dict[str, Any] = {"steps": 0, "forwarded": 0, "applied_equal": 0, "same_as_diff": 0, "differences": []}
+    for raw in raws:
+        step = dec.decode(raw)
+        if step is None:
+            out["differences"].append(f"seq {raw[1]}: undecodable ({dec.last_problem})")
+            prev = None
+            continue
+        out["steps"] += 1
+        snap = dict(to_snapshot(step, config, instance="i", model="m"), generation=generation, v="bear.snapshot/1")
+        change = dec.change
+        if prev is not None and change is not None:
+            d = forward_delta(prev, snap, change)
+            if d is None:
+                out["differences"].append(f"seq {step['seq']}: a change that was not forwarded")
+            else:
+                out["forwarded"] += 1
+                out["same_as_diff"] += d == encode_delta(prev, snap)
+                held = libbea.Snapshot.from_msgpack(pack(prev))
+                held.apply_delta(libbea.Delta.from_msgpack(pack(d)))
+                diff = libbea.snapshot_difference(held, libbea.Snapshot.from_msgpack(pack(snap)))
+                if diff is None:
+                    out["applied_equal"] += 1
+                elif len(out["differences"]) < 10:
+                    out["differences"].append(f"seq {step['seq']}: {diff}")
+        prev = snap
+    out["decoder"] = dict(dec.stats)
+    return out

@@ -1,6 +1,6 @@
 """What an estimator knows about one instance: the newest snapshot (a full one kept raw and parsed
 lazily, so a burst of snapshots costs one parse; then kept current by the per-step deltas,
-``bear.estimator.mirror``), the router's dispatches there (their predicted output lengths, the
+``bear.estimator.delta_ingest``), the router's dispatches there (their predicted output lengths, the
 ones the snapshot does not show yet, the rate of prompt tokens), the calibration, the registry
 entry (heartbeat, engine config, how its prefix cache hashes blocks) and the mirror of its prefix
 cache (``bear.prefix.mirror``). Fed by the worker from NATS and by ``bear eval`` from its
@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from bear import libbea
-from bear.estimator import mirror
+from bear.estimator import delta_ingest
 from bear.prefix.hashing import HashSpec
 from bear.prefix.hits import Hashers
 from bear.prefix.mirror import PrefixMirror
@@ -47,7 +47,7 @@ class InstanceState:
     lengths_dirty: bool = False  # every resident's prediction is to be handed to libbea (a new snapshot)
     late_lengths: dict[str, int] = field(default_factory=dict)  # predictions of ids already seen
     gapped: bool = False  # a delta did not chain onto the state held: no BEA estimate until a full one
-    feed: mirror.DeltaFeed = field(default_factory=mirror.DeltaFeed)
+    feed: delta_ingest.DeltaFeed = field(default_factory=delta_ingest.DeltaFeed)
     on_event: Callable[[str], None] | None = None  # counts ingest events (the worker's metrics)
     # dispatch ids some snapshot has held → the engine's ids of them (vLLM's own, n children:
     # ``bear.protocol.engine_ids``)
@@ -109,12 +109,12 @@ class InstanceState:
         t = float(snap.time)
         if t > self.raw_received + MAX_CLOCK_SKEW_S:
             return False  # a future time would outlive every real snapshot after it
-        mirror.check_full(self, snap)
+        delta_ingest.check_full(self, snap)
         return self.install(snap, t, self.raw_received, ids)
 
     def offer_delta(self, data: bytes, now: float) -> str:
-        """Apply one ``bear.delta/1`` message (``bear.estimator.mirror``); what happened."""
-        return mirror.offer_delta(self, data, now)
+        """Apply one ``bear.delta/1`` message (``bear.estimator.delta_ingest``); what happened."""
+        return delta_ingest.offer_delta(self, data, now)
 
     def delta_applied(self, added: list[str], snap_time: float, received: float) -> None:
         """libbea applied a delta to ``snap``: the new capture time, the arrivals now seen."""
@@ -171,7 +171,7 @@ class InstanceState:
             self.mean_running = _ewma(self.mean_running, r)
         self.lengths_dirty = True
         self.late_lengths.clear()
-        mirror.catch_up(self, received)
+        delta_ingest.catch_up(self, received)
         return True
 
     def on_dispatch(self, d: Dispatch, now: float | None = None) -> bool:

@@ -22,9 +22,9 @@ from typing import Any
 
 import structlog
 
+from bear.estimator.delta_ingest import release, resynced
 from bear.estimator.estimate import EstimatorConfig, finish, plan, run_jobs
 from bear.estimator.metrics import metrics
-from bear.estimator.mirror import release, resynced
 from bear.estimator.state import StateStore
 from bear.protocol.deadline import Deadline
 from bear.protocol.errors import BearError, ErrorCode

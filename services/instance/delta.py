@@ -1,10 +1,12 @@
 """``bear.delta/1``: the change between two ``bear.snapshot/1`` states of one instance, and the
 choice, per published state, between a delta and the full snapshot (docs/contract.md §2, §5).
 
-The encoder works on the snapshot maps a publisher already holds (the snapshotter's decoded steps,
-the sim engine's exports), so real and simulated instances send the same deltas. libbea's
-``Snapshot.apply_delta`` is the one definition of what a delta means; ``encode_delta`` writes
-exactly what it reads:
+A publisher that knows the step's change forwards it (``forward_delta``: the snapshotter, whose
+decoder turns the vLLM plugin's per-step delta into a ``bear.delta/1`` body,
+``bear.snapshotter.step_decoder``); one that holds only states (the sim engine's exports, an async
+engine's full records, steps coalesced or dropped in between) has it computed from the two states
+(``encode_delta``). Both write the same deltas. libbea's ``Snapshot.apply_delta`` is the one
+definition of what a delta means; ``encode_delta`` writes exactly what it reads:
 
 1. ``removed`` (positions in the base state's running ++ waiting) leave, order kept;
 2. ``preempted`` (positions in running after 1) move to the front of waiting, in running order;
@@ -149,6 +151,24 @@ def encode_delta(prev: dict[str, Any], cur: dict[str, Any]) -> dict[str, Any] | 
     return d
 
 
+def forward_delta(prev: dict[str, Any], cur: dict[str, Any], change: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``bear.delta/1`` map from state ``prev`` to ``cur`` given the body of the change from
+    the step before ``cur`` (``change``: its ``removed`` … ``set``), or None when ``prev`` is not
+    that step (steps coalesced or dropped in between, another generation or config) or ``cur``
+    carries what a delta cannot (the tracked-block table, an in-flight batch)."""
+    if (prev.get("generation", 0) != cur.get("generation", 0) or prev["seq"] != cur["seq"] - 1
+            or "tracked_blocks" in cur or cur.get("inflight") or cur.get("idle")):
+        return None
+    if prev["config"] is not cur["config"] and prev["config"] != cur["config"]:
+        return None
+    d: dict[str, Any] = {"v": DELTA_SCHEMA, "instance": cur.get("instance", ""),
+                         "generation": cur.get("generation", 0), "base": prev["seq"],
+                         "base_time": prev.get("time", 0.0), "seq": cur["seq"],
+                         "time": cur["time"], "free_blocks": cur["free_blocks"]}
+    d.update(change)
+    return d
+
+
 def _inflight(inflight: dict[str, Any], new_r: list[dict[str, Any]], new_w: list[dict[str, Any]]) -> dict[str, Any]:
     """The in-flight batch with residents by position and the others (orphans) by id."""
     where = {r["id"]: k for k, r in enumerate(new_r + new_w)}
@@ -178,16 +198,24 @@ class StateStream:
         self.deltas = deltas
         self.full_every = full_every
         self.last: dict[str, Any] | None = None
+        self.forwarded = 0  # deltas forwarded from a known change (not computed from two states)
         self._since_full = 0
         self._want_full = False
 
     def want_full(self) -> None:
         self._want_full = True
 
-    def encode(self, snap: dict[str, Any]) -> tuple[bytes | None, bytes | None]:
+    def encode(self, snap: dict[str, Any], change: dict[str, Any] | None = None) -> tuple[bytes | None, bytes | None]:
         """``(full, delta)`` msgpack payloads for ``snap`` (either may be None), and ``snap``
-        becomes the newest state sent."""
-        delta = encode_delta(self.last, snap) if self.deltas and self.last is not None else None
+        becomes the newest state sent. ``change``: the step's ``bear.delta/1`` body, when the
+        caller knows it (forwarded if the state sent before is the step before ``snap``)."""
+        delta = None
+        if self.deltas and self.last is not None:
+            if change is not None:
+                delta = forward_delta(self.last, snap, change)
+                self.forwarded += delta is not None
+            if delta is None:
+                delta = encode_delta(self.last, snap)
         self._since_full += 1
         full = None
         if (delta is None or self._want_full or not self.deltas

@@ -10,7 +10,8 @@ The one publication path of the real-vLLM snapshotter and the simulated instance
   from the middle of the stream. With ``min_interval_s`` > 0 only the newest pending snapshot is
   kept and at most one per interval goes out (coalescing; counted).
 * **Deltas and full snapshots** (``bear.instance.delta.StateStream``). Each state goes out as a
-  ``bear.delta/1`` against the state sent before it (``deltas``), and as a full snapshot every
+  ``bear.delta/1`` against the state sent before it (``deltas``: the step's change as the caller
+  gave it, else computed from the two states), and as a full snapshot every
   ``full_every`` states (1: every state, as before deltas), whenever no delta can express the
   change (the first state, a new engine generation), and as the answer to a resync request
   (unicast, at most ``resync_per_s`` per second).
@@ -79,7 +80,7 @@ class InstancePublisher:
         self._resync_refill = time.monotonic()
         self._resync_sub: Any = None
         self._batch_subject = self.subjects.batches(instance)
-        self._pending: deque[dict[str, Any]] = deque()
+        self._pending: deque[tuple[dict[str, Any], dict[str, Any] | None]] = deque()  # (state, change)
         self._batches: deque[dict[str, Any]] = deque(maxlen=batch_buffer)
         self._last: dict[str, Any] | None = None  # the newest snapshot sent (idle re-sends)
         self._last_sent = 0.0  # monotonic
@@ -97,15 +98,17 @@ class InstancePublisher:
         """How many more snapshots ``snapshot`` takes before the caller must let them go out."""
         return 1 << 30 if self.min_interval_s > 0 else max(0, self.snapshot_buffer - len(self._pending))
 
-    def snapshot(self, snap: dict[str, Any]) -> None:
-        """Queue the state after one step (a ``bear.snapshot/1`` map; ``v``/``instance`` filled in)."""
+    def snapshot(self, snap: dict[str, Any], change: dict[str, Any] | None = None) -> None:
+        """Queue the state after one step (a ``bear.snapshot/1`` map; ``v``/``instance`` filled in)
+        and, when the caller knows it, the step's change as a ``bear.delta/1`` body: forwarded as
+        the delta when the state sent before is the step before (``delta.forward_delta``)."""
         snap.setdefault("v", SNAPSHOT_SCHEMA)
         snap.setdefault("instance", self.instance)
         snap.setdefault("generation", self.generation)
         if self.min_interval_s > 0 and self._pending:
             self.metrics.snapshots_dropped.labels("coalesced").inc(len(self._pending))
             self._pending.clear()
-        self._pending.append(snap)
+        self._pending.append((snap, change))
         self._wake.set()
 
     def batch(self, record: dict[str, Any]) -> None:
@@ -148,8 +151,8 @@ class InstancePublisher:
     async def _send_pending(self) -> None:
         m = self.metrics
         while self._pending:  # a caller that waited for the lock finds what the other one left
-            snap = self._pending.popleft()
-            full, delta = self.stream.encode(snap)
+            snap, change = self._pending.popleft()
+            full, delta = self.stream.encode(snap, change)
             ok = True
             if delta is not None:
                 ok = await self._send(self._delta_subject, delta)

@@ -16,7 +16,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-# the plugin's op codes (bear_vllm_plugin.OP_*; the plugin imports nothing of bear)
+# the plugin's op codes (bear.snapshotter.plugin_block_ops.OP_*; the plugin imports nothing of bear)
 OP_POP, OP_TOUCH, OP_PREPEND, OP_APPEND, OP_CACHE, OP_EVICT, OP_RESET, OP_DUMP, OP_NAMES = range(9)
 
 

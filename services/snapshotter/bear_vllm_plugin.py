@@ -12,11 +12,11 @@ Per-step deltas (docs/snapshotter.md): in sync mode (FCFS, one full-attention KV
 speculative decoding / KV connectors / pipeline parallelism) a record carries only the step's
 composition (vLLM's own ``SchedulerOutput`` values), the requests that arrived / finished /
 were admitted / preempted and the free-block count; the snapshotter rebuilds the full state by
-applying vLLM's deterministic updates (``records.StateMirror``). The plugin keeps the same
-mirror of the running and waiting lists (object references) and compares it with vLLM's lists
+applying vLLM's deterministic updates (``step_decoder.EngineState``). The plugin keeps its own
+copy of the running and waiting lists (object references) and compares it with vLLM's lists
 after every step (an identity comparison in C); when they differ, when a reader asks for it, and
 every ``BEAR_SNAPSHOT_FULL_EVERY`` steps it writes a full record instead (the periodic one carries
-the delta too, so the snapshotter checks its mirror against it). ``BEAR_SNAPSHOT_VERIFY=1``
+the delta too, so the snapshotter checks the state it keeps against it). ``BEAR_SNAPSHOT_VERIFY=1``
 writes delta + full on every step; ``BEAR_SNAPSHOT_DELTA=0`` writes only full records. Async
 scheduling and the other configurations above always get full records.
 
@@ -42,15 +42,24 @@ import vllm
 from vllm.v1.core.sched.scheduler import Scheduler
 
 if __package__:
+    from . import plugin_block_ops as _block_ops
+    from . import plugin_config as _config
     from . import shm as _shm
-else:  # loaded as a top-level module from PYTHONPATH=services/snapshotter
-    _spec = importlib.util.spec_from_file_location(
-        "_bear_snapshot_shm", os.path.join(os.path.dirname(os.path.abspath(__file__)), "shm.py")
-    )
-    assert _spec is not None and _spec.loader is not None
-    _shm = importlib.util.module_from_spec(_spec)
-    sys.modules["_bear_snapshot_shm"] = _shm
-    _spec.loader.exec_module(_shm)
+else:  # loaded as a top-level module from PYTHONPATH=services/snapshotter: its siblings by path
+
+    def _sibling(name: str) -> Any:
+        spec = importlib.util.spec_from_file_location(
+            f"_bear_snapshot_{name}", os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+        )
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+    _shm = _sibling("shm")
+    _config = _sibling("plugin_config")
+    _block_ops = _sibling("plugin_block_ops")
 
 SUPPORTED_VLLM = ("0.32.0",)
 RECORD_VERSION = 3
@@ -77,112 +86,9 @@ FULL_NONE = 0  # delta only
 FULL_FIRST = 1  # engine start / after an error
 FULL_PERIODIC = 2  # every BEAR_SNAPSHOT_FULL_EVERY steps (carries the delta too)
 FULL_RESYNC = 3  # a reader asked for one
-FULL_CHECK = 4  # vLLM's lists differ from the mirror: the delta would not describe the step
+FULL_CHECK = 4  # vLLM's lists differ from the plugin's copy: the delta would not describe the step
 FULL_MODE = 5  # deltas not supported in this configuration (async, priority, …)
 FULL_VERIFY = 6  # BEAR_SNAPSHOT_VERIFY=1: delta + full every step
-
-# BEAR_SNAPSHOT_BLOCK_OPS=1: every record also carries what vLLM's BlockPool did since the last one
-# (block_ops; None otherwise), in order, so that a reader can keep the free queue block by block
-# (records.BlockPoolReplica): (OP_POP, ids) blocks taken from the front (a cached one loses its
-# hash), (OP_TOUCH, ids) free cached blocks a hit took out of the queue, (OP_PREPEND, ids) /
-# (OP_APPEND, ids) freed blocks put at the front (uncached) / back (cached), (OP_CACHE, ids, names)
-# blocks that got a hash (names: the digest's low 64 bits, as vLLM's int KV events carry them),
-# (OP_EVICT, ids) hashes dropped without a pop, (OP_RESET,) the cache cleared, and in the first
-# record and resync records (OP_DUMP, free queue ids front to back, cached ids, their names); and
-# (OP_NAMES, request id, names: the digests' low 64 bits, 16 hex digits each) for every request
-# added, its prompt's full blocks as vLLM hashed them (what its hits and later ones will look for).
-OP_POP, OP_TOUCH, OP_PREPEND, OP_APPEND, OP_CACHE, OP_EVICT, OP_RESET, OP_DUMP, OP_NAMES = range(9)
-
-
-def _name(block_hash: Any) -> int:
-    """A cached block's hash (vLLM's BlockHashWithGroupId: digest + 4-byte group id) as the int
-    vLLM's KV events carry: the digest's low 64 bits."""
-    return int.from_bytes(block_hash[-12:-4], "big")
-
-
-class _BlockOps:
-    """Wraps one BlockPool's queue-changing methods (instance attributes; the class stays vLLM's)
-    and logs their effect. Installed only with BEAR_SNAPSHOT_BLOCK_OPS=1."""
-
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
-        self.ops: list[tuple[Any, ...]] = []
-        ops = self.ops
-        get_new, touch, free, cache = pool.get_new_blocks, pool.touch, pool.free_blocks, pool.cache_full_blocks
-        evict, reset = pool.evict_blocks, pool.reset_prefix_cache
-
-        def get_new_blocks(num_blocks: int) -> Any:
-            ret = get_new(num_blocks)
-            ops.append((OP_POP, tuple([b.block_id for b in ret])))
-            return ret
-
-        def touch_(blocks: Any) -> None:
-            gone = tuple([b.block_id for b in blocks if b.ref_cnt == 0 and not b.is_null])
-            touch(blocks)
-            if gone:
-                ops.append((OP_TOUCH, gone))
-
-        def free_blocks(ordered_blocks: Any) -> None:
-            blocks = list(ordered_blocks)
-            first: list[int] = []
-            last: list[int] = []
-            for b in blocks:
-                if b.ref_cnt == 1 and not b.is_null and (b.pool is None or b.pool is pool):
-                    (first if b.block_hash is None or not pool.enable_caching else last).append(b.block_id)
-            free(blocks)
-            if first:
-                ops.append((OP_PREPEND, tuple(first)))
-            if last:
-                ops.append((OP_APPEND, tuple(last)))
-
-        def cache_full_blocks(request: Any, blocks: Any, num_cached_blocks: int, num_full_blocks: int,
-                              *args: Any, **kwargs: Any) -> None:
-            span = blocks[num_cached_blocks:num_full_blocks]
-            before = [b.block_hash for b in span]
-            cache(request, blocks, num_cached_blocks, num_full_blocks, *args, **kwargs)
-            ids: list[int] = []
-            names: list[int] = []
-            for b, h in zip(span, before, strict=True):
-                if b.block_hash is not None and b.block_hash is not h and not b.is_null:
-                    ids.append(b.block_id)
-                    names.append(_name(b.block_hash))
-            if ids:
-                ops.append((OP_CACHE, tuple(ids), tuple(names)))
-
-        def evict_blocks(block_ids: Any) -> Any:
-            cached = tuple([i for i in block_ids if pool.blocks[i].block_hash is not None])
-            ret = evict(block_ids)
-            if cached:
-                ops.append((OP_EVICT, cached))
-            return ret
-
-        def reset_prefix_cache(*args: Any, **kwargs: Any) -> Any:
-            ok = reset(*args, **kwargs)
-            if ok:
-                ops.append((OP_RESET,))
-            return ok
-
-        pool.get_new_blocks, pool.touch, pool.free_blocks = get_new_blocks, touch_, free_blocks
-        pool.cache_full_blocks, pool.evict_blocks = cache_full_blocks, evict_blocks
-        pool.reset_prefix_cache = reset_prefix_cache
-
-    def dump(self) -> tuple[Any, ...]:
-        """The whole pool (O(blocks): first and resync records only)."""
-        q = self.pool.free_block_queue
-        ids = []
-        b = q.fake_free_list_head.next_free_block
-        while b is not None and b is not q.fake_free_list_tail:
-            ids.append(b.block_id)
-            b = b.next_free_block
-        cached = [b for b in self.pool.blocks if b.block_hash is not None and not b.is_null]
-        return (OP_DUMP, tuple(ids), tuple([b.block_id for b in cached]), tuple([_name(b.block_hash) for b in cached]))
-
-    def take(self, dump: bool = False) -> tuple[Any, ...]:
-        """The ops since the last call (then the whole pool, when ``dump``)."""
-        out = tuple(self.ops)
-        self.ops.clear()
-        return (*out, self.dump()) if dump else out
-
 
 def vllm_version() -> str:
     return str(getattr(vllm, "__version__", "unknown"))
@@ -248,10 +154,10 @@ class _SnapshotMixin:
             name = f"{name}-dp{dp_rank}"
         mgr = self.kv_cache_manager  # type: ignore[attr-defined]
         self._bear_pool = mgr.block_pool
-        self._bear_ops = _BlockOps(mgr.block_pool) if os.environ.get("BEAR_SNAPSHOT_BLOCK_OPS") == "1" else None
+        self._bear_ops = _block_ops.BlockOps(mgr.block_pool) if os.environ.get("BEAR_SNAPSHOT_BLOCK_OPS") == "1" else None
         self._bear_req_blocks = mgr.coordinator.single_type_managers[0].req_to_blocks
         self._bear_prefix = bool(self.cache_config.enable_prefix_caching)  # type: ignore[attr-defined]
-        self._bear_no_delta = self._bear_delta_unsupported()
+        self._bear_no_delta = _config.delta_unsupported(self)
         self._bear_delta = self._bear_no_delta is None
         self._bear_verify = self._bear_delta and os.environ.get("BEAR_SNAPSHOT_VERIFY") == "1"
         self._bear_full_every = max(1, int(os.environ.get("BEAR_SNAPSHOT_FULL_EVERY", DEFAULT_FULL_EVERY)))
@@ -266,14 +172,14 @@ class _SnapshotMixin:
         self._bear_overhead_ns = 0  # wall time the hooks added since the last record
         self._bear_overhead_cpu_ns = 0  # the same in this thread's CPU time (no GIL waits, no preemption)
         self._bear_dropped = 0
-        # the plugin's mirror of vLLM's lists (what the snapshotter rebuilds from the deltas)
+        # the plugin's copy of vLLM's lists (what the snapshotter rebuilds from the deltas)
         self._bear_arrivals: list[Any] = []
         self._bear_run: list[Any] = []
         self._bear_run_ids: list[str] = []
         self._bear_wait: list[Any] = []
         self._bear_by_id: dict[str, Any] = {}
-        # Finished requests leave the mirror here; the list is cleared after vLLM's next
-        # update_from_output. The mirror often holds a finished request's last reference, and
+        # Finished requests leave the list copy here; the list is cleared after vLLM's next
+        # update_from_output. The copy often holds a finished request's last reference, and
         # freeing it (its token lists, hashes, …) is vLLM's cost, paid in update_from_output
         # without the plugin: keep it there instead of in the plugin's timed section.
         self._bear_graveyard: list[Any] = []
@@ -293,111 +199,15 @@ class _SnapshotMixin:
         t.start()
         atexit.register(self._bear_close)
 
-    # ---- configuration (once) -------------------------------------------------------------------
-    def _bear_delta_unsupported(self) -> str | None:
-        """Why per-step deltas are off here (None: on). The mirror rules are those of the sync
-        scheduler with FCFS queues and one full-attention KV group; anything else gets full
-        records every step."""
-        if os.environ.get("BEAR_SNAPSHOT_DELTA", "1") == "0":
-            return "BEAR_SNAPSHOT_DELTA=0"
-        vc, sc, cc = self.vllm_config, self.scheduler_config, self.cache_config  # type: ignore[attr-defined]
-        if getattr(sc, "async_scheduling", False) or "Async" in type(self).__name__:
-            return "async scheduling (full records; deltas are proven for the sync scheduler only)"
-        if str(getattr(sc.policy, "value", sc.policy)) != "fcfs" or not isinstance(self.waiting, deque):  # type: ignore[attr-defined]
-            return f"policy {sc.policy}"
-        if vc.speculative_config is not None or getattr(self, "num_lookahead_tokens", 0):
-            return "speculative decoding"
-        if getattr(self, "connector", None) is not None or getattr(self, "ec_connector", None) is not None:
-            return "KV/EC connector"
-        if getattr(self, "num_sampled_tokens_per_step", 1) != 1 or getattr(self, "is_encoder_decoder", False):
-            return "not a decoder-only generative model"
-        pc = self.parallel_config  # type: ignore[attr-defined]
-        if getattr(pc, "pipeline_parallel_size", 1) > 1:
-            return "pipeline parallelism"
-        if getattr(self, "dcp_world_size", 1) > 1 or getattr(self, "pcp_world_size", 1) > 1:
-            return "context parallelism"
-        groups = self.kv_cache_config.kv_cache_groups  # type: ignore[attr-defined]
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-            return "not a single full-attention KV cache group"
-        unit = getattr(cc, "prefix_match_unit", None)
-        if unit not in (None, self.block_size):  # type: ignore[attr-defined]
-            return "sub-block prefix matching"
-        if getattr(self, "prefix_replay_tokens", 0):
-            return "prefix replay"
-        return None
-
     def _bear_meta(self) -> dict[str, Any]:
-        sc, cc = self.scheduler_config, self.cache_config  # type: ignore[attr-defined]
-        mgr = self.kv_cache_manager  # type: ignore[attr-defined]
-        lpt_adaptive = getattr(sc, "long_prefill_token_threshold_adaptive", None)
-        config = {
-            "max_num_batched_tokens": int(sc.max_num_batched_tokens),
-            "max_num_scheduled_tokens": int(
-                getattr(self, "max_num_scheduled_tokens", sc.max_num_batched_tokens)
-            ),
-            "max_num_seqs": int(sc.max_num_seqs),
-            "long_prefill_token_threshold": int(sc.long_prefill_token_threshold or 0),
-            "enable_chunked_prefill": bool(sc.enable_chunked_prefill),
-            "policy": str(getattr(sc.policy, "value", sc.policy)),
-            "block_size": int(self.block_size),  # type: ignore[attr-defined]
-            "num_gpu_blocks": int(cc.num_gpu_blocks or 0),
-            "watermark_blocks": int(getattr(mgr, "watermark_blocks", 0) or 0),
-            "max_model_len": int(self.max_model_len),  # type: ignore[attr-defined]
-            "scheduler_reserve_full_isl": bool(getattr(sc, "scheduler_reserve_full_isl", True)),
-            "enable_prefix_caching": bool(cc.enable_prefix_caching),
-            "async_scheduling": bool(getattr(sc, "async_scheduling", False)),
-        }
-        if lpt_adaptive is not None:
-            config["long_prefill_token_threshold_adaptive"] = bool(lpt_adaptive)
-        model_config = getattr(self.vllm_config, "model_config", None)  # type: ignore[attr-defined]
-        return {
-            "record_version": RECORD_VERSION,
-            "vllm_version": vllm_version(),
-            "pid": os.getpid(),
-            "pid_namespace": _shm.pid_namespace(),
-            "dp_rank": int(getattr(self.parallel_config, "data_parallel_rank", 0) or 0),  # type: ignore[attr-defined]
-            "delta": self._bear_delta,
-            "delta_off": self._bear_no_delta,
-            "verify": self._bear_delta and os.environ.get("BEAR_SNAPSHOT_VERIFY") == "1",
-            "full_every": max(1, int(os.environ.get("BEAR_SNAPSHOT_FULL_EVERY", DEFAULT_FULL_EVERY))),
-            "config": config,
-            "prefix_cache": self._bear_prefix_meta(),
-            "tokenizer": str(getattr(model_config, "tokenizer", "") or ""),
-        }
-
-    def _bear_prefix_meta(self) -> dict[str, Any]:
-        """How this engine names its cached blocks and where it publishes its KV events: what a
-        mirror outside needs (``bear.prefix``). The seed is the one vLLM resolved (PYTHONHASHSEED
-        or its fixed default; random per process for the xxhash algorithms without it)."""
-        cc = self.cache_config  # type: ignore[attr-defined]
-        out: dict[str, Any] = {
-            "enabled": bool(cc.enable_prefix_caching),
-            "block_size": int(self.block_size),  # type: ignore[attr-defined]
-            "hash_algo": str(getattr(cc, "prefix_caching_hash_algo", "sha256")),
-            "events": False,
-        }
-        try:
-            from vllm import envs
-            from vllm.v1.core import kv_cache_utils
-
-            out["hash_seed"] = str(kv_cache_utils.get_none_hash_seed())
-            out["int_hashes"] = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
-        except Exception as exc:  # an internal that moved: the mirror says so rather than guess
-            out["problem"] = repr(exc)
-        pub = getattr(self, "kv_event_publisher", None)
-        cfg = pub.get_publisher_config() if pub is not None else None
-        if cfg is not None and getattr(cfg, "enable_kv_cache_events", False) and getattr(cfg, "publisher", "") == "zmq":
-            out.update(events=True, endpoint=cfg.endpoint, replay_endpoint=cfg.replay_endpoint,
-                       topic=cfg.topic or "")
-        return out
+        return _config.plugin_meta(self, self._bear_delta, self._bear_no_delta, RECORD_VERSION, vllm_version(),
+                                   _shm.pid_namespace(), DEFAULT_FULL_EVERY)
 
     # ---- engine-thread hooks --------------------------------------------------------------------
     def add_request(self, request: Any) -> None:
         super().add_request(request)  # type: ignore[misc]
         if self._bear_ops is not None and request.block_hashes:  # one slice per full block
-            self._bear_ops.ops.append((OP_NAMES, request.request_id,
+            self._bear_ops.ops.append((_block_ops.OP_NAMES, request.request_id,
                                        b"".join([h[-8:] for h in request.block_hashes]).hex()))
         if self._bear_delta:
             # the row as the next schedule() will see it (nothing changes a waiting request
@@ -520,13 +330,13 @@ class _SnapshotMixin:
         if not reason and self._bear_verify:
             reason = FULL_VERIFY
         if _DEQUE_LEN(self.kv_holding_waiting):  # type: ignore[attr-defined]
-            reason = FULL_CHECK  # waiting requests that hold blocks: not in the mirror's rules
+            reason = FULL_CHECK  # waiting requests that hold blocks: not in the delta's rules
 
         delta = None
         if reason in (FULL_NONE, FULL_PERIODIC, FULL_VERIFY):
             try:
-                delta = self._bear_mirror_step(ids, ns, adm, nbids, arr, fin_before, fin_mid, fin_upd, pre, outs)
-            except Exception:  # e.g. an id the mirror never saw: describe this step in full
+                delta = self._bear_lists_step(ids, ns, adm, nbids, arr, fin_before, fin_mid, fin_upd, pre, outs)
+            except Exception:  # e.g. an id the list copy never saw: describe this step in full
                 delta = None
             if delta is None:
                 reason = FULL_CHECK
@@ -549,8 +359,8 @@ class _SnapshotMixin:
                 run_cols, wait_cols, self._bear_overhead_ns, None, self._bear_overhead_cpu_ns, reason, delta,
                 self._bear_block_ops(reason in (FULL_FIRST, FULL_RESYNC)),
             )  # fmt: skip
-            if reason != FULL_VERIFY:  # (a verify record's delta matched: the mirror chain goes on)
-                self._bear_reset_mirror()  # also compacts the position index every full_every steps
+            if reason != FULL_VERIFY:  # (a verify record's delta matched: the chain of deltas goes on)
+                self._bear_reset_lists()  # also compacts the position index every full_every steps
                 self._bear_since_full = 0
             self._bear_force_full = FULL_NONE
         self._bear_overhead_ns = self._bear_overhead_cpu_ns = 0
@@ -583,7 +393,7 @@ class _SnapshotMixin:
             self._bear_dropped += 1
 
     def _bear_run_index(self, rid: str) -> int:
-        """Index of running request ``rid`` in the mirror (-1: not running). A dict probe and a
+        """Index of running request ``rid`` in the list copy (-1: not running). A dict probe and a
         bisection: finding it by scanning would compare (and so touch) every other request's id,
         a cache miss each on a busy host."""
         orig = self._bear_pos.get(rid)
@@ -593,7 +403,7 @@ class _SnapshotMixin:
         return i if 0 <= i < len(self._bear_run_ids) and self._bear_run_ids[i] is rid else -2
 
     def _bear_run_drop(self, rids: Any) -> list[str] | None:
-        """Remove running requests from the mirror (in place; ``del`` only moves pointers, where
+        """Remove running requests from the list copy (in place; ``del`` only moves pointers, where
         copying the list would incref — touch — every request). Returns the ids that were not
         running, None if the position index is inconsistent."""
         idx = []
@@ -615,15 +425,15 @@ class _SnapshotMixin:
             del run_ids[i]
         return missing
 
-    def _bear_mirror_step(
+    def _bear_lists_step(
         self, ids: list[str], ns: Any, adm: list[tuple[Any, ...]], nbids: Any, arr: list[tuple[Any, ...]],
         fin_before: frozenset[str], fin_mid: frozenset[str], fin_upd: frozenset[str], pre: tuple[str, ...],
         outs: Any,
     ) -> tuple[Any, ...] | None:  # fmt: skip
-        """Apply the step to the plugin's mirror of the running / waiting lists (object references,
-        changed in place) with the rules the snapshotter uses (records.StateMirror) and compare
+        """Apply the step to the plugin's copy of the running / waiting lists (object references,
+        changed in place) with the rules the snapshotter uses (step_decoder.EngineState) and compare
         with vLLM's lists: identity comparisons in C that never touch the requests themselves.
-        Returns the delta, or None when the mirror does not match (→ full record; the mirror is
+        Returns the delta, or None when the copy does not match (→ full record; the copy is
         rebuilt from vLLM's lists then)."""
         by_id = self._bear_by_id
         run, run_ids, wait = self._bear_run, self._bear_run_ids, self._bear_wait
@@ -697,7 +507,7 @@ class _SnapshotMixin:
             nbids, emitted, len(run), len(wait),
         )  # fmt: skip
 
-    def _bear_reset_mirror(self) -> None:
+    def _bear_reset_lists(self) -> None:
         self._bear_graveyard.extend((self._bear_run, self._bear_wait, self._bear_by_id))
         run = list(self.running)  # type: ignore[attr-defined]
         wait = list(self.waiting)  # type: ignore[attr-defined]
@@ -819,7 +629,7 @@ class _SnapshotMixin:
         )  # fmt: skip
         self._bear_writer.write(record)
         if self._bear_delta:
-            self._bear_reset_mirror()
+            self._bear_reset_lists()
             self._bear_force_full = FULL_NONE
 
     # ---- housekeeping (not the engine thread) -----------------------------------------------------

@@ -35,8 +35,9 @@ from bear.runtime.service import auth_options
 from bear.runtime.shutdown import cancel_all
 from bear.snapshotter.kv_events import KvEventsReader
 from bear.snapshotter.metrics import SnapshotterMetrics
-from bear.snapshotter.records import BatchBuilder, RecordError, StepDecoder, to_snapshot
+from bear.snapshotter.records import BatchBuilder, RecordError, to_snapshot
 from bear.snapshotter.shm import ShmReader, pid_namespace
+from bear.snapshotter.step_decoder import StepDecoder
 
 INSTANCE_SCHEMA = "bear.instance/1"
 log = structlog.get_logger("bear.snapshotter")
@@ -467,7 +468,9 @@ class Snapshotter:
             )
             if step.get("block_ops") is not None:
                 self._describe_pool(r, step, snap, superseded=k < newest)
-            self.publisher.snapshot(snap)  # never full here: _drain_and_publish reads only what fits
+            # never full here: _drain_and_publish reads only what fits; the plugin's delta goes on
+            # as the step's bear.delta/1 (no diff of the two states)
+            self.publisher.snapshot(snap, self._decoder.change)
             for b in self._builder.feed(step):
                 self.publisher.batch(b)
         return len(res.records)

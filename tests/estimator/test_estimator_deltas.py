@@ -1,4 +1,4 @@
-"""The estimator's delta ingest (bear.estimator.mirror): deltas applied in libbea keep the held state
+"""The estimator's delta ingest (bear.estimator.delta_ingest): deltas applied in libbea keep the held state
 equal to the instance's; a broken chain (a lost, reordered or malformed delta, a new engine
 generation) is detected, answered ``resyncing`` from the analytic fallback — never BEA — and healed
 by a full snapshot; over NATS with 1 % of the deltas dropped, every BEA estimate is made from
@@ -16,7 +16,7 @@ import nats
 import pytest
 
 from bear import libbea
-from bear.estimator import mirror
+from bear.estimator import delta_ingest
 from bear.estimator import worker as worker_mod
 from bear.estimator.estimate import EstimatorConfig, estimate
 from bear.estimator.state import StateStore
@@ -143,13 +143,13 @@ def test_a_resync_answer_clears_a_gap_that_a_later_delta_announced() -> None:
     assert st.offer_delta(pack(far), now) == "gap" and st.gapped
     st.offer_snapshot(pack(steps[4][0]), now)  # a periodic full snapshot: a newer state is known
     assert st.ensure_parsed() and st.gapped and rows(store, now).status == "resyncing"
-    mirror.resynced(st, now)  # what the worker does with a resync answer
+    delta_ingest.resynced(st, now)  # what the worker does with a resync answer
     assert not st.gapped and same(st, steps[4][0]) and rows(store, now).method == "bea"
     for state, d in steps[5:]:
         assert st.offer_delta(d, now) == "applied" and same(st, state)
 
 
-def test_a_full_snapshot_of_the_state_held_checks_the_mirror() -> None:
+def test_a_full_snapshot_of_the_state_held_checks_the_state_the_deltas_kept() -> None:
     events: list[str] = []
     store = StateStore(on_event=events.append)
     st = store.get("i")

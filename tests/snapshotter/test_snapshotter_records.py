@@ -152,7 +152,7 @@ def test_bear_record_cli(tmp_path: Path) -> None:
     assert CliRunner().invoke(app, ["snapshotter", "--help"]).exit_code == 0
 
 
-# ---- per-step deltas (StepDecoder / StateMirror) ---------------------------------------------------
+# ---- per-step deltas (step_decoder: StepDecoder / EngineState) ---------------------------------------------------
 def _delta_scenario() -> tuple[list[tuple], list[tuple]]:
     """The same four steps as full records (what the plugin writes with deltas off) and as the
     plugin's deltas. A (500-token prompt, 3 outputs) and B (100, 2 outputs) arrive before step 1;
@@ -202,7 +202,7 @@ def _published(step: dict) -> dict:
 
 
 def test_deltas_decode_to_the_full_state() -> None:
-    from bear.snapshotter.records import StepDecoder
+    from bear.snapshotter.step_decoder import StepDecoder
 
     full, deltas = _delta_scenario()
     dec = StepDecoder()
@@ -219,7 +219,7 @@ def test_deltas_decode_to_the_full_state() -> None:
 
 
 def test_verify_records_compare_the_mirror_with_the_full_state() -> None:
-    from bear.snapshotter.records import StepDecoder
+    from bear.snapshotter.step_decoder import StepDecoder
 
     full, deltas = _delta_scenario()
     both = [full[0]] + [(*f[:20], 6, d[21], None) for f, d in zip(full[1:], deltas[1:], strict=True)]
@@ -240,7 +240,7 @@ def test_verify_records_compare_the_mirror_with_the_full_state() -> None:
 
 
 def test_delta_without_state_or_after_a_gap_is_not_decoded() -> None:
-    from bear.snapshotter.records import StepDecoder
+    from bear.snapshotter.step_decoder import StepDecoder
 
     full, deltas = _delta_scenario()
     dec = StepDecoder()
@@ -256,3 +256,37 @@ def test_delta_without_state_or_after_a_gap_is_not_decoded() -> None:
     dec.decode(full[0])
     d1 = deltas[1]
     assert dec.decode((*d1[:14], 990, *d1[15:])) is None and "blocks held" in (dec.last_problem or "")
+
+
+def test_the_plugin_delta_is_forwarded_and_libbea_makes_the_full_state_of() -> None:
+    """The decoder's bear.delta/1 of each delta record, forwarded as the publisher forwards it,
+    applied by libbea to the previous step's full snapshot, is that step's full snapshot — and the
+    delta is the one encode_delta computes from the two states."""
+    from delta_check import check_plugin_deltas
+
+    full, deltas = _delta_scenario()
+    res = check_plugin_deltas(deltas, CONFIG)
+    assert res["differences"] == [] and res["forwarded"] == res["applied_equal"] == res["same_as_diff"] == 4, res
+    # a verify stream (every record: delta and full state) gives the same
+    both = [full[0]] + [(*f[:20], 6, d[21], None) for f, d in zip(full[1:], deltas[1:], strict=True)]
+    res = check_plugin_deltas(both, CONFIG)
+    assert res["differences"] == [] and res["forwarded"] == res["applied_equal"] == 4, res
+
+
+def test_real_vllm_plugin_deltas_applied_by_libbea_equal_the_full_snapshots() -> None:
+    """600 steps of vLLM's real scheduler (tests/data/plugin-records: KV pressure, preemptions,
+    prefix hits, aborts, resets), each record with the delta and the full state: every forwarded
+    delta gives, in libbea, exactly the full snapshot of its step."""
+    import marshal
+
+    from delta_check import check_plugin_deltas
+
+    path = Path(__file__).parents[1] / "data" / "plugin-records" / "kv-pressure-prefix.marshal.gz"
+    with gzip.open(path, "rb") as f:
+        meta_, raws = marshal.load(f)
+    res = check_plugin_deltas(raws, meta_["config"])
+    kinds = [r[20] for r in raws]
+    assert res["differences"] == [] and res["decoder"]["mismatches"] == 0, res
+    # every record but the first and the plugin's own full ones (queues reordered behind its back)
+    assert res["forwarded"] == res["applied_equal"] == len(raws) - 1 - kinds.count(4) > 500, res
+    assert sum(len(r[13]) for r in raws) > 0  # preemptions among them

@@ -128,9 +128,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             add()
     recs = read_all(shm)
     os.unlink(f"/dev/shm/{shm}")
-    import records
+    import step_decoder
 
-    dec = records.StepDecoder()
+    dec = step_decoder.StepDecoder()
     steps = [dec.decode(r) for r in recs]
     # steady state only: every request resident and decoding (periodic full records included)
     rows = [s for s in steps[3:] if s is not None and len(s["sched"]) >= 0.95 * args.residents]
@@ -142,7 +142,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     q = lambda xs, p: xs[min(len(xs) - 1, int(len(xs) * p))]  # noqa: E731
     return {"mode": args.mode, "churn": args.churn, "residents": args.residents, "steps": len(rows), "records": kinds,
             "wall_us_median": q(wall, 0.5), "wall_us_p90": q(wall, 0.9), "wall_us_mean": sum(wall) / len(wall),
-            "cpu_us_min": cpu[0], "cpu_us_median": q(cpu, 0.5), "cpu_us_p90": q(cpu, 0.9),
+            "cpu_us_min": cpu[0], "cpu_us_median": q(cpu, 0.5), "cpu_us_p90": q(cpu, 0.9), "cpu_us_p99": q(cpu, 0.99), "wall_us_p99": q(wall, 0.99),
             "cpu_us_mean": sum(cpu) / len(cpu),
             "loadavg": os.getloadavg()[0]}  # fmt: skip
 
@@ -164,7 +164,7 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
     compares. Also aborts (between steps and while a batch runs), EOS stops and prefix-cache
     resets with preemption of every running request (between steps)."""
     sys.path.insert(0, str(PLUGIN_DIR))
-    import records
+    import step_decoder
     from vllm.v1.request import RequestStatus
 
     os.environ["BEAR_SNAPSHOT_SHM"] = shm = f"bear-verify-{uuid.uuid4().hex[:8]}"
@@ -179,7 +179,7 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
     from shm import ShmReader
 
     reader = ShmReader(shm)
-    dec = records.StepDecoder()
+    dec = step_decoder.StepDecoder()
     rng = random.Random(args.seed)
     prefixes = [[rng.randrange(256) for _ in range(rng.choice([128, 256, 384]))] for _ in range(4)]
     kinds: dict[str, int] = {}
@@ -187,9 +187,13 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
     n_req = preempted = aborted = resets = eos_stops = prefix_hits = chaos = 0
     max_res = 0
 
+    dumped: list[Any] = []
+
     def drain() -> None:
         res = reader.poll()
         assert res.skipped == 0, "ring overwrote records: read more often"
+        if args.dump:
+            dumped.extend(res.records)
         for raw in res.records:
             step = dec.decode(raw)
             if dec.last_problem:
@@ -238,8 +242,15 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
         if i % 16 == 0:
             drain()
     drain()
+    meta = reader.meta()
     reader.close()
     os.unlink(f"/dev/shm/{shm}")
+    if args.dump:  # the raw records, for a check outside the vLLM venv (libbea)
+        import gzip
+        import marshal
+
+        with gzip.open(args.dump, "wb") as f:
+            marshal.dump((meta, dumped), f)
     return {"config": args.config, "mode": args.mode, "seed": args.seed, "steps": reader.next_index,
             "requests": n_req, "max_resident": max_res, "preemptions": preempted, "aborts": aborted,
             "stops": eos_stops, "prefix_hit_admissions": prefix_hits, "prefix_resets": resets, "chaos": chaos,
@@ -257,6 +268,7 @@ def main() -> None:
     p.add_argument("--config", default="prefix-lpt", choices=list(VERIFY_CONFIGS))
     p.add_argument("--full-every", type=int, default=256)
     p.add_argument("--churn", action="store_true", help="bench: requests finish and new ones arrive")
+    p.add_argument("--dump", default=None, help="verify: write the raw records (gzip'd marshal) here")
     p.add_argument("--chaos", action="store_true", help="verify: reorder vLLM's queues behind the plugin's back")
     args = p.parse_args()
     res = bench(args) if args.what == "bench" else verify(args)

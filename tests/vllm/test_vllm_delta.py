@@ -48,3 +48,24 @@ def test_offline_deltas_decode_without_verify_records(vllm_py: str, tiny_model: 
     dec, kinds = res["decoder"], res["records"]
     assert dec["mismatches"] == 0 and dec["undecodable"] == 0 and dec["verified"] >= 4, res
     assert kinds.get("delta", 0) >= 0.99 * (res["steps"] - 10) and "check" not in kinds, res
+
+
+@pytest.mark.parametrize("config", ["kv-pressure-prefix", "no-chunking"])
+def test_forwarded_plugin_deltas_applied_by_libbea_equal_the_full_state(config: str, vllm_py: str, tiny_model: Path,
+                                                                        tmp_path: Path) -> None:
+    """The bear.delta/1 the snapshotter forwards from each plugin delta (one decoder, no diff of two
+    states), applied by libbea to the previous step's full snapshot, is the full snapshot of the
+    step, on vLLM's real scheduler."""
+    import gzip
+    import marshal
+
+    from delta_check import check_plugin_deltas
+
+    dump = tmp_path / "records.marshal.gz"
+    _run(vllm_py, tiny_model, "--config", config, "--mode", "verify", "--steps", "800", "--seed", "23", "--chaos",
+         "--dump", str(dump))
+    with gzip.open(dump, "rb") as f:
+        meta, raws = marshal.load(f)
+    res = check_plugin_deltas(raws, meta["config"])
+    checks = sum(1 for r in raws if r[20] == 4)
+    assert res["differences"] == [] and res["forwarded"] == res["applied_equal"] == len(raws) - 1 - checks, res

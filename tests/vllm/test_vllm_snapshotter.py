@@ -39,9 +39,10 @@ from bear import libbea
 from bear.protocol.codec import unpack_map
 from bear.runtime.nats_server import LocalNatsServer
 from bear.snapshotter.cases import generations, record_run
-from bear.snapshotter.records import StepDecoder, batches_of
+from bear.snapshotter.records import batches_of
 from bear.snapshotter.service import Snapshotter, SnapshotterConfig
 from bear.snapshotter.shm import ShmReader
+from bear.snapshotter.step_decoder import StepDecoder
 
 from delta_check import check_mirror
 from waiting import wait_until

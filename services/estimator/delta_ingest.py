@@ -1,6 +1,8 @@
-"""An instance's state kept current by its per-step deltas (``bear.delta/1``), applied to the held
-libbea snapshot in C++ on the worker's event loop (no Python object per resident), with gap
-detection, reordering and the need for a resync (docs/estimator.md, "Ingest").
+"""Delta ingest: an instance's held state kept current by its per-step deltas (``bear.delta/1``),
+applied to the held libbea snapshot in C++ on the worker's event loop (no Python object per
+resident), with gap detection, reordering and the need for a resync (docs/estimator.md, "Ingest").
+It works on any ``DeltaTarget`` (``bear.estimator.state.InstanceState`` is the one the worker
+holds): this module does not import the state module, the state module imports it.
 
 * A delta applies when the state held is the one it names (generation, base seq and that state's
   capture time: an engine's initial state and its first step share seq 0): libbea changes the
@@ -18,27 +20,44 @@ detection, reordering and the need for a resync (docs/estimator.md, "Ingest").
   shows the gap.
 * A full snapshot clears the gap once no newer delta is known; buffered deltas that chain onto it
   are applied. A resync answer is the publisher's newest state: it clears the gap whatever newer
-  state a delta announced. A full snapshot of the very state held checks the mirror (a difference is counted
-  and logged; the full snapshot wins).
+  state a delta announced. A full snapshot of the very state held checks the state the deltas kept
+  (a difference is counted and logged; the full snapshot wins).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import structlog
 
 from bear import libbea
-
-if TYPE_CHECKING:
-    from bear.estimator.state import InstanceState
 
 log = structlog.get_logger("bear.estimator")
 
 PENDING_DELTAS = 64  # deltas held while the state they apply to is on its way
 RESYNC_RETRY_S = 0.5  # a gapped instance that stays gapped is asked again at most this often
 MAX_CLOCK_SKEW_S = 2.0  # a delta stamped further in the future than this is refused
+
+
+class DeltaTarget(Protocol):
+    """What delta ingest reads and changes of one instance's state (``InstanceState``)."""
+
+    instance: str
+    snap: Any  # libbea.Snapshot | None
+    gapped: bool
+    in_use: int
+    lengths: OrderedDict[str, int]
+    feed: DeltaFeed
+
+    def ensure_parsed(self) -> bool | None: ...
+
+    def lengths_of(self, ids: Iterable[str]) -> dict[str, int]: ...
+
+    def delta_applied(self, added: list[str], snap_time: float, received: float) -> None: ...
+
+    def event(self, name: str) -> None: ...
 
 
 class DeltaFeed:
@@ -53,7 +72,7 @@ class DeltaFeed:
         self.unfit = 0  # deltas in a row that did not apply
         self.resync_asked = 0.0  # monotonic; 0: never
 
-    def wants_resync(self, st: InstanceState, now: float) -> bool:
+    def wants_resync(self, st: DeltaTarget, now: float) -> bool:
         """Whether to ask the instance for a full snapshot now (and note that it was asked)."""
         if not st.gapped or (st.snap is not None and self.unfit < 2):
             return False
@@ -63,7 +82,7 @@ class DeltaFeed:
         return True
 
 
-def offer_delta(st: InstanceState, data: bytes, now: float) -> str:
+def offer_delta(st: DeltaTarget, data: bytes, now: float) -> str:
     """Take one ``bear.delta/1`` message for ``st``; what happened: applied, old, gap, malformed,
     unreadable, future, or held (a replay off the event loop reads the snapshot: the delta waits
     until ``release``)."""
@@ -78,7 +97,7 @@ def offer_delta(st: InstanceState, data: bytes, now: float) -> str:
     return _take(st, d, now)
 
 
-def release(st: InstanceState, now: float) -> None:
+def release(st: DeltaTarget, now: float) -> None:
     """The replays off the loop are done: take the deltas that waited for them."""
     if st.in_use or not st.feed.pending:
         return
@@ -88,7 +107,7 @@ def release(st: InstanceState, now: float) -> None:
         _take(st, d, now)
 
 
-def _take(st: InstanceState, d: Any, now: float) -> str:
+def _take(st: DeltaTarget, d: Any, now: float) -> str:
     st.ensure_parsed()  # a full snapshot waiting to be parsed is the base of what follows
     feed = st.feed
     key = (int(d.generation), int(d.seq))
@@ -115,7 +134,7 @@ def _take(st: InstanceState, d: Any, now: float) -> str:
     return "gap"
 
 
-def _apply(st: InstanceState, d: Any, now: float) -> str:
+def _apply(st: DeltaTarget, d: Any, now: float) -> str:
     try:
         added = st.snap.apply_delta(d, st.lengths)
         missed = [a for a in added if a not in st.lengths]  # named the engine's way (vLLM): join by dispatch id
@@ -133,7 +152,7 @@ def _apply(st: InstanceState, d: Any, now: float) -> str:
     return "applied"
 
 
-def catch_up(st: InstanceState, now: float) -> None:
+def catch_up(st: DeltaTarget, now: float) -> None:
     """After a new state (a full snapshot, or a delta): apply the buffered deltas that chain onto
     it, forget the ones it already covers, and clear the gap once no newer delta is known."""
     feed = st.feed
@@ -157,7 +176,7 @@ def catch_up(st: InstanceState, now: float) -> None:
         feed.pending.clear()
 
 
-def resynced(st: InstanceState, now: float) -> None:
+def resynced(st: DeltaTarget, now: float) -> None:
     """A resync answer was installed: the newest state the publisher sent, so nothing newer is
     known but the buffered deltas that chain onto it (a delta that announced a later state — lost
     since, or forged — must not keep the instance gapped past the answer)."""
@@ -168,8 +187,8 @@ def resynced(st: InstanceState, now: float) -> None:
     catch_up(st, now)
 
 
-def check_full(st: InstanceState, full: Any) -> None:
-    """A full snapshot of the state the mirror holds (same generation and seq): compare."""
+def check_full(st: DeltaTarget, full: Any) -> None:
+    """A full snapshot of the state the deltas kept (same generation and seq): compare."""
     held = st.snap
     if held is None or st.gapped or held.generation != full.generation or held.seq != full.seq:
         return
@@ -180,5 +199,5 @@ def check_full(st: InstanceState, full: Any) -> None:
         st.event("mirror_verified")
         return
     st.event("mirror_mismatch")
-    log.error("delta mirror differs from the full snapshot; the full snapshot replaces it", instance=st.instance,
-              seq=int(full.seq), difference=diff)
+    log.error("the state kept by deltas differs from the full snapshot; the full snapshot replaces it",
+              instance=st.instance, seq=int(full.seq), difference=diff)
