@@ -233,6 +233,10 @@ def run_up(cfg: Any, load_rate: float, load_duration: float, load_out: Path | No
         engines = "sim engines" if cfg.backend == "sim" else "vLLM (first start compiles: minutes) + snapshotters"
         with console.status(f"starting NATS, {engines}, predictor (trains on first run), estimator, router…"):
             stack.start()
+        # up from here: with no load to run, a signal is the ordinary stop (exit 0). Set before the
+        # state file that tells a caller the stack is up, so a signal sent on seeing it (while the
+        # banner prints) is not taken for an interrupted start (CI, 4 Dec: exit 129 after SIGHUP)
+        serving = load_rate <= 0
         write_state({**stack.describe(), "workdir": str(cfg.workdir.resolve()), "started": time.time()})
         _banner(console, stack, escape)
         if load_rate > 0:
@@ -246,7 +250,6 @@ def run_up(cfg: Any, load_rate: float, load_duration: float, load_out: Path | No
                           f"  ·  logs {escape(str(stack.log_dir))}", soft_wrap=True)
         else:
             console.print("Ctrl-C stops everything.")
-            serving = True
             while True:
                 time.sleep(0.5)
                 for event in stack.supervise():  # a dead child is restarted, not the end of the stack
