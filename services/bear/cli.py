@@ -1,8 +1,8 @@
-"""The ``bear`` command: one typer app; each part of BEAR adds its own subcommands, and every
-benchmark goes under ``bear bench <part>``.
+"""The ``bear`` command: one typer app; each part of BEAR adds its own subcommands (from its module
+in the CLI room ``bear.commands``), and every benchmark goes under ``bear bench <part>``.
 
-Command modules are imported here but keep their heavy imports (numpy, lightgbm, vLLM) inside
-the command functions, so that ``bear --help`` stays fast.
+Command modules are imported here, and only here, but keep their heavy imports (numpy, lightgbm,
+vLLM) inside the command functions, so that ``bear --help`` stays fast.
 
 ``main()`` is the one error-reporting path of every command: an expected failure (bad option,
 no stack, cannot connect, nothing answers, timeout, payload too large, port in use, a refused
@@ -47,18 +47,18 @@ def _root(debug: bool = typer.Option(False, "--debug", envvar="BEAR_DEBUG",
 
 # Each module exposes ``register(app)`` and, if it has benchmarks, ``register_bench(bench_app)``.
 COMMAND_MODULES = [
-    "bear.stack.commands",
-    "bear.stack.nats_commands",
-    "bear.client.commands",
-    "bear.load.commands",
-    "bear.router.commands",
-    "bear.gateway.commands",
-    "bear.predictor.commands",
-    "bear.estimator.commands",
-    "bear.calibrator.commands",
-    "bear.snapshotter.commands",
-    "bear.sim.commands",
-    "bear.evaluation.commands",
+    "bear.commands.stack",
+    "bear.commands.nats",
+    "bear.commands.client",
+    "bear.commands.load",
+    "bear.commands.router",
+    "bear.commands.gateway",
+    "bear.commands.predictor",
+    "bear.commands.estimator",
+    "bear.commands.calibrator",
+    "bear.commands.snapshotter",
+    "bear.commands.sim",
+    "bear.commands.evaluation",
 ]
 
 

@@ -53,7 +53,7 @@ async def connect(url: str, name: str, *, connect_within_s: float = CONNECT_WITH
     ``BearError(BAD_REQUEST)`` saying so); once connected it reconnects
     ``max_reconnect_attempts`` times (-1: forever). Slow-consumer drops, permission violations and
     other asynchronous errors are logged, not fatal. An empty ``url`` (a command's ``--nats``
-    found no stack, bear.options) is the error "no BEAR stack found"."""
+    found no stack, bear.commands.options) is the error "no BEAR stack found"."""
     if not url:
         raise BearError(ErrorCode.UNAVAILABLE, NO_STACK)
     options = {**auth_options(creds), **options}

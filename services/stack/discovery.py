@@ -7,7 +7,7 @@ logout), else ``~/.cache/bear/stacks``, and is named after the directory ``bear 
 reader looks for the current directory and then each parent, so a command run anywhere below the
 stack's directory finds it. The file names the ``bear up`` process; a file whose process is gone is
 stale and is removed by the next reader. The URL is resolved flag > ``BEAR_NATS_URL`` > this file
-(``find_nats_url``, which bear.options applies to every command's ``--nats``)."""
+(``find_nats_url``, which bear.commands.options applies to every command's ``--nats``)."""
 
 from __future__ import annotations
 

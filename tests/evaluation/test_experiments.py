@@ -8,9 +8,9 @@ import json
 import pytest
 from test_evaluation import calib, tiny_queries
 
+from bear.commands.evaluation import EXPERIMENTS
 from bear.evaluation import experiments as ex
 from bear.evaluation import run as runner
-from bear.evaluation.commands import EXPERIMENTS
 from bear.evaluation.suite import registry
 from bear.router.policies import REGISTRY
 

@@ -137,7 +137,7 @@ def test_provision_instances_file_is_checked(tmp_path: Path) -> None:
     import pytest
     import typer
 
-    from bear.stack.nats_commands import _bindings
+    from bear.commands.nats import _bindings
 
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"a": {"model": MODEL, "base_url": "http://10.0.0.5:8000/v1/",

@@ -79,8 +79,8 @@ def test_metrics_ports_default_to_9464_and_step_aside_when_taken() -> None:
     import contextlib
     import socket
 
+    from bear.commands.stack import DEFAULT_METRICS_PORT, metrics_ports
     from bear.runtime.metrics import port_free
-    from bear.stack.commands import DEFAULT_METRICS_PORT, metrics_ports
 
     assert metrics_ports(0, 1, "127.0.0.1") == 0 and metrics_ports(9999, 1, "127.0.0.1") == 9999  # as asked
     with contextlib.ExitStack() as held:

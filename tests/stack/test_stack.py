@@ -193,7 +193,7 @@ def test_up_hands_policy_params_to_its_routers(tmp_path, monkeypatch) -> None:
     against the policy first; without it the routers get none (the policy's defaults)."""
     from typer.testing import CliRunner
 
-    import bear.stack.commands as up
+    import bear.commands.stack as up
     from bear.cli import app
 
     seen: list = []

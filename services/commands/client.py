@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from bear.options import FIND_NATS, ClientNatsCreds, NatsUrl, Prefix, positive
+from bear.commands.options import FIND_NATS, ClientNatsCreds, NatsUrl, Prefix, positive
 from bear.protocol.codec import json_safe
 from bear.runtime import aio
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from bear.options import NatsCreds, NatsUrl, Prefix
+from bear.commands.options import NatsCreds, NatsUrl, Prefix
 
 nats_app = typer.Typer(help="NATS authorization of a deployment: identities, server config, KV buckets.",
                        no_args_is_help=True)

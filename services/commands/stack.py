@@ -19,7 +19,7 @@ from typing import Any
 
 import typer
 
-from bear.options import (
+from bear.commands.options import (
     DEFAULT_METRICS_HOST,
     MetricsHost,
     PolicyName,
@@ -201,7 +201,7 @@ def run_up(cfg: Any, load_rate: float, load_duration: float, load_out: Path | No
     from rich.console import Console
     from rich.markup import escape
 
-    from bear.load.commands import check_completed, run_load_cli
+    from bear.commands.load import check_completed, run_load_cli
     from bear.stack.discovery import remove_state, write_state
     from bear.stack.stack import Stack
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from bear.options import policy_list, positive_list
+from bear.commands.options import policy_list, positive_list
 
 # Kept here (not imported from bear.evaluation.run) so that `bear --help` stays fast; a test
 # checks that it equals run.experiment_names().

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from bear.options import (
+from bear.commands.options import (
     DEFAULT_METRICS_HOST,
     FIND_NATS,
     DeltasOpt,

@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 import typer
 
-from bear.options import (
+from bear.commands.options import (
     DEFAULT_METRICS_HOST,
     FIND_NATS,
     LogFormatOpt,

@@ -13,7 +13,7 @@ from typing import Any
 
 import typer
 
-from bear.options import FIND_NATS, ClientNatsCreds, NatsUrl, Prefix, positive
+from bear.commands.options import FIND_NATS, ClientNatsCreds, NatsUrl, Prefix, positive
 from bear.predictor.tasks import TASKS
 from bear.protocol.codec import json_safe
 from bear.protocol.errors import BearError, ErrorCode

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from bear.options import (
+from bear.commands.options import (
     DEFAULT_METRICS_HOST,
     FIND_NATS,
     LogFormatOpt,

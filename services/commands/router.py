@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from bear.options import (
+from bear.commands.options import (
     DEFAULT_METRICS_HOST,
     FIND_NATS,
     LogFormatOpt,

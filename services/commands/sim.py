@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from bear.options import (
+from bear.commands.options import (
     FIND_NATS,
     DeltasOpt,
     FullEveryOpt,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from bear.options import (
+from bear.commands.options import (
     FIND_NATS,
     LogFormatOpt,
     LogLevel,
