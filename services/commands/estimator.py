@@ -133,7 +133,7 @@ def bench_estimator(
     """Time per BEA estimate (median, p99) and RSS growth over many estimates, three scenarios; then
     estimate time vs population (64/256/1,024 running x 0/64/256/512 waiting); then ingest per
     engine step (full snapshots vs deltas: CPU, bytes, ingest + estimate) and a worker's capacity."""
-    from bear.estimator.bench import run_bench
+    from bear.benchmarks.estimator import run_bench
 
     run_bench(n=n, timing_reps=timing_reps, cases_path=cases, as_json=as_json, population_reps=population_reps,
               ingest_steps=ingest_steps, ingest_passes=ingest_passes, nats_seconds=nats_seconds)
@@ -216,7 +216,7 @@ def bench_estimator_service(
 ) -> None:
     """Measure estimate throughput and service time of one worker process over NATS."""
     configure_logging(log_format, "warning")
-    from bear.estimator.service_bench import run_bench
+    from bear.benchmarks.estimator_service import run_bench
 
     res = run_bench(nats_url or None, seconds=seconds, concurrency=concurrency, n_instances=instances,
                     residents=residents, clients=clients,
@@ -241,7 +241,7 @@ def bench_estimator_accuracy(
     configure_logging(LogFormat.console, "warning")
     from rich import print as rprint
 
-    from bear.estimator.accuracy import run
+    from bear.benchmarks.estimator_accuracy import run
 
     rprint(run(nats_url or None, profile=profile, qps=qps, seconds=seconds, warmup_s=warmup_s, seed=seed,
                length_noise=length_noise, compensate=compensate))

@@ -90,7 +90,7 @@ def bench_gateway(
     streaming) minus through the router's NATS client, side by side in one run on a local stack."""
     from rich.console import Console
 
-    from bear.gateway.bench import print_table, run_bench
+    from bear.benchmarks.gateway import print_table, run_bench
 
     try:
         rate_list = [float(r) for r in rates.split(",") if r.strip()]

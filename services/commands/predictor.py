@@ -183,7 +183,7 @@ def bench_predictor(
     from rich.console import Console
     from rich.table import Table
 
-    from bear.predictor.bench import run_bench
+    from bear.benchmarks.predictor import run_bench
     from bear.predictor.runtime import Predictor
     from bear.predictor.synth import generate
     from bear.runtime import aio

@@ -318,7 +318,7 @@ def bench_router(
     """Decision overhead (submit received → dispatch sent) at a given rate, on a local stack."""
     from rich.console import Console
 
-    from bear.stack.router_bench import run_bench
+    from bear.benchmarks.router import run_bench
 
     res = run_bench(rate, duration, routers=routers)
     Console().print_json(json.dumps(json_safe(res)))
@@ -327,7 +327,7 @@ def bench_router(
 
 
 def _fault_list(value: str) -> str:
-    from bear.stack.faults_bench import FAULTS
+    from bear.benchmarks.faults import FAULTS
 
     bad = [f for f in value.split(",") if f.strip() not in FAULTS]
     if bad:
@@ -356,7 +356,7 @@ def bench_faults(
     is back within 2× of before."""
     from rich.console import Console
 
-    from bear.stack.faults_bench import faults_table, run_faults
+    from bear.benchmarks.faults import faults_table, run_faults
 
     err = Console(stderr=True, highlight=False)
     res = run_faults(tuple(f.strip() for f in faults.split(",")), rate=rate, duration=duration, at=at,
@@ -380,8 +380,8 @@ def bench_prefix(
     figures are included)."""
     from rich.console import Console
 
-    from bear.prefix.bench import run_micro
-    from bear.stack.prefix_bench import run_prefix_bench
+    from bear.benchmarks.prefix import run_prefix_bench
+    from bear.benchmarks.prefix_micro import run_micro
 
     res = run_micro(prompt_tokens) if micro else {**run_prefix_bench(rate, duration, prompt_tokens=prompt_tokens),
                                                   "micro": run_micro(prompt_tokens, tokenizer=False)}
@@ -411,7 +411,7 @@ def bench_pool(
     pools: 80 % of the blocks cached, 64 running requests)."""
     from rich.console import Console
 
-    from bear.prefix.pool_bench import run_pool_bench
+    from bear.benchmarks.pool import run_pool_bench
 
     res = run_pool_bench(tuple(int(x) for x in sizes.split(",")), reps=reps)
     Console().print_json(json.dumps(json_safe(res)))

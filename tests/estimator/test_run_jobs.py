@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from bear import libbea
+from bear.benchmarks.prefix_micro import candidate_store
 from bear.estimator import estimate as est
 from bear.estimator.estimate import EstimatorConfig, plan, run_jobs
-from bear.prefix.bench import candidate_store
 from bear.prefix.hashing import BlockHasher, HashSpec
 from bear.protocol.messages import EstimateCandidate, EstimateQuery
 from bear.protocol.token_ids import pack

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bear.stack.faults_bench import node_kill
+from bear.benchmarks.faults import node_kill
 
 pytestmark = pytest.mark.slow
 

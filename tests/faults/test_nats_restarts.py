@@ -13,8 +13,8 @@ from collections import Counter
 
 import pytest
 
+from bear.benchmarks.faults import FaultRun, _executions, drive
 from bear.runtime import aio
-from bear.stack.faults_bench import FaultRun, _executions, drive
 from bear.stack.stack import Stack, StackConfig
 
 from waiting import wait_until_sync

@@ -131,7 +131,7 @@ def _reference_describe(pool: TrackedPool, snap: dict) -> None:
 def test_the_bulk_description_equals_the_block_by_block_one(seed: int) -> None:
     """Random pools (a shared system prompt held by every running request, held blocks not yet
     named ahead of named ones, a request whose names come from ``extra``, names above 2^63)."""
-    from bear.prefix.pool_bench import synthetic_pool
+    from bear.benchmarks.pool import synthetic_pool
 
     rng = random.Random(seed)
     pool, snap = synthetic_pool(rng.choice([16, 200, 3000]), cached_frac=rng.random(), free_frac=rng.random(),
@@ -155,7 +155,7 @@ def test_the_bulk_description_equals_the_block_by_block_one(seed: int) -> None:
 
 
 def test_the_pool_benchmark_reports_every_size() -> None:
-    from bear.prefix.pool_bench import run_pool_bench
+    from bear.benchmarks.pool import run_pool_bench
 
     res = run_pool_bench((64, 256), reps=2)
     small, large = res["sizes"]["64"], res["sizes"]["256"]

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from bear.estimator.accuracy import measure
+from bear.benchmarks.estimator_accuracy import measure
 from bear.runtime.nats_server import free_port
 
 from waiting import wait_until

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from bear.stack.faults_bench import FaultRun, Sent, faults_table, first_token_figures
+from bear.benchmarks.faults import FaultRun, Sent, faults_table, first_token_figures
 
 
 def _q(t: float, first: float | None, status: str = "done") -> Sent:

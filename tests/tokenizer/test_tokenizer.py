@@ -111,7 +111,7 @@ async def test_router_cache_fetches_by_id_and_encodes_off_loop(nats_server, tmp_
 
 
 def test_chunked_encoding_equals_the_full_one_and_reuses_shared_text(tmp_path: Path) -> None:
-    from bear.stack.prefix_bench import _prompts, write_bench_tokenizer
+    from bear.benchmarks.prefix import _prompts, write_bench_tokenizer
     from bear.tokenizer.chunks import ChunkedEncoder
 
     tok, vocab = write_bench_tokenizer(tmp_path / "bpe")
@@ -133,7 +133,7 @@ def test_prompts_are_encoded_only_through_batch_calls(tmp_path: Path) -> None:
     then stalls the router's loop); its batch calls release it. The chunked encoder (first-seen
     prompts split at their cuts, repeated ones, the periodic verification) and the plain path
     must encode prompt text through them only — and get the same ids."""
-    from bear.stack.prefix_bench import _prompts, write_bench_tokenizer
+    from bear.benchmarks.prefix import _prompts, write_bench_tokenizer
     from bear.tokenizer.chunks import ChunkedEncoder
 
     tok, vocab = write_bench_tokenizer(tmp_path / "bpe")
@@ -215,7 +215,7 @@ def test_shared_cuts_are_the_walks_own_cuts() -> None:
 def test_chunked_encoder_memory_is_bounded(tmp_path: Path) -> None:
     """Past ``max_chars`` the least recently used keys go; the documents' own entries, used by
     every lookup, stay, so their text is still shared."""
-    from bear.stack.prefix_bench import _prompts, write_bench_tokenizer
+    from bear.benchmarks.prefix import _prompts, write_bench_tokenizer
     from bear.tokenizer.chunks import ChunkedEncoder
 
     tok, vocab = write_bench_tokenizer(tmp_path / "bpe")
@@ -232,7 +232,7 @@ def test_chunked_encoder_memory_is_bounded(tmp_path: Path) -> None:
 def test_conversations_sharing_a_system_prompt_find_their_own_last_turn(tmp_path: Path) -> None:
     """Many conversations under one long system prompt (more than the prompts kept per key): each
     new turn reuses its own conversation's last turn, not only the system prompt."""
-    from bear.stack.prefix_bench import write_bench_tokenizer
+    from bear.benchmarks.prefix import write_bench_tokenizer
     from bear.tokenizer.chunks import ChunkedEncoder
 
     tok, vocab = write_bench_tokenizer(tmp_path / "bpe")
@@ -269,7 +269,7 @@ def test_a_primed_answer_leaves_the_next_turn_only_its_new_message(tmp_path: Pat
     """``Loaded.prime``: with the last answer encoded ahead, each turn encodes about its own user
     message (the text after the answer's last cut); without, the whole answer too. The ids are
     the full encoding's either way."""
-    from bear.stack.prefix_bench import write_bench_tokenizer
+    from bear.benchmarks.prefix import write_bench_tokenizer
 
     _, vocab = write_bench_tokenizer(tmp_path / "bpe")
     bundle = from_model_dir(tmp_path / "bpe")
@@ -299,7 +299,7 @@ def test_a_primed_answer_leaves_the_next_turn_only_its_new_message(tmp_path: Pat
 
 
 def test_tokenizer_cache_primes_in_the_background_and_skips_when_busy(tmp_path: Path) -> None:
-    from bear.stack.prefix_bench import write_bench_tokenizer
+    from bear.benchmarks.prefix import write_bench_tokenizer
     from bear.tokenizer.cache import PRIME_PENDING
 
     _, vocab = write_bench_tokenizer(tmp_path / "bpe")

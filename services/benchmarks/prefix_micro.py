@@ -147,7 +147,7 @@ def _tokenize_micro(prompt_tokens: int, reps: int, seed: int) -> dict[str, Any]:
     import tempfile
     from pathlib import Path
 
-    from bear.stack.prefix_bench import _prompts, write_bench_tokenizer
+    from bear.benchmarks.prefix import _prompts, write_bench_tokenizer
     from bear.tokenizer.chunks import ChunkedEncoder
 
     with tempfile.TemporaryDirectory() as d:
@@ -174,7 +174,7 @@ def _chat_micro(vocab: list[str], seed: int, conversations: int = 30, turns: int
     import tempfile
     from pathlib import Path
 
-    from bear.stack.prefix_bench import write_bench_tokenizer
+    from bear.benchmarks.prefix import write_bench_tokenizer
     from bear.tokenizer.bundle import from_model_dir
     from bear.tokenizer.cache import load
 

@@ -1,5 +1,5 @@
 """``bear bench estimator``: per-estimate time and memory of the BEA replay (and, in
-``bear.estimator.ingest_bench``, what keeping each instance's state costs per engine step).
+``bear.benchmarks.estimator_ingest``, what keeping each instance's state costs per engine step).
 
 Timing is measured inside C++ around each call (``libbea.time_estimates``) so that the numbers
 are the estimator's own; the Python call overhead is measured separately through
@@ -153,7 +153,7 @@ def run_bench(n: int, timing_reps: int, cases_path: Path | None, as_json: bool,
     if population_reps > 0:
         result["population"] = run_population(population_reps, as_json=as_json, print_table=False)
     if ingest_steps > 0:
-        from bear.estimator.ingest_bench import run_ingest
+        from bear.benchmarks.estimator_ingest import run_ingest
 
         result["ingest"] = run_ingest(ingest_steps, ingest_passes, nats_seconds)
     if as_json:
@@ -171,7 +171,7 @@ def run_bench(n: int, timing_reps: int, cases_path: Path | None, as_json: bool,
         if population_reps > 0:
             _print_population(result["population"])
         if ingest_steps > 0:
-            from bear.estimator.ingest_bench import print_ingest
+            from bear.benchmarks.estimator_ingest import print_ingest
 
             print_ingest(result["ingest"])
     return result
