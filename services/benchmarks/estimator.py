@@ -109,7 +109,7 @@ def run_bench(n: int, timing_reps: int, cases_path: Path | None, as_json: bool,
     from rich.progress import Progress
     from rich.table import Table
 
-    from bear.estimator.cases import read_cases
+    from bear.replay.cases import read_cases
 
     console = Console(stderr=True)
     rows: list[dict[str, Any]] = []

@@ -87,7 +87,7 @@ def calibrate(
           f"{cal.mape * 100:.1f}% over {cal.n} batches -> {out}")
     if cases is None:
         return
-    from bear.estimator.cases import read_cases, ttft_errors
+    from bear.replay.cases import read_cases, ttft_errors
 
     rows = list(read_cases(cases))
     print(f"{'objective':<19} {'batch MAPE':>10} {'TTFT MAPE':>10} {'TTFT median error':>18}   ({len(rows)} cases)")

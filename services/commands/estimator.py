@@ -67,7 +67,7 @@ def estimate(
 ) -> None:
     """Predict a query's TTFT by replaying vLLM's scheduler from a snapshot (BEA)."""
     from bear import libbea
-    from bear.estimator.cases import read_cases, replay_case
+    from bear.replay.cases import read_cases, replay_case
 
     beta = _load_beta(coeffs)
     if cases is not None:

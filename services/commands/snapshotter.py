@@ -138,7 +138,7 @@ def record(
     ] = None,
 ) -> None:
     """Turn a recorded vLLM run into replay cases and batch records (format of vllm-cpu-traces)."""
-    from bear.snapshotter.cases import read_prompts, record_run
+    from bear.replay.recorded_run import read_prompts, record_run
 
     agreement: list[dict] = []
     cpath, bpath, nc, nb = record_run(step_logs, trace=trace, out_dir=out,

@@ -15,7 +15,7 @@ adds to one step's ``bear.snapshot/1``:
 With the table keyed by content, a waiting request's and the query's hit need no chain: the
 replay finds each block by its key (``block_keys`` of the query: ``keys_of`` its names). The
 snapshotter describes every step it publishes this way (the live path); the recorded cases are
-described by the same code (``bear.snapshotter.recorded_pool``).
+described by the same code (``bear.replay.recorded_pool``).
 """
 
 from __future__ import annotations

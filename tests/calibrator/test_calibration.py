@@ -67,7 +67,7 @@ def test_default_objective_fits_ttft_better_than_batch_mape(traces_dir, cases, t
     beats the relative fit on the engines' TTFTs of the public real-vLLM traces, though the
     relative fit has the lower batch-time MAPE on public-f."""
     from bear.calibrator.fit import DEFAULT_OBJECTIVE, design_matrix, fit_arrays, read_records
-    from bear.estimator.cases import ttft_errors
+    from bear.replay.cases import ttft_errors
 
     x, y = design_matrix(read_records([traces_dir / f"{batches}.jsonl.gz"]))
     mine = [c for c in cases if c["trace"] == trace]

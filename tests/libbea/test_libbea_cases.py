@@ -8,7 +8,7 @@ import numpy as np
 
 from bear import libbea
 from bear.calibrator.fit import fit_beta, read_records
-from bear.estimator.cases import replay_case
+from bear.replay.cases import replay_case
 
 
 def test_batch_sequences_match_vllm(cases: list[dict]) -> None:

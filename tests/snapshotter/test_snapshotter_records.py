@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from bear import libbea
-from bear.snapshotter.cases import build_cases, record_run
+from bear.replay.recorded_run import build_cases, record_run
 from bear.snapshotter.records import BatchBuilder, batches_of, parse_step, to_snapshot
 
 from snapshotter_fakes import CONFIG, meta, raw_step

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import ChatSessions, VllmServer, make_tiny_model, run_chat_sessions, vllm_python
 
+from bear.replay.recorded_run import generations
 from bear.runtime.nats_server import LocalNatsServer
-from bear.snapshotter.cases import generations
 from bear.snapshotter.service import Snapshotter, SnapshotterConfig
 from bear.tokenizer.bundle import from_model_dir
 from bear.tokenizer.cache import load

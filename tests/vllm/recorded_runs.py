@@ -29,9 +29,9 @@ from bear.prefix.mirror import PrefixMirror
 from bear.prefix.tracked_pool import TrackedPool
 from bear.protocol.codec import unpack
 from bear.protocol.messages import KvEvents, KvOp, KvState
-from bear.snapshotter.cases import generations, record_run
-from bear.snapshotter.recorded_cache import kv_batches
-from bear.snapshotter.recorded_pool import published_states
+from bear.replay.recorded_cache import kv_batches
+from bear.replay.recorded_pool import published_states
+from bear.replay.recorded_run import generations, record_run
 from bear.snapshotter.records import batches_of
 from bear.snapshotter.service import prefix_info
 
@@ -214,7 +214,7 @@ def live_pool_fidelity(cases: list[dict[str, Any]], published: dict[int, bytes],
     from bear.estimator.state import StateStore
     from bear.protocol.messages import Dispatch, EstimateCandidate, EstimateQuery
     from bear.protocol.token_ids import pack
-    from bear.snapshotter.recorded_cache import find_prompt
+    from bear.replay.recorded_cache import find_prompt
 
     out = {"cases": len(cases), "published": 0, "described": 0, "keyed": 0, "ahead": 0, "exact": 0}
     for c in cases:

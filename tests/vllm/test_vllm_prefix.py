@@ -139,8 +139,8 @@ def published_differences(published: dict[int, bytes], step_log: Path, instance:
     the capture time and generation (an idle re-send refreshes the time), and for the pool's
     description on a state the snapshotter superseded while describing was slow (counted in
     ``bear_snapshotter_pool_superseded_total``)."""
-    from bear.snapshotter.cases import generations
-    from bear.snapshotter.recorded_pool import published_states
+    from bear.replay.recorded_pool import published_states
+    from bear.replay.recorded_run import generations
 
     ((meta, steps),) = generations(step_log)
     ref = dict(published_states(meta, steps, instance=instance, model="tiny"))

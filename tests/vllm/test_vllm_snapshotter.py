@@ -37,8 +37,8 @@ from recorded_runs import read_cases, replay_fidelity, save_result
 
 from bear import libbea
 from bear.protocol.codec import unpack_map
+from bear.replay.recorded_run import generations, record_run
 from bear.runtime.nats_server import LocalNatsServer
-from bear.snapshotter.cases import generations, record_run
 from bear.snapshotter.records import batches_of
 from bear.snapshotter.service import Snapshotter, SnapshotterConfig
 from bear.snapshotter.shm import ShmReader
@@ -438,6 +438,6 @@ async def _is(value: Any, want: str) -> bool:
 
 
 def _read_plain(path: Path) -> list[tuple[Any, dict[str, Any]]]:
-    from bear.snapshotter.cases import read_steps
+    from bear.replay.recorded_run import read_steps
 
     return list(read_steps(path))

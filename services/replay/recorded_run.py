@@ -30,14 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from bear.protocol.jsonl import read_jsonl, write_jsonl
-from bear.snapshotter.recorded_cache import (
+from bear.replay.recorded_cache import (
     RecordedCache,
     find_prompt,
     kv_batches,
     spec_of,
     split_by_generation,
 )
-from bear.snapshotter.recorded_pool import add_tracked_blocks, logged
+from bear.replay.recorded_pool import add_tracked_blocks, logged
 from bear.snapshotter.records import batches_of, context_before, request_map, to_snapshot
 
 

@@ -21,7 +21,7 @@ from bear.prefix.hits import Hashers
 from bear.prefix.tracked_pool import TrackedPool, keys_of
 from bear.protocol.codec import pack
 from bear.protocol.subjects import SNAPSHOT_SCHEMA
-from bear.snapshotter.recorded_cache import find_prompt
+from bear.replay.recorded_cache import find_prompt
 from bear.snapshotter.records import to_snapshot
 
 
