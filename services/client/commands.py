@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from bear.options import FIND_NATS, ClientNatsCreds, NatsUrl, Prefix, positive
+from bear.protocol import schemas
 from bear.protocol.codec import json_safe
 from bear.runtime import aio
 
@@ -74,26 +75,26 @@ def submit_cmd(
                                                   model=model)) as stream:
                 async for m in stream:
                     v = m.get("v")
-                    if v in ("bear.done/1", "bear.error/1") and streamed:
+                    if v in (schemas.DONE, schemas.ERROR) and streamed:
                         print(flush=True)  # end the answer's line
                         streamed = False
                     if as_json:
                         print(json.dumps(json_safe(m)), flush=True)
-                    elif v == "bear.routed/1":
+                    elif v == schemas.ROUTED:
                         pt = m.get("predicted_ttft_s")
                         sim = f"; {SIMULATED_NOTE}" if m.get("backend") == "sim" else ""
                         err.print(escape(f"→ {m['instance']} ({m['model']}), predicted TTFT "
                                          f"{'-' if pt is None else f'{pt * 1e3:.0f} ms'} [{m.get('ttft_method')}]"
                                          f"{sim}"), style="dim", soft_wrap=True)
-                    elif v == "bear.chunk/1":
+                    elif v == schemas.CHUNK:
                         sys.stdout.write(m.get("text", ""))
                         sys.stdout.flush()
                         streamed = True
-                    elif v == "bear.done/1":
+                    elif v == schemas.DONE:
                         met = "met" if m.get("on_time") else "missed"
                         err.print(escape(f"TTFT {m['ttft_s'] * 1e3:.0f} ms (target {ttft_ms:.0f} ms: {met}), "
                                          f"utility {m.get('utility', 0):.4f}, usage {m.get('usage')}"), style="dim", soft_wrap=True)
-                    if v == "bear.error/1":
+                    if v == schemas.ERROR:
                         e = m.get("error", {})
                         if not as_json:
                             print(f"error: {e.get('code')}: {' '.join(str(e.get('message')).split())}",

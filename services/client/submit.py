@@ -42,13 +42,14 @@ from typing import Any
 
 import structlog
 
+from bear.protocol import schemas
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.errors import BearError, ErrorCode, error_reply
 from bear.protocol.subjects import CANCEL_SCHEMA, Subjects
 
 log = structlog.get_logger("bear.client")
 
-TERMINAL = ("bear.done/1", "bear.error/1")
+TERMINAL = (schemas.DONE, schemas.ERROR)
 # Messages that reached a submission's inbox but are not of its query (another query id, or not
 # the per-query nonce the router echoes): dropped, counted here, one warning line per submission.
 FOREIGN_DROPPED = {"messages": 0}
@@ -149,7 +150,7 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
     subjects = subjects or Subjects()
     qid = query_id or uuid.uuid4().hex
     nonce = secrets.token_hex(8)  # the router echoes it in every message of this query's stream
-    req: dict[str, Any] = {"v": "bear.submit/1", "query_id": qid, "ttft_target_s": ttft_target_s,
+    req: dict[str, Any] = {"v": schemas.SUBMIT, "query_id": qid, "ttft_target_s": ttft_target_s,
                            "deadline": time.time() + accept_timeout_s * (resubmits + 1), "nonce": nonce}
     if max_tokens is None:
         req["max_tokens_rest"] = True

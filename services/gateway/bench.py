@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from bear.protocol import schemas
 from bear.runtime import aio
 from bear.runtime.measure import cpu_seconds, latency_ms
 
@@ -125,13 +126,13 @@ async def _via_nats(nc: Any, messages: list[dict[str, str]], max_tokens: int) ->
     routed = False
     async for m in submit(nc, None, messages=messages, ttft_target_s=1.0, max_tokens=max_tokens):
         v = m.get("v")
-        if v == "bear.routed/1":
+        if v == schemas.ROUTED:
             routed = True
-        elif v == "bear.chunk/1" and first is None:
+        elif v == schemas.CHUNK and first is None:
             first = time.perf_counter() - t0
-        elif v == "bear.done/1":
+        elif v == schemas.DONE:
             done = m
-        elif v == "bear.error/1":
+        elif v == schemas.ERROR:
             raise RuntimeError(f"router error: {m.get('error')}")
     if first is None or "ttft_s" not in done:
         raise RuntimeError("no token through NATS")

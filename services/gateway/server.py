@@ -50,6 +50,7 @@ from bear.gateway.openai_wire import (
     sse_error,
     usage_of,
 )
+from bear.protocol import schemas
 from bear.protocol.subjects import Subjects
 from bear.router.registry import Registry
 from bear.runtime import tracing
@@ -305,11 +306,11 @@ class Gateway:
             async with contextlib.aclosing(it), asyncio.timeout(self.cfg.request_timeout_s):
                 async for m in it:
                     v = m.get("v")
-                    if v == "bear.routed/1":
+                    if v == schemas.ROUTED:
                         routed = m
                         span.event("routed", instance=m.get("instance"), attempt=m.get("attempt"))
                         continue
-                    if v == "bear.chunk/1":
+                    if v == schemas.CHUNK:
                         chunks += 1
                         relay = "choices" in m  # engine fields: the engine's choices, verbatim
                         if relay:
@@ -334,7 +335,7 @@ class Gateway:
                             assert answer is not None
                             await resp.write(answer.choices_chunk(choices) if relay else answer.text_chunk(text))
                         continue
-                    if v == "bear.done/1":
+                    if v == schemas.DONE:
                         t_msg = time.perf_counter()
                         usage = usage_of(m, chunks)
                         finish = str(m.get("finish_reason") or "stop")
@@ -356,7 +357,7 @@ class Gateway:
                         await resp.write(answer.final_chunks(finish, usage, bear, relayed=relayed))
                         await resp.write_eof()
                         return resp
-                    if v == "bear.error/1":
+                    if v == schemas.ERROR:
                         err = ApiError.from_router(m.get("error") or {}, self.cfg.retry_after_s,
                                                    "messages" if sub.chat else "prompt")
                         span.error(err.message)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from bear.load.metrics import Outcome, summary
+from bear.protocol import schemas
 from bear.runtime.shutdown import cancel_all
 
 PRICES = {  # USD per million tokens (paper Table 1), by predictor model name
@@ -93,7 +94,7 @@ async def run_load(nc: Any, queries: list[LoadQuery], times: np.ndarray, *, lam:
         async for msg in submit(nc, q.prompt, ttft_target_s=q.target_s, max_tokens=max_tokens, lam=lam,
                                 query_id=q.query_id, subjects=subjects, accept_timeout_s=accept_timeout_s, idle_timeout_s=idle_timeout_s):
             v = msg.get("v")
-            if v == "bear.done/1":
+            if v == schemas.DONE:
                 terminal += 1
                 model = str(msg.get("predictor_model") or msg.get("model", "")).rsplit("/", 1)[-1]
                 usage = msg.get("usage") or {}
@@ -110,7 +111,7 @@ async def run_load(nc: Any, queries: list[LoadQuery], times: np.ndarray, *, lam:
                     res.decision_s.append(msg["decision_s"])
                 if on_event:
                     on_event("done", res)
-            elif v == "bear.error/1":
+            elif v == schemas.ERROR:
                 terminal += 1
                 res.errors[str((msg.get("error") or {}).get("code", "?"))] += 1
                 if on_event:

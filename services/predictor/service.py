@@ -27,6 +27,7 @@ from typing import Any
 import structlog
 
 from bear.predictor.runtime import Predictor
+from bear.protocol import schemas
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.deadline import Deadline
 from bear.protocol.errors import BearError, ErrorCode, error_reply
@@ -37,8 +38,8 @@ from bear.runtime.shutdown import close_nats
 
 log = structlog.get_logger(__name__)
 
-REQUEST_SCHEMA = "bear.predict/1"
-REPLY_SCHEMA = "bear.prediction/1"
+REQUEST_SCHEMA = schemas.PREDICT
+REPLY_SCHEMA = schemas.PREDICTION
 QUEUE_GROUP = "bear-predictor"
 
 

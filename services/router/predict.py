@@ -14,6 +14,7 @@ import asyncio
 from typing import Any
 
 from bear.estimator.client import EstimatorClient
+from bear.protocol import schemas
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.deadline import Deadline
 from bear.protocol.errors import BearError, is_error
@@ -22,7 +23,7 @@ from bear.protocol.subjects import Subjects
 from bear.router.candidates import ModelPrediction
 from bear.runtime.request import request
 
-PREDICT_SCHEMA = "bear.predict/1"
+PREDICT_SCHEMA = schemas.PREDICT
 
 
 async def ask_predictor(nc: Any, subject: str, prompt: str, models: list[str], budget_s: float, *,

@@ -26,6 +26,7 @@ import msgspec
 import structlog
 
 from bear.estimator.client import EstimatorClient
+from bear.protocol import schemas
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.engine_fields import (
     check_engine,
@@ -71,7 +72,7 @@ from bear.tokenizer.cache import TokenizerCache
 
 log = structlog.get_logger("bear.router")
 
-SUBMIT_SCHEMA = "bear.submit/1"
+SUBMIT_SCHEMA = schemas.SUBMIT
 MAX_PROMPT_BYTES = 4 * 1024 * 1024
 REST_UNKNOWN_MAX_TOKENS = 1 << 20  # max_tokens_rest where no candidate registered its context: the estimate's cap
 MAX_MESSAGE_DEPTH = 8  # chat messages: role/content maps, content parts, their fields
@@ -697,7 +698,7 @@ class RouterService:
                 self.m.decision.observe(decision_s)
                 self.m.overhead.observe(max(0.0, decision_s - waited))
             self.m.routed.labels(instance=inst.id).inc()
-            await out.send({"v": "bear.routed/1", "instance": inst.id, "model": inst.model,
+            await out.send({"v": schemas.ROUTED, "instance": inst.id, "model": inst.model,
                             "predictor_model": inst.predictor_model,
                             "predicted_ttft_s": _finite(self.policy.latency_estimate(d.candidate)),
                             "ttft_method": d.candidate.ttft_method, "feasible": d.feasible,
@@ -768,8 +769,8 @@ class RouterService:
                                 local.pending_prefill_tokens[inst.id] -= uncached
                                 pending_open = False
                                 span.event("first_token")
-                            await out.send({"v": "bear.chunk/1", "seq": seq, "choices": piece.choices} if relay
-                                           else {"v": "bear.chunk/1", "seq": seq, "text": piece.text})
+                            await out.send({"v": schemas.CHUNK, "seq": seq, "choices": piece.choices} if relay
+                                           else {"v": schemas.CHUNK, "seq": seq, "text": piece.text})
                             seq += 1
                             if relay:
                                 answer_chars = MAX_PRIMED_CHARS + 1  # choices and tool calls: not one text to prime
@@ -822,7 +823,7 @@ class RouterService:
                 instance=inst.id, ttft_s=ttft, tpot_s=tpot, predicted_ttft_s=_finite(d.candidate.ttft),
                 method=d.candidate.ttft_method, completed=True, t=time.time(),
                 output_tokens=min(round(per_seq), 2**31 - 1), predicted_output_tokens=q.predicted_output)))
-        await out.finish({"v": "bear.done/1", "instance": inst.id, "model": inst.model,
+        await out.finish({"v": schemas.DONE, "instance": inst.id, "model": inst.model,
                           "predictor_model": inst.predictor_model, "ttft_s": ttft, "target_s": q.ttft_target_s,
                           "on_time": on_time, "utility": utility, "predicted_utility": d.candidate.utility(q.lam),
                           "predicted_ttft_s": _finite(predicted), "usage": usage, "finish_reason": finish,

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from bear.protocol import schemas
 from bear.runtime import aio
 
 FAULTS = ("worker-kill", "worker-hang", "predictor-kill", "engine-kill", "nats-restart", "node-kill", "overload")
@@ -153,13 +154,13 @@ async def drive(url: str, nats_options: dict[str, Any], rate: float, duration: f
         async for m in submit(nc, q.prompt, ttft_target_s=q.target_s, max_tokens=max_tokens, query_id=q.query_id,
                               accept_timeout_s=accept_timeout_s, idle_timeout_s=15.0):
             v = m.get("v")
-            if rec.first_s is None and v in ("bear.chunk/1", "bear.done/1"):
+            if rec.first_s is None and v in (schemas.CHUNK, schemas.DONE):
                 rec.first_s = time.monotonic() - sent
-            if v == "bear.routed/1":
+            if v == schemas.ROUTED:
                 rec.routed = True
-            elif v == "bear.done/1":
+            elif v == schemas.DONE:
                 rec.status, rec.ttft_s = "done", m.get("ttft_s")
-            elif v == "bear.error/1":
+            elif v == schemas.ERROR:
                 rec.status = str((m.get("error") or {}).get("code"))
                 rec.message = str((m.get("error") or {}).get("message", ""))[:120]
                 rec.client_made = bool(m.get("client"))

@@ -39,6 +39,7 @@ from typing import Any
 
 import msgspec
 
+from bear.protocol import schemas
 from bear.protocol.messages import Calibration, encode
 from bear.protocol.subjects import Subjects
 from bear.runtime import aio
@@ -683,7 +684,7 @@ async def wait_ready(url: str, instances: list[str], prefix: str, timeout_s: flo
             async for m in submit(nc, "ready?", ttft_target_s=5.0, max_tokens=1, query_id=f"probe-{time.time_ns()}",
                                   accept_timeout_s=1.0, resubmits=0, subjects=Subjects(prefix)):
                 last = m
-            if last.get("v") == "bear.done/1":
+            if last.get("v") == schemas.DONE:
                 break
             await asyncio.sleep(0.3)
         while gateway_url:
