@@ -43,9 +43,11 @@ from typing import Any
 import structlog
 
 from bear.protocol import schemas
-from bear.protocol.codec import pack, unpack_map
+from bear.protocol.codec import unpack_map
 from bear.protocol.errors import BearError, ErrorCode, error_reply
-from bear.protocol.subjects import CANCEL_SCHEMA, Subjects
+from bear.protocol.messages import encode
+from bear.protocol.subjects import Subjects
+from bear.protocol.submit import Cancel, Submit
 
 log = structlog.get_logger("bear.client")
 
@@ -150,21 +152,18 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
     subjects = subjects or Subjects()
     qid = query_id or uuid.uuid4().hex
     nonce = secrets.token_hex(8)  # the router echoes it in every message of this query's stream
-    req: dict[str, Any] = {"v": schemas.SUBMIT, "query_id": qid, "ttft_target_s": ttft_target_s,
-                           "deadline": time.time() + accept_timeout_s * (resubmits + 1), "nonce": nonce}
-    if max_tokens is None:
-        req["max_tokens_rest"] = True
-    else:
-        req["max_tokens"] = max_tokens
-    if messages is not None:
-        req["messages"] = messages
-    else:
-        req["prompt"] = prompt or ""
-    for key, val in (("lam", lam), ("prompt_tokens", prompt_tokens), ("model", model), ("sampling", sampling or None),
-                     ("session", session), ("engine", engine or None)):
-        if val is not None:
-            req[key] = val
-    payload = pack(req)
+    try:
+        req = Submit(query_id=qid, ttft_target_s=ttft_target_s, deadline=time.time() + accept_timeout_s * (resubmits + 1),
+                     nonce=nonce, max_tokens=max_tokens, max_tokens_rest=max_tokens is None,
+                     messages=messages, prompt=None if messages is not None else prompt or "", lam=lam,
+                     prompt_tokens=prompt_tokens, model=model, sampling=sampling or None, session=session,
+                     engine=engine or None)
+    except ValueError as exc:  # the router would refuse it (bear.protocol.submit): say why, send nothing
+        m = error_reply(ErrorCode.BAD_REQUEST, str(exc))
+        m.update(query_id=qid, client=True)
+        yield m
+        return
+    payload = encode(req)
     limit = getattr(nc, "max_payload", 0)
     if isinstance(limit, int) and 0 < limit < len(payload):  # NATS would refuse it: say why, send nothing
         m = error_reply(ErrorCode.TOO_LARGE, f"query of {len(payload)} bytes exceeds the NATS server's "
@@ -271,7 +270,6 @@ async def cancel(nc: Any, query_id: str, inbox: str, subjects: Subjects | None =
     """Tell the routers that nobody waits for ``query_id`` (answered to ``inbox``) any more (best
     effort: with NATS down the generation runs to its end)."""
     try:
-        await nc.publish((subjects or Subjects()).cancel,
-                         pack({"v": CANCEL_SCHEMA, "query_id": query_id, "inbox": inbox}))
+        await nc.publish((subjects or Subjects()).cancel, encode(Cancel(query_id=query_id, inbox=inbox)))
     except Exception:
         pass
