@@ -10,7 +10,6 @@ from pathlib import Path
 import typer
 
 from bear.options import FIND_NATS, ClientNatsCreds, NatsUrl, Prefix, positive
-from bear.protocol import schemas
 from bear.protocol.codec import json_safe
 from bear.runtime import aio
 
@@ -62,6 +61,7 @@ def submit_cmd(
 
     async def go() -> int:
         from bear.client.submit import submit
+        from bear.protocol.replies import Chunk, Done, Error, Routed
         from bear.protocol.subjects import Subjects
         from bear.runtime.service import connect
 
@@ -74,32 +74,31 @@ def submit_cmd(
                                                   lam=lam, query_id=query_id, subjects=Subjects(prefix),
                                                   model=model)) as stream:
                 async for m in stream:
-                    v = m.get("v")
-                    if v in (schemas.DONE, schemas.ERROR) and streamed:
+                    if m.terminal and streamed:
                         print(flush=True)  # end the answer's line
                         streamed = False
                     if as_json:
-                        print(json.dumps(json_safe(m)), flush=True)
-                    elif v == schemas.ROUTED:
-                        pt = m.get("predicted_ttft_s")
-                        sim = f"; {SIMULATED_NOTE}" if m.get("backend") == "sim" else ""
-                        err.print(escape(f"→ {m['instance']} ({m['model']}), predicted TTFT "
-                                         f"{'-' if pt is None else f'{pt * 1e3:.0f} ms'} [{m.get('ttft_method')}]"
+                        print(json.dumps(json_safe(m.as_dict())), flush=True)
+                    elif isinstance(m, Routed):
+                        pt = m.predicted_ttft_s
+                        sim = f"; {SIMULATED_NOTE}" if m.backend == "sim" else ""
+                        err.print(escape(f"→ {m.instance} ({m.model}), predicted TTFT "
+                                         f"{'-' if pt is None else f'{pt * 1e3:.0f} ms'} [{m.ttft_method}]"
                                          f"{sim}"), style="dim", soft_wrap=True)
-                    elif v == schemas.CHUNK:
-                        sys.stdout.write(m.get("text", ""))
+                    elif isinstance(m, Chunk):
+                        sys.stdout.write(m.text or "")
                         sys.stdout.flush()
                         streamed = True
-                    elif v == schemas.DONE:
-                        met = "met" if m.get("on_time") else "missed"
-                        err.print(escape(f"TTFT {m['ttft_s'] * 1e3:.0f} ms (target {ttft_ms:.0f} ms: {met}), "
-                                         f"utility {m.get('utility', 0):.4f}, usage {m.get('usage')}"), style="dim", soft_wrap=True)
-                    if v == schemas.ERROR:
-                        e = m.get("error", {})
+                    elif isinstance(m, Done):
+                        met = "met" if m.on_time else "missed"
+                        ttft = "-" if m.ttft_s is None else f"{m.ttft_s * 1e3:.0f} ms"
+                        err.print(escape(f"TTFT {ttft} (target {ttft_ms:.0f} ms: {met}), "
+                                         f"utility {m.utility or 0:.4f}, usage {m.usage}"), style="dim", soft_wrap=True)
+                    if isinstance(m, Error):
                         if not as_json:
-                            print(f"error: {e.get('code')}: {' '.join(str(e.get('message')).split())}",
+                            print(f"error: {m.code}: {' '.join(m.message.split())}",
                                   file=sys.stderr, flush=True)
-                        code = 3 if e.get("code") == "unavailable" and m.get("client") else 1
+                        code = 3 if m.code == "unavailable" and m.client is True else 1
         finally:
             await nc.close()
         return code

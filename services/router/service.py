@@ -26,8 +26,6 @@ import msgspec
 import structlog
 
 from bear.estimator.client import EstimatorClient
-from bear.protocol import schemas
-from bear.protocol.codec import pack
 from bear.protocol.engine_fields import (
     check_engine,
     check_json,
@@ -37,8 +35,9 @@ from bear.protocol.engine_fields import (
     skips_prefix_cache,
 )
 from bear.protocol.engine_fields import priority as engine_priority
-from bear.protocol.errors import BearError, ErrorCode, error_reply
+from bear.protocol.errors import BearError, ErrorCode
 from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateRow, Outcome, encode
+from bear.protocol.replies import Chunk, Done, Error, Reply, Routed, encode_reply, error_event
 from bear.protocol.sampling import check_sampling
 from bear.protocol.subjects import Subjects
 from bear.protocol.submit import decode_cancel, decode_submit
@@ -243,24 +242,25 @@ class ClientStream:
         self.recent = recent  # the router's recently sent terminal messages (resent after a reconnect)
         self.terminals = terminals  # KV bucket keeping the terminal message for a client that missed it
 
-    async def send(self, msg: dict[str, Any]) -> None:
+    def _stamp(self, msg: Reply) -> bytes:
+        """``msg`` with the query's id and the client's nonce (echoed in every message), encoded."""
+        msg.query_id = self.query_id
+        if self.nonce is not None:
+            msg.nonce = self.nonce
+        return encode_reply(msg)
+
+    async def send(self, msg: Reply) -> None:
         if self.finished:
             return
-        msg.setdefault("query_id", self.query_id)
-        if self.nonce is not None:
-            msg.setdefault("nonce", self.nonce)
         try:
-            await self.nc.publish(self.inbox, pack(msg))
+            await self.nc.publish(self.inbox, self._stamp(msg))
         except Exception as exc:  # NATS down: the client's own timeout makes the failure explicit
             log.warning("reply to client failed", query_id=self.query_id, error=str(exc))
 
-    async def finish(self, msg: dict[str, Any]) -> None:
+    async def finish(self, msg: Done | Error) -> None:
         if self.finished:
             return
-        msg.setdefault("query_id", self.query_id)
-        if self.nonce is not None:
-            msg.setdefault("nonce", self.nonce)
-        data = pack(msg)
+        data = self._stamp(msg)
         try:
             await self.nc.publish(self.inbox, data)
         except Exception as exc:
@@ -281,9 +281,7 @@ class ClientStream:
                 self.recent.popleft()
 
     async def error(self, code: ErrorCode, message: str, **extra: Any) -> None:
-        m = error_reply(code, message)
-        m.update(extra)
-        await self.finish(m)
+        await self.finish(error_event(code, message, **extra))
 
 
 class RouterService:
@@ -653,14 +651,12 @@ class RouterService:
                 self.m.decision.observe(decision_s)
                 self.m.overhead.observe(max(0.0, decision_s - waited))
             self.m.routed.labels(instance=inst.id).inc()
-            await out.send({"v": schemas.ROUTED, "instance": inst.id, "model": inst.model,
-                            "predictor_model": inst.predictor_model,
-                            "predicted_ttft_s": _finite(self.policy.latency_estimate(d.candidate)),
-                            "ttft_method": d.candidate.ttft_method, "feasible": d.feasible,
-                            "policy": self.policy.name, "decision_s": decision_s, "attempt": attempt,
-                            "backend": inst.backend,
-                            "prompt_tokens": d.candidate.prompt_tokens or p.prompt_tokens,
-                            "prompt_tokens_exact": d.candidate.tokens_exact})
+            await out.send(Routed(instance=inst.id, model=inst.model, predictor_model=inst.predictor_model,
+                                  predicted_ttft_s=_finite(self.policy.latency_estimate(d.candidate)),
+                                  ttft_method=d.candidate.ttft_method, feasible=d.feasible, policy=self.policy.name,
+                                  decision_s=decision_s, attempt=attempt, backend=inst.backend,
+                                  prompt_tokens=d.candidate.prompt_tokens or p.prompt_tokens,
+                                  prompt_tokens_exact=d.candidate.tokens_exact))
             try:
                 await self._stream(q, out, inst, d, p, request_id, max(1, p.prompt_tokens - d.candidate.prefix_hit_tokens),
                                    t0, decision_s, asked, fallbacks, cands, attempt)
@@ -724,8 +720,8 @@ class RouterService:
                                 local.pending_prefill_tokens[inst.id] -= uncached
                                 pending_open = False
                                 span.event("first_token")
-                            await out.send({"v": schemas.CHUNK, "seq": seq, "choices": piece.choices} if relay
-                                           else {"v": schemas.CHUNK, "seq": seq, "text": piece.text})
+                            await out.send(Chunk(seq=seq, choices=piece.choices) if relay
+                                           else Chunk(seq=seq, text=piece.text))
                             seq += 1
                             if relay:
                                 answer_chars = MAX_PRIMED_CHARS + 1  # choices and tool calls: not one text to prime
@@ -778,11 +774,10 @@ class RouterService:
                 instance=inst.id, ttft_s=ttft, tpot_s=tpot, predicted_ttft_s=_finite(d.candidate.ttft),
                 method=d.candidate.ttft_method, completed=True, t=time.time(),
                 output_tokens=min(round(per_seq), 2**31 - 1), predicted_output_tokens=q.predicted_output)))
-        await out.finish({"v": schemas.DONE, "instance": inst.id, "model": inst.model,
-                          "predictor_model": inst.predictor_model, "ttft_s": ttft, "target_s": q.ttft_target_s,
-                          "on_time": on_time, "utility": utility, "predicted_utility": d.candidate.utility(q.lam),
-                          "predicted_ttft_s": _finite(predicted), "usage": usage, "finish_reason": finish,
-                          "decision_s": decision_s})
+        await out.finish(Done(instance=inst.id, model=inst.model, predictor_model=inst.predictor_model, ttft_s=ttft,
+                              target_s=q.ttft_target_s, on_time=on_time, utility=utility,
+                              predicted_utility=d.candidate.utility(q.lam), predicted_ttft_s=_finite(predicted),
+                              usage=usage, finish_reason=finish, decision_s=decision_s))
         self.m.prompt_tokens.labels(how="exact" if d.candidate.tokens_exact else "estimated").inc()
         self.outcomes.record({
             "query_id": q.query_id, "t": time.time(), "status": "done", "policy": self.policy.name,

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from bear.protocol import schemas
 from bear.runtime import aio
 
 FAULTS = ("worker-kill", "worker-hang", "predictor-kill", "engine-kill", "nats-restart", "node-kill", "overload")
@@ -138,6 +137,7 @@ async def drive(url: str, nats_options: dict[str, Any], rate: float, duration: f
     from bear.client.submit import submit
     from bear.load.arrivals import arrivals
     from bear.load.generator import make_queries
+    from bear.protocol.replies import Chunk, Done, Error, Routed
     from bear.runtime.service import connect
 
     run = run or FaultRun("none")
@@ -153,17 +153,16 @@ async def drive(url: str, nats_options: dict[str, Any], rate: float, duration: f
         sent = time.monotonic()
         async for m in submit(nc, q.prompt, ttft_target_s=q.target_s, max_tokens=max_tokens, query_id=q.query_id,
                               accept_timeout_s=accept_timeout_s, idle_timeout_s=15.0):
-            v = m.get("v")
-            if rec.first_s is None and v in (schemas.CHUNK, schemas.DONE):
+            if rec.first_s is None and isinstance(m, Chunk | Done):
                 rec.first_s = time.monotonic() - sent
-            if v == schemas.ROUTED:
+            if isinstance(m, Routed):
                 rec.routed = True
-            elif v == schemas.DONE:
-                rec.status, rec.ttft_s = "done", m.get("ttft_s")
-            elif v == schemas.ERROR:
-                rec.status = str((m.get("error") or {}).get("code"))
-                rec.message = str((m.get("error") or {}).get("message", ""))[:120]
-                rec.client_made = bool(m.get("client"))
+            elif isinstance(m, Done):
+                rec.status, rec.ttft_s = "done", m.ttft_s
+            elif isinstance(m, Error):
+                rec.status = m.code
+                rec.message = m.message[:120]
+                rec.client_made = m.client is True
 
     async def fault() -> None:
         await asyncio.sleep(at)
