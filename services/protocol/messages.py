@@ -5,7 +5,9 @@ optional on decode, refused when it names another schema); unknown fields are ig
 newer sender can add fields.
 
 Snapshots (``bear.snapshot/1``) are not here: libbea's bounds-checked parser is their one
-definition, and it builds the replay's state directly from the bytes.
+decoder, and it builds the replay's state directly from the bytes (their field list, for Python
+producers and tools and checked against that parser: ``bear.protocol.snapshot``). Schema ids:
+``bear.protocol.schemas``.
 """
 
 from __future__ import annotations
