@@ -1,7 +1,7 @@
 """The client side of ``bear.submit``: ``submit()`` publishes one query with a reply inbox and
-returns an async iterator over the router's messages, typed (``bear.protocol.replies``) — ``bear.routed/1`` (possibly again, with
-``attempt`` 2, when the first instance did not answer), ``bear.chunk/1`` text pieces, then exactly
-one terminal ``bear.done/1`` or ``bear.error/1``.
+returns an async iterator over the router's messages, typed (``bear.protocol.replies``) —
+``Routed`` (possibly again, with ``attempt`` 2, when the first instance did not answer),
+``Chunk`` text pieces, then exactly one terminal ``Done`` or ``Error``.
 
 No answer within ``accept_timeout_s`` (no router, or the submission was lost in a NATS restart)
 → the same ``query_id`` is resubmitted (routers deduplicate ids, so it never runs twice); still
