@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from bear import libbea
+from bear.protocol import schemas
 
 
 def _rss_mib() -> float:
@@ -63,7 +64,7 @@ def synthetic_snapshot(
         )
         lengths[rid] = rng.randint(50, 800)
     snap = {
-        "schema": "bear.snapshot/1",
+        "schema": schemas.SNAPSHOT,
         "instance": "bench",
         "seq": 1,
         "time": 2000.0,

@@ -137,6 +137,7 @@ async def drive(url: str, nats_options: dict[str, Any], rate: float, duration: f
     from bear.client.submit import submit
     from bear.load.arrivals import arrivals
     from bear.load.generator import make_queries
+    from bear.protocol.replies import Chunk, Done, Error, Routed
     from bear.runtime.service import connect
 
     run = run or FaultRun("none")
@@ -152,17 +153,16 @@ async def drive(url: str, nats_options: dict[str, Any], rate: float, duration: f
         sent = time.monotonic()
         async for m in submit(nc, q.prompt, ttft_target_s=q.target_s, max_tokens=max_tokens, query_id=q.query_id,
                               accept_timeout_s=accept_timeout_s, idle_timeout_s=15.0):
-            v = m.get("v")
-            if rec.first_s is None and v in ("bear.chunk/1", "bear.done/1"):
+            if rec.first_s is None and isinstance(m, Chunk | Done):
                 rec.first_s = time.monotonic() - sent
-            if v == "bear.routed/1":
+            if isinstance(m, Routed):
                 rec.routed = True
-            elif v == "bear.done/1":
-                rec.status, rec.ttft_s = "done", m.get("ttft_s")
-            elif v == "bear.error/1":
-                rec.status = str((m.get("error") or {}).get("code"))
-                rec.message = str((m.get("error") or {}).get("message", ""))[:120]
-                rec.client_made = bool(m.get("client"))
+            elif isinstance(m, Done):
+                rec.status, rec.ttft_s = "done", m.ttft_s
+            elif isinstance(m, Error):
+                rec.status = m.code
+                rec.message = m.message[:120]
+                rec.client_made = m.client is True
 
     async def fault() -> None:
         await asyncio.sleep(at)

@@ -118,24 +118,24 @@ async def gateway_own_overhead(gateway_url: str) -> tuple[float, int]:
 
 async def _via_nats(nc: Any, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, float, bool]:
     from bear.client.submit import submit
+    from bear.protocol.replies import Chunk, Done, Error, Routed
 
     t0 = time.perf_counter()
     first = None
-    done: dict[str, Any] = {}
+    done: Done | None = None
     routed = False
     async for m in submit(nc, None, messages=messages, ttft_target_s=1.0, max_tokens=max_tokens):
-        v = m.get("v")
-        if v == "bear.routed/1":
+        if isinstance(m, Routed):
             routed = True
-        elif v == "bear.chunk/1" and first is None:
+        elif isinstance(m, Chunk) and first is None:
             first = time.perf_counter() - t0
-        elif v == "bear.done/1":
+        elif isinstance(m, Done):
             done = m
-        elif v == "bear.error/1":
-            raise RuntimeError(f"router error: {m.get('error')}")
-    if first is None or "ttft_s" not in done:
+        elif isinstance(m, Error):
+            raise RuntimeError(f"router error: {m.code}: {m.message}")
+    if first is None or done is None or done.ttft_s is None:
         raise RuntimeError("no token through NATS")
-    return first, float(done["ttft_s"]), routed
+    return first, float(done.ttft_s), routed
 
 
 async def _via_gateway(session: Any, url: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, float, bool]:

@@ -1,7 +1,7 @@
 """The client side of ``bear.submit``: ``submit()`` publishes one query with a reply inbox and
-returns an async iterator over the router's messages — ``bear.routed/1`` (possibly again, with
-``attempt`` 2, when the first instance did not answer), ``bear.chunk/1`` text pieces, then exactly
-one terminal ``bear.done/1`` or ``bear.error/1``.
+returns an async iterator over the router's messages, typed (``bear.protocol.replies``) —
+``Routed`` (possibly again, with ``attempt`` 2, when the first instance did not answer),
+``Chunk`` text pieces, then exactly one terminal ``Done`` or ``Error``.
 
 No answer within ``accept_timeout_s`` (no router, or the submission was lost in a NATS restart)
 → the same ``query_id`` is resubmitted (routers deduplicate ids, so it never runs twice); still
@@ -42,13 +42,16 @@ from typing import Any
 
 import structlog
 
-from bear.protocol.codec import pack, unpack_map
-from bear.protocol.errors import BearError, ErrorCode, error_reply
-from bear.protocol.subjects import CANCEL_SCHEMA, Subjects
+from bear.protocol import schemas
+from bear.protocol.errors import ErrorCode
+from bear.protocol.messages import encode
+from bear.protocol.replies import Done, Error, Reply, decode_reply, error_event
+from bear.protocol.subjects import Subjects
+from bear.protocol.submit import Cancel, Submit
 
 log = structlog.get_logger("bear.client")
 
-TERMINAL = ("bear.done/1", "bear.error/1")
+TERMINAL = schemas.TERMINAL
 # Messages that reached a submission's inbox but are not of its query (another query id, or not
 # the per-query nonce the router echoes): dropped, counted here, one warning line per submission.
 FOREIGN_DROPPED = {"messages": 0}
@@ -64,7 +67,7 @@ def _reconnects(nc: Any) -> int:
 
 
 async def terminal_record(nc: Any, subjects: Subjects, inbox: str, query_id: str, nonce: str,
-                          timeout_s: float = 1.0) -> dict[str, Any] | None:
+                          timeout_s: float = 1.0) -> Done | Error | None:
     """The router's terminal message to ``inbox`` kept in JetStream (a direct get of one key);
     None when there is none (yet), NATS is away, or it is not this query's (id and nonce)."""
     b = subjects.terminals_bucket
@@ -76,17 +79,14 @@ async def terminal_record(nc: Any, subjects: Subjects, inbox: str, query_id: str
         return None
     if not msg.data or (msg.headers or {}).get("Status"):
         return None
-    try:
-        d = unpack_map(msg.data)
-    except BearError:
-        return None
-    if d.get("query_id") != query_id or d.get("nonce") != nonce or not is_terminal(d):
+    d = decode_reply(msg.data)
+    if d is None or d.query_id != query_id or d.nonce != nonce or not isinstance(d, Done | Error):
         return None
     return d
 
 
-def is_terminal(msg: dict[str, Any]) -> bool:
-    return msg.get("v") in TERMINAL
+def is_terminal(msg: Reply) -> bool:
+    return msg.terminal
 
 
 class Inboxes:
@@ -135,7 +135,7 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
                  resubmits: int = 1, model: str | None = None, sampling: dict[str, Any] | None = None,
                  headers: dict[str, str] | None = None, inboxes: Inboxes | None = None,
                  session: str | None = None, engine: dict[str, Any] | None = None,
-                 recover_s: float = RECOVER_S) -> AsyncIterator[dict[str, Any]]:
+                 recover_s: float = RECOVER_S) -> AsyncIterator[Reply]:
     """``max_tokens`` None: up to the rest of the chosen engine's context (``max_tokens_rest``,
     vLLM's default); ``model``: only that model's instances are candidates (served or predictor name);
     ``session``: the conversation the query belongs to (session-affinity routing);
@@ -143,33 +143,27 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
     fields, forwarded verbatim (``bear.protocol.engine_fields``: the answer's chunks then carry
     the engine's ``choices``); ``headers``: NATS headers of
     the submission (the trace context); ``inboxes``: a shared reply subscription (else one of its
-    own per call); ``recover_s``: the silence after which the terminal record is read (0: never)."""
+    own per call); ``recover_s``: the silence after which the terminal record is read (0: never).
+    Yields the typed messages of ``bear.protocol.replies`` (``Routed``, ``Chunk``, ``Done``, ``Error``)."""
     from nats.errors import TimeoutError as NatsTimeout
 
     subjects = subjects or Subjects()
     qid = query_id or uuid.uuid4().hex
     nonce = secrets.token_hex(8)  # the router echoes it in every message of this query's stream
-    req: dict[str, Any] = {"v": "bear.submit/1", "query_id": qid, "ttft_target_s": ttft_target_s,
-                           "deadline": time.time() + accept_timeout_s * (resubmits + 1), "nonce": nonce}
-    if max_tokens is None:
-        req["max_tokens_rest"] = True
-    else:
-        req["max_tokens"] = max_tokens
-    if messages is not None:
-        req["messages"] = messages
-    else:
-        req["prompt"] = prompt or ""
-    for key, val in (("lam", lam), ("prompt_tokens", prompt_tokens), ("model", model), ("sampling", sampling or None),
-                     ("session", session), ("engine", engine or None)):
-        if val is not None:
-            req[key] = val
-    payload = pack(req)
+    try:
+        req = Submit(query_id=qid, ttft_target_s=ttft_target_s, deadline=time.time() + accept_timeout_s * (resubmits + 1),
+                     nonce=nonce, max_tokens=max_tokens, max_tokens_rest=max_tokens is None,
+                     messages=messages, prompt=None if messages is not None else prompt or "", lam=lam,
+                     prompt_tokens=prompt_tokens, model=model, sampling=sampling or None, session=session,
+                     engine=engine or None)
+    except ValueError as exc:  # the router would refuse it (bear.protocol.submit): say why, send nothing
+        yield error_event(ErrorCode.BAD_REQUEST, str(exc), query_id=qid, client=True)
+        return
+    payload = encode(req)
     limit = getattr(nc, "max_payload", 0)
     if isinstance(limit, int) and 0 < limit < len(payload):  # NATS would refuse it: say why, send nothing
-        m = error_reply(ErrorCode.TOO_LARGE, f"query of {len(payload)} bytes exceeds the NATS server's "
-                                             f"max_payload of {limit} bytes")
-        m.update(query_id=qid, client=True)
-        yield m
+        yield error_event(ErrorCode.TOO_LARGE, f"query of {len(payload)} bytes exceeds the NATS server's "
+                                               f"max_payload of {limit} bytes", query_id=qid, client=True)
         return
     if inboxes is not None:
         inbox, queue = inboxes.open()
@@ -212,7 +206,7 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
                     rec = await terminal_record(nc, subjects, inbox, qid, nonce)
                     if rec is not None:
                         RECOVERED["terminals"] += 1
-                        log.info("terminal message read from its record", query_id=qid, v=rec.get("v"))
+                        log.info("terminal message read from its record", query_id=qid, v=rec.v)
                         answered = True
                         yield rec
                         return
@@ -229,21 +223,18 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
                 what = "no router answered" if not heard else f"stream silent for {idle_timeout_s}s"
                 if duplicate and not heard:
                     what = "query_id was already submitted and its answer did not arrive here"
-                m = error_reply(ErrorCode.DEADLINE_EXCEEDED if heard else ErrorCode.UNAVAILABLE, what)
-                m.update(query_id=qid, client=True)
-                yield m
+                yield error_event(ErrorCode.DEADLINE_EXCEEDED if heard else ErrorCode.UNAVAILABLE, what,
+                                  query_id=qid, client=True)
                 return
             since, recover_every = loop.time(), recover_s
-            try:
-                d = unpack_map(msg.data)
-            except BearError:
+            d = decode_reply(msg.data)
+            if d is None:  # not a reply-stream message
                 continue
-            if d.get("query_id") != qid or d.get("nonce") != nonce:  # not of this query: injected or stray
+            if d.query_id != qid or d.nonce != nonce:  # not of this query: injected or stray
                 foreign += 1
                 FOREIGN_DROPPED["messages"] += 1
                 continue
-            code = (d.get("error") or {}).get("code") if isinstance(d.get("error"), dict) else None
-            if code == ErrorCode.DUPLICATE and (heard or left < resubmits):
+            if isinstance(d, Error) and d.code == ErrorCode.DUPLICATE and (heard or left < resubmits):
                 # our own resubmission hit the dedup: the original stream comes to this inbox
                 duplicate = True
                 continue
@@ -270,7 +261,6 @@ async def cancel(nc: Any, query_id: str, inbox: str, subjects: Subjects | None =
     """Tell the routers that nobody waits for ``query_id`` (answered to ``inbox``) any more (best
     effort: with NATS down the generation runs to its end)."""
     try:
-        await nc.publish((subjects or Subjects()).cancel,
-                         pack({"v": CANCEL_SCHEMA, "query_id": query_id, "inbox": inbox}))
+        await nc.publish((subjects or Subjects()).cancel, encode(Cancel(query_id=query_id, inbox=inbox)))
     except Exception:
         pass

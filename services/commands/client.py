@@ -61,6 +61,7 @@ def submit_cmd(
 
     async def go() -> int:
         from bear.client.submit import submit
+        from bear.protocol.replies import Chunk, Done, Error, Routed
         from bear.protocol.subjects import Subjects
         from bear.runtime.service import connect
 
@@ -73,32 +74,31 @@ def submit_cmd(
                                                   lam=lam, query_id=query_id, subjects=Subjects(prefix),
                                                   model=model)) as stream:
                 async for m in stream:
-                    v = m.get("v")
-                    if v in ("bear.done/1", "bear.error/1") and streamed:
+                    if m.terminal and streamed:
                         print(flush=True)  # end the answer's line
                         streamed = False
                     if as_json:
-                        print(json.dumps(json_safe(m)), flush=True)
-                    elif v == "bear.routed/1":
-                        pt = m.get("predicted_ttft_s")
-                        sim = f"; {SIMULATED_NOTE}" if m.get("backend") == "sim" else ""
-                        err.print(escape(f"→ {m['instance']} ({m['model']}), predicted TTFT "
-                                         f"{'-' if pt is None else f'{pt * 1e3:.0f} ms'} [{m.get('ttft_method')}]"
+                        print(json.dumps(json_safe(m.as_dict())), flush=True)
+                    elif isinstance(m, Routed):
+                        pt = m.predicted_ttft_s
+                        sim = f"; {SIMULATED_NOTE}" if m.backend == "sim" else ""
+                        err.print(escape(f"→ {m.instance} ({m.model}), predicted TTFT "
+                                         f"{'-' if pt is None else f'{pt * 1e3:.0f} ms'} [{m.ttft_method}]"
                                          f"{sim}"), style="dim", soft_wrap=True)
-                    elif v == "bear.chunk/1":
-                        sys.stdout.write(m.get("text", ""))
+                    elif isinstance(m, Chunk):
+                        sys.stdout.write(m.text or "")
                         sys.stdout.flush()
                         streamed = True
-                    elif v == "bear.done/1":
-                        met = "met" if m.get("on_time") else "missed"
-                        err.print(escape(f"TTFT {m['ttft_s'] * 1e3:.0f} ms (target {ttft_ms:.0f} ms: {met}), "
-                                         f"utility {m.get('utility', 0):.4f}, usage {m.get('usage')}"), style="dim", soft_wrap=True)
-                    if v == "bear.error/1":
-                        e = m.get("error", {})
+                    elif isinstance(m, Done):
+                        met = "met" if m.on_time else "missed"
+                        ttft = "-" if m.ttft_s is None else f"{m.ttft_s * 1e3:.0f} ms"
+                        err.print(escape(f"TTFT {ttft} (target {ttft_ms:.0f} ms: {met}), "
+                                         f"utility {m.utility or 0:.4f}, usage {m.usage}"), style="dim", soft_wrap=True)
+                    if isinstance(m, Error):
                         if not as_json:
-                            print(f"error: {e.get('code')}: {' '.join(str(e.get('message')).split())}",
+                            print(f"error: {m.code}: {' '.join(m.message.split())}",
                                   file=sys.stderr, flush=True)
-                        code = 3 if e.get("code") == "unavailable" and m.get("client") else 1
+                        code = 3 if m.code == "unavailable" and m.client is True else 1
         finally:
             await nc.close()
         return code

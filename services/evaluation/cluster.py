@@ -40,6 +40,7 @@ from bear.evaluation.learned import features as learned_features
 from bear.evaluation.workload import QuerySet
 from bear.load.metrics import Outcome
 from bear.predictor.synth import MAX_OUTPUT_TOKENS
+from bear.protocol import schemas
 from bear.protocol.messages import Calibration, EstimateCandidate, EstimateQuery
 from bear.router.candidates import ModelPrediction, build_candidates, dispatch_for
 from bear.router.decide import Refused, RoutingProfile, decide, profile_for
@@ -163,7 +164,7 @@ class SimInstance:
             return None
         dur = self.roof.sample([(n, ctx) for _, n, ctx, _ in batch])
         assert self.records is not None
-        self.records.append({"v": "bear.batch/1", "instance": self.spec.name, "seq": self.engine.seq,
+        self.records.append({"v": schemas.BATCH, "instance": self.spec.name, "seq": self.engine.seq,
                              "duration_s": dur, "items": [{"n": n, "context": c, "decode": d} for _, n, c, d in batch]})
         return dur
 

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from bear.protocol.errors import ErrorCode
+from bear.protocol.replies import Done, Error, Routed
 
 # router error code → (HTTP status, OpenAI error type)
 STATUS: dict[str, tuple[int, str]] = {
@@ -51,14 +52,14 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     @classmethod
-    def from_router(cls, error: dict[str, Any], retry_after_s: int, prompt_param: str = "messages") -> ApiError:
-        """The router's (or the NATS client's) ``bear.error/1`` ``error`` map as an HTTP error
-        (a context overflow names the prompt's field, ``prompt_param``, as OpenAI does)."""
-        code = str(error.get("code", ErrorCode.INTERNAL))
+    def from_router(cls, error: Error, retry_after_s: int, prompt_param: str = "messages") -> ApiError:
+        """The router's (or the NATS client's) ``bear.error/1`` as an HTTP error (a context
+        overflow names the prompt's field, ``prompt_param``, as OpenAI does)."""
+        code = str(error.code or ErrorCode.INTERNAL)
         status, _ = STATUS.get(code, (500, "internal_error"))
         headers = {"Retry-After": str(retry_after_s)} if status in (429, 503) else None
         param = prompt_param if code == ErrorCode.CONTEXT_LENGTH_EXCEEDED else None
-        return cls(status, str(error.get("message", "")), code=code, headers=headers, param=param)
+        return cls(status, error.message, code=code, headers=headers, param=param)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": TYPES.get(self.status, "api_error"),
@@ -252,41 +253,39 @@ def sse_error(err: ApiError) -> bytes:
     return sse(err.body())
 
 
-def usage_of(done: dict[str, Any], chunks: int) -> dict[str, int]:
-    u = done.get("usage") or {}
+def usage_of(done: Done, chunks: int) -> dict[str, int]:
+    u = done.usage or {}
     prompt = int(u.get("prompt_tokens", 0))
     completion = int(u.get("completion_tokens", chunks))
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": int(u.get("total_tokens", prompt + completion))}
 
 
-def decision_headers(query_id: str, routed: dict[str, Any] | None) -> dict[str, str]:
+def decision_headers(query_id: str, routed: Routed | None) -> dict[str, str]:
     """What BEAR decided, as response headers (the last ``bear.routed/1`` of the query)."""
     h = {"x-bear-query-id": query_id}
-    if not routed:
+    if routed is None:
         return h
-    h["x-bear-instance"] = str(routed.get("instance", ""))
-    h["x-bear-model"] = str(routed.get("model", ""))
-    pt = routed.get("predicted_ttft_s")
-    if isinstance(pt, int | float):
+    h["x-bear-instance"] = routed.instance
+    h["x-bear-model"] = routed.model
+    pt = routed.predicted_ttft_s
+    if pt is not None:
         h["x-bear-predicted-ttft-ms"] = f"{pt * 1e3:.3f}"
-    h["x-bear-ttft-method"] = str(routed.get("ttft_method", ""))
-    h["x-bear-policy"] = str(routed.get("policy", ""))
-    h["x-bear-feasible"] = "true" if routed.get("feasible") else "false"
-    h["x-bear-attempt"] = str(routed.get("attempt", 1))
-    ds = routed.get("decision_s")
-    if isinstance(ds, int | float):
+    h["x-bear-ttft-method"] = routed.ttft_method
+    h["x-bear-policy"] = routed.policy
+    h["x-bear-feasible"] = "true" if routed.feasible else "false"
+    h["x-bear-attempt"] = str(routed.attempt)
+    ds = routed.decision_s
+    if ds is not None:
         h["x-bear-decision-ms"] = f"{ds * 1e3:.3f}"
     return h
 
 
-def decision_of(routed: dict[str, Any] | None, done: dict[str, Any]) -> dict[str, Any]:
+def decision_of(routed: Routed | None, done: Done) -> dict[str, Any]:
     """BEAR's decision and what came of it, as the ``bear`` field of the last chunk / the body."""
-    r = routed or {}
-    return {"instance": done.get("instance", r.get("instance")), "model": done.get("model", r.get("model")),
-            "predictor_model": done.get("predictor_model", r.get("predictor_model")),
-            "predicted_ttft_s": done.get("predicted_ttft_s", r.get("predicted_ttft_s")),
-            "ttft_method": r.get("ttft_method"), "feasible": r.get("feasible"), "policy": r.get("policy"),
-            "attempt": r.get("attempt"), "ttft_s": done.get("ttft_s"), "target_s": done.get("target_s"),
-            "on_time": done.get("on_time"), "utility": done.get("utility"),
-            "decision_s": done.get("decision_s", r.get("decision_s"))}
+    r = routed
+    return {"instance": done.instance, "model": done.model, "predictor_model": done.predictor_model,
+            "predicted_ttft_s": done.predicted_ttft_s, "ttft_method": r and r.ttft_method,
+            "feasible": r and r.feasible, "policy": r and r.policy, "attempt": r and r.attempt,
+            "ttft_s": done.ttft_s, "target_s": done.target_s, "on_time": done.on_time, "utility": done.utility,
+            "decision_s": done.decision_s}

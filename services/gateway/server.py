@@ -25,6 +25,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
+from msgspec import UNSET
 
 from bear.client.submit import Inboxes, submit
 from bear.gateway.auth import ApiKeys
@@ -50,6 +51,7 @@ from bear.gateway.openai_wire import (
     sse_error,
     usage_of,
 )
+from bear.protocol.replies import Chunk, Done, Error, Routed
 from bear.protocol.subjects import Subjects
 from bear.router.registry import Registry
 from bear.runtime import tracing
@@ -293,7 +295,7 @@ class Gateway:
                     sampling=sub.sampling, engine=sub.engine, headers=span.headers, subjects=self.subjects,
                     accept_timeout_s=self.cfg.accept_timeout_s, idle_timeout_s=self.cfg.idle_timeout_s,
                     inboxes=self.inboxes)
-        routed: dict[str, Any] | None = None
+        routed: Routed | None = None
         resp: web.StreamResponse | None = None
         answer: Answer | None = None
         texts: list[str] = []
@@ -304,19 +306,18 @@ class Gateway:
         try:
             async with contextlib.aclosing(it), asyncio.timeout(self.cfg.request_timeout_s):
                 async for m in it:
-                    v = m.get("v")
-                    if v == "bear.routed/1":
+                    if isinstance(m, Routed):
                         routed = m
-                        span.event("routed", instance=m.get("instance"), attempt=m.get("attempt"))
+                        span.event("routed", instance=m.instance, attempt=m.attempt)
                         continue
-                    if v == "bear.chunk/1":
+                    if isinstance(m, Chunk):
                         chunks += 1
-                        relay = "choices" in m  # engine fields: the engine's choices, verbatim
+                        relay = m.choices is not UNSET  # engine fields: the engine's choices, verbatim
                         if relay:
                             relayed = True
-                            choices = m["choices"] if isinstance(m["choices"], list) else []
+                            choices = m.choices or []
                         else:
-                            text = str(m.get("text", ""))
+                            text = m.text or ""
                         if not sub.stream:
                             if relay:
                                 raw.append(choices)
@@ -334,10 +335,10 @@ class Gateway:
                             assert answer is not None
                             await resp.write(answer.choices_chunk(choices) if relay else answer.text_chunk(text))
                         continue
-                    if v == "bear.done/1":
+                    if isinstance(m, Done):
                         t_msg = time.perf_counter()
                         usage = usage_of(m, chunks)
-                        finish = str(m.get("finish_reason") or "stop")
+                        finish = m.finish_reason or "stop"
                         bear = decision_of(routed, m)
                         if not sub.stream:
                             answer = self._new_answer(sub, qid, routed, m)
@@ -356,8 +357,8 @@ class Gateway:
                         await resp.write(answer.final_chunks(finish, usage, bear, relayed=relayed))
                         await resp.write_eof()
                         return resp
-                    if v == "bear.error/1":
-                        err = ApiError.from_router(m.get("error") or {}, self.cfg.retry_after_s,
+                    if isinstance(m, Error):
+                        err = ApiError.from_router(m, self.cfg.retry_after_s,
                                                    "messages" if sub.chat else "prompt")
                         span.error(err.message)
                         return await self._fail(resp, err)
@@ -388,21 +389,19 @@ class Gateway:
             await resp.write_eof()
         return resp
 
-    def _new_answer(self, sub: Submission, qid: str, routed: dict[str, Any] | None,
-                    done: dict[str, Any] | None = None) -> Answer:
-        model = (done or {}).get("model") or (routed or {}).get("model") or sub.model
-        prompt = (routed or {}).get("prompt_tokens")
-        return Answer(sub.chat, qid, int(time.time()), str(model), sub.include_usage, sub.continuous_usage,
-                      prompt if isinstance(prompt, int) and not isinstance(prompt, bool) else 0)
+    def _new_answer(self, sub: Submission, qid: str, routed: Routed | None, done: Done | None = None) -> Answer:
+        model = (done and done.model) or (routed and routed.model) or sub.model
+        prompt = routed.prompt_tokens if routed is not None else 0
+        return Answer(sub.chat, qid, int(time.time()), str(model), sub.include_usage, sub.continuous_usage, prompt)
 
-    def _headers(self, qid: str, routed: dict[str, Any] | None, done: dict[str, Any] | None = None) -> dict[str, str]:
+    def _headers(self, qid: str, routed: Routed | None, done: Done | None = None) -> dict[str, str]:
         h = decision_headers(qid, routed)
-        if done is not None and isinstance(done.get("ttft_s"), int | float):
-            h["x-bear-ttft-ms"] = f"{done['ttft_s'] * 1e3:.3f}"
-            h["x-bear-on-time"] = "true" if done.get("on_time") else "false"
+        if done is not None and done.ttft_s is not None:
+            h["x-bear-ttft-ms"] = f"{done.ttft_s * 1e3:.3f}"
+            h["x-bear-on-time"] = "true" if done.on_time else "false"
         return h
 
-    async def _start_stream(self, request: web.Request, qid: str, routed: dict[str, Any] | None) -> web.StreamResponse:
+    async def _start_stream(self, request: web.Request, qid: str, routed: Routed | None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            REQUEST_ID: request[REQUEST_ID_KEY], **self._headers(qid, routed)})
         await resp.prepare(request)

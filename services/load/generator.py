@@ -84,6 +84,7 @@ async def run_load(nc: Any, queries: list[LoadQuery], times: np.ndarray, *, lam:
                    on_event: Callable[[str, LoadResult], None] | None = None, subjects: Any = None,
                    accept_timeout_s: float = 2.0, idle_timeout_s: float = 30.0) -> LoadResult:
     from bear.client.submit import submit
+    from bear.protocol.replies import Done, Error
 
     res = LoadResult()
     t_start = time.monotonic()
@@ -92,27 +93,26 @@ async def run_load(nc: Any, queries: list[LoadQuery], times: np.ndarray, *, lam:
         terminal = 0
         async for msg in submit(nc, q.prompt, ttft_target_s=q.target_s, max_tokens=max_tokens, lam=lam,
                                 query_id=q.query_id, subjects=subjects, accept_timeout_s=accept_timeout_s, idle_timeout_s=idle_timeout_s):
-            v = msg.get("v")
-            if v == "bear.done/1":
+            if isinstance(msg, Done):
                 terminal += 1
-                model = str(msg.get("predictor_model") or msg.get("model", "")).rsplit("/", 1)[-1]
-                usage = msg.get("usage") or {}
+                model = str(msg.predictor_model or msg.model).rsplit("/", 1)[-1]
+                usage = msg.usage or {}
                 pin, pout = PRICES.get(model, (0.0, 0.0))
                 cost = int(usage.get("prompt_tokens", q.prompt_tokens)) * pin + int(usage.get("completion_tokens", 0)) * pout
                 quality = q.quality.get(model, 0.0)
-                ttft = float(msg.get("ttft_s", math.inf))
-                pred = msg.get("predicted_ttft_s")
-                res.outcomes.append(Outcome(query_id=q.query_id, task=q.task, instance=str(msg.get("instance")),
+                ttft = math.inf if msg.ttft_s is None else float(msg.ttft_s)
+                pred = msg.predicted_ttft_s
+                res.outcomes.append(Outcome(query_id=q.query_id, task=q.task, instance=str(msg.instance),
                                             model=model, target_s=q.target_s, ttft_s=ttft,
                                             utility=quality - lam * cost,
                                             predicted_ttft_s=float(pred) if pred is not None else math.nan))
-                if isinstance(msg.get("decision_s"), float):
-                    res.decision_s.append(msg["decision_s"])
+                if isinstance(msg.decision_s, float):
+                    res.decision_s.append(msg.decision_s)
                 if on_event:
                     on_event("done", res)
-            elif v == "bear.error/1":
+            elif isinstance(msg, Error):
                 terminal += 1
-                res.errors[str((msg.get("error") or {}).get("code", "?"))] += 1
+                res.errors[msg.code or "?"] += 1
                 if on_event:
                     on_event("error", res)
         res.terminal += 1

@@ -25,11 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+from msgspec import UNSET
 
 from bear.predictor.runtime import Predictor
-from bear.protocol.codec import pack, unpack_map
+from bear.protocol import schemas
+from bear.protocol.codec import pack
 from bear.protocol.deadline import Deadline
 from bear.protocol.errors import BearError, ErrorCode, error_reply
+from bear.protocol.predict import PredictRequest, decode_predict
 from bear.protocol.subjects import Subjects
 from bear.runtime.metrics import start_metrics_server
 from bear.runtime.service import connect, stop_event
@@ -37,8 +40,8 @@ from bear.runtime.shutdown import close_nats
 
 log = structlog.get_logger(__name__)
 
-REQUEST_SCHEMA = "bear.predict/1"
-REPLY_SCHEMA = "bear.prediction/1"
+REQUEST_SCHEMA = schemas.PREDICT
+REPLY_SCHEMA = schemas.PREDICTION
 QUEUE_GROUP = "bear-predictor"
 
 
@@ -76,35 +79,17 @@ class _Metrics:
         return cls._instance
 
 
-def parse_request(data: bytes, limits: ServiceLimits) -> tuple[dict[str, Any], Deadline]:
-    """Validate a ``bear.predict/1`` request; raises ``BearError`` with the right code."""
-    req = unpack_map(data, max_bytes=limits.max_request_bytes)
-    v = req.get("v")
-    if v != REQUEST_SCHEMA:
-        got = repr(v[:64]) if isinstance(v, str) else type(v).__name__  # never the repr of a client's structure
-        raise BearError(ErrorCode.BAD_REQUEST, f"expected v={REQUEST_SCHEMA!r}, got {got}")
-    deadline = Deadline.from_request(req, limits.default_deadline_s)
-    prompt = req.get("prompt")
-    if not isinstance(prompt, str):
-        raise BearError(ErrorCode.BAD_REQUEST, "prompt must be a string")
-    if len(prompt) > limits.max_prompt_bytes:  # characters ≤ bytes: a cheap first bound
+def parse_request(data: bytes, limits: ServiceLimits) -> tuple[PredictRequest, Deadline]:
+    """Validate a ``bear.predict/1`` request (``bear.protocol.predict.PredictRequest``, then this
+    service's limits); raises ``BearError`` with the right code."""
+    req = decode_predict(data, max_bytes=limits.max_request_bytes)
+    deadline = Deadline(req.deadline) if req.deadline is not None else Deadline.after(limits.default_deadline_s)
+    if len(req.prompt) > limits.max_prompt_bytes:  # characters ≤ bytes: a cheap first bound
         raise BearError(ErrorCode.TOO_LARGE, f"prompt longer than {limits.max_prompt_bytes} bytes")
-    models = req.get("models")
-    if not isinstance(models, list) or not models or not all(isinstance(m, str) for m in models):
-        raise BearError(ErrorCode.BAD_REQUEST, "models must be a non-empty list of model names")
-    if len(models) > limits.max_models:
+    if len(req.models) > limits.max_models:
         raise BearError(ErrorCode.TOO_LARGE, f"more than {limits.max_models} candidate models")
-    if len(set(models)) != len(models):
+    if len(set(req.models)) != len(req.models):
         raise BearError(ErrorCode.BAD_REQUEST, "duplicate model names")
-    pt = req.get("prompt_tokens")
-    if pt is not None:
-        if isinstance(pt, int) and not isinstance(pt, bool):
-            pt = dict.fromkeys(models, pt)
-        if not isinstance(pt, dict) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pt.values()
-        ):
-            raise BearError(ErrorCode.BAD_REQUEST, "prompt_tokens must be an int or a map model → int ≥ 0")
-        req["prompt_tokens"] = {str(k): int(v) for k, v in pt.items() if k in models}
     return req, deadline
 
 
@@ -155,13 +140,15 @@ class PredictorService:
             outcome = "reply_failed"
         self._count(outcome, t0)
 
-    def _compute(self, req: dict[str, Any]) -> dict[str, Any]:
+    def _compute(self, req: PredictRequest) -> dict[str, Any]:
+        """The ``bear.prediction/1`` reply as a map (``bear.protocol.predict.Prediction``'s fields):
+        built directly from the forest's arrays, the hot path."""
         body: dict[str, Any] = {
             "v": REPLY_SCHEMA,
-            "models": self.predictor.predict_wire(req["prompt"], req["models"], req.get("prompt_tokens")),
+            "models": self.predictor.predict_wire(req.prompt, req.models, req.tokens_by_model()),
         }
-        if "id" in req:
-            body["id"] = req["id"]
+        if req.id is not UNSET:
+            body["id"] = req.id
         return body
 
     async def _handle(self, request: Any) -> None:
@@ -188,7 +175,7 @@ class PredictorService:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _inline(self, request: Any, req: dict[str, Any], deadline: Deadline, t0: float) -> None:
+    async def _inline(self, request: Any, req: PredictRequest, deadline: Deadline, t0: float) -> None:
         """Predict on the loop (no task, no thread hop): ~40-200 µs, see the module docstring."""
         m = self._metrics
         self._inflight += 1
@@ -209,7 +196,7 @@ class PredictorService:
                 m.inflight.dec()
         await self._reply(request, body, outcome, t0)
 
-    async def _work(self, request: Any, req: dict[str, Any], deadline: Deadline, t0: float) -> None:
+    async def _work(self, request: Any, req: PredictRequest, deadline: Deadline, t0: float) -> None:
         self._inflight += 1
         if self._metrics is not None:
             self._metrics.inflight.inc()

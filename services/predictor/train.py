@@ -16,9 +16,10 @@ import numpy as np
 from bear.predictor.dataset import Record, iter_groups
 from bear.predictor.features import FEATURE_NAMES, MODEL_ID_COLUMN, Pca, analyse, feature_rows, model_part
 from bear.predictor.models import DEFAULT_MODELS, ModelSpec
+from bear.protocol import schemas
 from bear.protocol.errors import BearError, ErrorCode
 
-FORMAT = "bear.predictor/1"
+FORMAT = schemas.PREDICTOR
 # head name → LightGBM objective settings. Quality: Huber (paper A.4); length: L2 on raw counts for
 # the mean (what the cost and the replay use), pinball loss for the quantiles.
 HEADS: dict[str, dict[str, Any]] = {

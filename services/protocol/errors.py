@@ -5,6 +5,8 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
+from bear.protocol import schemas
+
 
 class ErrorCode(StrEnum):
     BAD_REQUEST = "bad_request"  # malformed or missing fields
@@ -33,7 +35,7 @@ class BearError(Exception):
 
 def error_reply(code: ErrorCode, message: str) -> dict[str, Any]:
     """The map every service returns on failure: ``{"v": "bear.error/1", "error": {code, message}}``."""
-    return {"v": "bear.error/1", "error": {"code": str(code), "message": message}}
+    return {"v": schemas.ERROR, "error": {"code": str(code), "message": message}}
 
 
 def is_error(reply: Any) -> bool:

@@ -5,7 +5,9 @@ optional on decode, refused when it names another schema); unknown fields are ig
 newer sender can add fields.
 
 Snapshots (``bear.snapshot/1``) are not here: libbea's bounds-checked parser is their one
-definition, and it builds the replay's state directly from the bytes.
+decoder, and it builds the replay's state directly from the bytes (their field list, for Python
+producers and tools and checked against that parser: ``bear.protocol.snapshot``). Schema ids:
+``bear.protocol.schemas``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
+from bear.protocol import schemas
 from bear.protocol.codec import MAX_MESSAGE_BYTES
 from bear.protocol.errors import BearError, ErrorCode
 
@@ -50,7 +53,7 @@ class Message(msgspec.Struct, kw_only=True, tag_field="v", forbid_unknown_fields
     """Base of every typed message."""
 
 
-class Dispatch(Message, tag="bear.dispatch/1", kw_only=True):
+class Dispatch(Message, tag=schemas.DISPATCH, kw_only=True):
     """``bear.dispatch.<instance>``: the router sent a query there (the estimator queues it ahead
     of later queries until a snapshot shows it, and learns its predicted length)."""
 
@@ -83,7 +86,7 @@ class Dispatch(Message, tag="bear.dispatch/1", kw_only=True):
         return r
 
 
-class Calibration(Message, tag="bear.calibration/1", kw_only=True):
+class Calibration(Message, tag=schemas.CALIBRATION, kw_only=True):
     """``bear_calibration`` KV value: eq. 12's β of one instance, θ of eq. 8, and fit quality."""
 
     instance: str = ""
@@ -177,7 +180,7 @@ class PrefixCacheInfo(msgspec.Struct, kw_only=True):
     events: bool = False
 
 
-class InstanceRecord(Message, tag="bear.instance/1", kw_only=True):
+class InstanceRecord(Message, tag=schemas.INSTANCE, kw_only=True):
     """``bear_instances`` KV value: what a router needs to send an instance queries."""
 
     id: InstanceId
@@ -208,7 +211,7 @@ class KvOp(msgspec.Struct, array_like=True):
     hashes: list[Hash64] = msgspec.field(default_factory=list)
 
 
-class KvEvents(Message, tag="bear.kv/1", kw_only=True):
+class KvEvents(Message, tag=schemas.KV, kw_only=True):
     """``bear.kv.<instance>``: what one engine step did to the instance's prefix cache (vLLM's
     KV cache events, renamed). ``seq`` counts these messages within one publisher ``epoch``; a
     mirror that misses one asks for the whole state (``KvResync``)."""
@@ -223,7 +226,7 @@ class KvEvents(Message, tag="bear.kv/1", kw_only=True):
         _finite(self.t)
 
 
-class KvState(Message, tag="bear.kv.state/1", kw_only=True):
+class KvState(Message, tag=schemas.KV_STATE, kw_only=True):
     """``bear.kv.<instance>``: the whole prefix cache after events message ``seq`` (−1: before the
     first), as the publisher has it: the block names packed as big-endian uint64 (a name appears
     once per cached block that carries it). Large states come in ``parts`` consecutive messages.
@@ -246,7 +249,7 @@ class KvState(Message, tag="bear.kv.state/1", kw_only=True):
             raise ValueError("part must be < parts")
 
 
-class KvResync(Message, tag="bear.kv.resync/1", kw_only=True):
+class KvResync(Message, tag=schemas.KV_RESYNC, kw_only=True):
     """``bear.kv.resync.<instance>``: a mirror lost the thread; the publisher answers by
     publishing its ``KvState`` on ``bear.kv.<instance>`` (to every mirror)."""
 
@@ -254,7 +257,7 @@ class KvResync(Message, tag="bear.kv.resync/1", kw_only=True):
     reason: str = ""
 
 
-class Outcome(Message, tag="bear.outcome/1", kw_only=True):
+class Outcome(Message, tag=schemas.OUTCOME, kw_only=True):
     """``bear.outcome.<instance>``: a router finished a query there (observed TTFT and TPOT feed
     every router's view of the instance; the predicted TTFT beside the observed one tells the
     calibrator how good its estimates are)."""
@@ -274,7 +277,7 @@ class Outcome(Message, tag="bear.outcome/1", kw_only=True):
         _finite(self.ttft_s, self.tpot_s, self.predicted_ttft_s, self.t)
 
 
-class ResyncRequest(Message, tag="bear.resync/1", kw_only=True):
+class ResyncRequest(Message, tag=schemas.RESYNC, kw_only=True):
     """``bear.resync.<instance>``: a consumer's delta chain broke (a lost or malformed delta, a new
     engine generation, a consumer that just started); the instance's publisher answers with its
     newest full ``bear.snapshot/1`` (the state its next delta applies to), or a coded error."""
@@ -306,7 +309,7 @@ class EstimateCandidate(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokenizer: str | None = None  # which of the request's ``tokens`` lists is this instance's prompt
 
 
-class EstimateRequest(Message, tag="bear.estimate/1", kw_only=True):
+class EstimateRequest(Message, tag=schemas.ESTIMATE, kw_only=True):
     """``bear.estimate``: the TTFT of one query at each candidate instance."""
 
     query: EstimateQuery
@@ -356,7 +359,7 @@ class EstimateRow(msgspec.Struct, kw_only=True, omit_defaults=False):
     calibration: str = "nominal"
 
 
-class EstimateReply(Message, tag="bear.estimate.reply/1", kw_only=True):
+class EstimateReply(Message, tag=schemas.ESTIMATE_REPLY, kw_only=True):
     query_id: str = ""
     worker: str = ""
     estimates: list[EstimateRow]

@@ -17,9 +17,10 @@ from typing import Any
 
 import msgspec
 
+from bear.protocol import schemas
 from bear.protocol.messages import InstanceId, InstanceRecord, Message, Prices
 
-SCHEMA = "bear.provisioned/1"
+SCHEMA = schemas.PROVISIONED
 
 
 class Provisioned(Message, tag=SCHEMA, kw_only=True):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SNAPSHOT_SCHEMA = "bear.snapshot/1"
-DELTA_SCHEMA = "bear.delta/1"
-BATCH_SCHEMA = "bear.batch/1"
-CANCEL_SCHEMA = "bear.cancel/1"
+from bear.protocol import schemas
+
+SNAPSHOT_SCHEMA = schemas.SNAPSHOT
+DELTA_SCHEMA = schemas.DELTA
+BATCH_SCHEMA = schemas.BATCH
+CANCEL_SCHEMA = schemas.CANCEL
 
 
 def inbox_owner(inbox: str) -> str:

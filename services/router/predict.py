@@ -14,42 +14,33 @@ import asyncio
 from typing import Any
 
 from bear.estimator.client import EstimatorClient
-from bear.protocol.codec import pack, unpack_map
 from bear.protocol.deadline import Deadline
-from bear.protocol.errors import BearError, is_error
-from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateReply
+from bear.protocol.errors import BearError
+from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateReply, encode
+from bear.protocol.predict import PredictRequest, decode_prediction
 from bear.protocol.subjects import Subjects
 from bear.router.candidates import ModelPrediction
 from bear.runtime.request import request
-
-PREDICT_SCHEMA = "bear.predict/1"
 
 
 async def ask_predictor(nc: Any, subject: str, prompt: str, models: list[str], budget_s: float, *,
                         try_timeout_s: float, prompt_tokens: int | None = None, query_id: str = "",
                         headers: dict[str, str] | None = None) -> dict[str, ModelPrediction] | None:
     deadline = Deadline.after(budget_s)
-    req: dict[str, Any] = {"v": PREDICT_SCHEMA, "prompt": prompt, "models": models, "deadline": deadline.at,
-                           "id": query_id}
-    if prompt_tokens is not None:
-        req["prompt_tokens"] = int(prompt_tokens)
+    req = PredictRequest(prompt=prompt, models=models, deadline=deadline.at, id=query_id,
+                         prompt_tokens=None if prompt_tokens is None else int(prompt_tokens))
     try:
-        data = await request(nc, subject, pack(req), deadline=deadline, try_timeout_s=try_timeout_s, headers=headers)
-        reply = unpack_map(data)
+        data = await request(nc, subject, encode(req), deadline=deadline, try_timeout_s=try_timeout_s, headers=headers)
     except BearError:
         return None
-    if is_error(reply):
+    reply = decode_prediction(data)  # None: an error reply, or not a prediction
+    if reply is None:
         return None
-    try:
-        return {
-            name: ModelPrediction(
-                acc=float(p["acc"]), out_len=float(p["len"]["mean"]), out_p90=float(p["len"]["p90"]),
-                prompt_tokens=int(p["prompt_tokens"]), cost_usd=float(p["cost"]),
-            )
-            for name, p in reply["models"].items()
-        }
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return None
+    return {
+        name: ModelPrediction(acc=p.acc, out_len=p.len.mean, out_p90=p.len.p90, prompt_tokens=p.prompt_tokens,
+                              cost_usd=p.cost)
+        for name, p in reply.models.items()
+    }
 
 
 async def ask_estimator(clients: list[EstimatorClient], query: EstimateQuery,

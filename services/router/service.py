@@ -26,7 +26,6 @@ import msgspec
 import structlog
 
 from bear.estimator.client import EstimatorClient
-from bear.protocol.codec import pack, unpack_map
 from bear.protocol.engine_fields import (
     check_engine,
     check_json,
@@ -36,10 +35,12 @@ from bear.protocol.engine_fields import (
     skips_prefix_cache,
 )
 from bear.protocol.engine_fields import priority as engine_priority
-from bear.protocol.errors import BearError, ErrorCode, error_reply
+from bear.protocol.errors import BearError, ErrorCode
 from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateRow, Outcome, encode
+from bear.protocol.replies import Chunk, Done, Error, Reply, Routed, encode_reply, error_event
 from bear.protocol.sampling import check_sampling
-from bear.protocol.subjects import CANCEL_SCHEMA, Subjects
+from bear.protocol.subjects import Subjects
+from bear.protocol.submit import decode_cancel, decode_submit
 from bear.protocol.token_ids import count
 from bear.router.admission import Admission
 from bear.router.candidates import (
@@ -71,7 +72,6 @@ from bear.tokenizer.cache import TokenizerCache
 
 log = structlog.get_logger("bear.router")
 
-SUBMIT_SCHEMA = "bear.submit/1"
 MAX_PROMPT_BYTES = 4 * 1024 * 1024
 REST_UNKNOWN_MAX_TOKENS = 1 << 20  # max_tokens_rest where no candidate registered its context: the estimate's cap
 MAX_MESSAGE_DEPTH = 8  # chat messages: role/content maps, content parts, their fields
@@ -170,65 +170,23 @@ class Query:
 
 
 def parse_submit(data: bytes, cfg: RouterConfig) -> Query:
-    d = unpack_map(data)
-    if d.get("v", SUBMIT_SCHEMA) != SUBMIT_SCHEMA:
-        raise BearError(ErrorCode.BAD_REQUEST, f"expected v={SUBMIT_SCHEMA}")
-    qid = d.get("query_id")
-    if not isinstance(qid, str) or not qid or len(qid) > 256:
-        raise BearError(ErrorCode.BAD_REQUEST, "query_id must be a non-empty string (≤ 256 chars)")
-    prompt, messages = d.get("prompt"), d.get("messages")
-    if (prompt is None) == (messages is None):
-        raise BearError(ErrorCode.BAD_REQUEST, "exactly one of prompt or messages is required")
-    if prompt is not None and not isinstance(prompt, str):
-        raise BearError(ErrorCode.BAD_REQUEST, "prompt must be a string")
-    if messages is not None and (not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages)):
-        raise BearError(ErrorCode.BAD_REQUEST, "messages must be a list of maps")
-
-    def num(key: str, default: float, lo: float) -> float:
-        v = d.get(key, default)
-        if v is None:
-            v = default
-        if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or v < lo:
-            raise BearError(ErrorCode.BAD_REQUEST, f"{key} must be a number ≥ {lo}")
-        return float(v)
-
-    pt = d.get("prompt_tokens")
-    if pt is not None and (not isinstance(pt, int) or isinstance(pt, bool) or pt < 0):
-        raise BearError(ErrorCode.BAD_REQUEST, "prompt_tokens must be a non-negative integer")
-    model = d.get("model")
-    if model is not None and (not isinstance(model, str) or not model or len(model) > 256):
-        raise BearError(ErrorCode.BAD_REQUEST, "model must be a non-empty string (≤ 256 chars)")
-    if messages is not None:
-        for m in messages:
+    """A ``bear.submit/1`` decoded once (``bear.protocol.submit.Submit`` checks every field) and
+    completed with the router's defaults; a coded ``BearError`` for bad input."""
+    s = decode_submit(data)
+    if s.messages is not None:
+        for m in s.messages:
             check_json(m, "messages", MAX_MESSAGE_DEPTH)
-    deadline = d.get("deadline")
-    if deadline is not None and (not isinstance(deadline, int | float) or isinstance(deadline, bool)
-                                 or not math.isfinite(deadline)):
-        raise BearError(ErrorCode.BAD_REQUEST, "deadline must be a finite number (epoch seconds)")
-    session = d.get("session")
-    if session is not None and (not isinstance(session, str) or not session or len(session) > 256):
-        raise BearError(ErrorCode.BAD_REQUEST, "session must be a non-empty string (≤ 256 chars)")
-    nonce = d.get("nonce")
-    if nonce is not None and (not isinstance(nonce, str) or not nonce or len(nonce) > 64):
-        raise BearError(ErrorCode.BAD_REQUEST, "nonce must be a non-empty string (≤ 64 chars)")
-    rest = d.get("max_tokens_rest", False)
-    if not isinstance(rest, bool):
-        raise BearError(ErrorCode.BAD_REQUEST, "max_tokens_rest must be a boolean")
-    if rest and d.get("max_tokens") is not None:
-        raise BearError(ErrorCode.BAD_REQUEST, "max_tokens_rest and max_tokens exclude each other")
-    max_tokens = REST_UNKNOWN_MAX_TOKENS if rest else num("max_tokens", cfg.default_max_tokens, 1)
-    if max_tokens > 2**31 - 1:
-        raise BearError(ErrorCode.BAD_REQUEST, "max_tokens must be < 2^31")
-    q = Query(query_id=qid, prompt=prompt, messages=messages,
-              ttft_target_s=num("ttft_target_s", cfg.default_ttft_target_s, 0.0),
-              max_tokens=int(max_tokens), lam=num("lam", cfg.lam, 0.0),
-              prompt_tokens=pt, model=model, sampling=check_sampling(d.get("sampling")),
-              engine=check_engine(d.get("engine")),
-              deadline=None if deadline is None else float(deadline), session=session, rest_of_context=rest,
-              nonce=nonce)
+    max_tokens = REST_UNKNOWN_MAX_TOKENS if s.max_tokens_rest else \
+        cfg.default_max_tokens if s.max_tokens is None else s.max_tokens
+    q = Query(query_id=s.query_id, prompt=s.prompt, messages=s.messages,
+              ttft_target_s=cfg.default_ttft_target_s if s.ttft_target_s is None else float(s.ttft_target_s),
+              max_tokens=int(max_tokens), lam=cfg.lam if s.lam is None else float(s.lam),
+              prompt_tokens=s.prompt_tokens, model=s.model, sampling=check_sampling(s.sampling),
+              engine=check_engine(s.engine), deadline=s.deadline, session=s.session,
+              rest_of_context=s.max_tokens_rest, nonce=s.nonce)
     if len(q.text.encode()) > MAX_PROMPT_BYTES:
         raise BearError(ErrorCode.TOO_LARGE, f"prompt larger than {MAX_PROMPT_BYTES} bytes")
-    check_streamable(q.engine, chat=messages is not None)
+    check_streamable(q.engine, chat=s.messages is not None)
     return q
 
 
@@ -284,24 +242,25 @@ class ClientStream:
         self.recent = recent  # the router's recently sent terminal messages (resent after a reconnect)
         self.terminals = terminals  # KV bucket keeping the terminal message for a client that missed it
 
-    async def send(self, msg: dict[str, Any]) -> None:
+    def _stamp(self, msg: Reply) -> bytes:
+        """``msg`` with the query's id and the client's nonce (echoed in every message), encoded."""
+        msg.query_id = self.query_id
+        if self.nonce is not None:
+            msg.nonce = self.nonce
+        return encode_reply(msg)
+
+    async def send(self, msg: Reply) -> None:
         if self.finished:
             return
-        msg.setdefault("query_id", self.query_id)
-        if self.nonce is not None:
-            msg.setdefault("nonce", self.nonce)
         try:
-            await self.nc.publish(self.inbox, pack(msg))
+            await self.nc.publish(self.inbox, self._stamp(msg))
         except Exception as exc:  # NATS down: the client's own timeout makes the failure explicit
             log.warning("reply to client failed", query_id=self.query_id, error=str(exc))
 
-    async def finish(self, msg: dict[str, Any]) -> None:
+    async def finish(self, msg: Done | Error) -> None:
         if self.finished:
             return
-        msg.setdefault("query_id", self.query_id)
-        if self.nonce is not None:
-            msg.setdefault("nonce", self.nonce)
-        data = pack(msg)
+        data = self._stamp(msg)
         try:
             await self.nc.publish(self.inbox, data)
         except Exception as exc:
@@ -322,9 +281,7 @@ class ClientStream:
                 self.recent.popleft()
 
     async def error(self, code: ErrorCode, message: str, **extra: Any) -> None:
-        m = error_reply(code, message)
-        m.update(extra)
-        await self.finish(m)
+        await self.finish(error_event(code, message, **extra))
 
 
 class RouterService:
@@ -475,13 +432,10 @@ class RouterService:
     async def _on_cancel(self, msg: Any) -> None:
         """``bear.cancel/1``: abort the query if this router serves it, and remember the id for a
         while (the cancel may overtake its own submission, which is then not started)."""
-        try:
-            d = unpack_map(msg.data)
-        except BearError:
+        c = decode_cancel(msg.data)
+        if c is None:
             return
-        qid, inbox = d.get("query_id"), d.get("inbox")
-        if d.get("v") != CANCEL_SCHEMA or not isinstance(qid, str) or not isinstance(inbox, str) or not inbox:
-            return
+        qid, inbox = c.query_id, c.inbox
         now = time.monotonic()
         self._cancelled[qid] = (now, inbox)
         self._cancelled.move_to_end(qid)
@@ -505,13 +459,13 @@ class RouterService:
     async def _serve(self, data: bytes, inbox: str, t0: float, headers: dict[str, str] | None = None,
                      client: str = "") -> None:
         out = ClientStream(self.nc, inbox, "", self._recent, terminals=self.subjects.terminals_bucket)
-        out.query_id, out.nonce = peek_ids(data)  # a bad_request answer still carries them
         self.m.inflight.inc()
         q: Query | None = None
         try:
             try:
                 q = parse_submit(data, self.cfg)
             except BearError as exc:
+                out.query_id, out.nonce = peek_ids(data)  # a bad_request answer still carries them
                 await out.error(exc.code, exc.message)
                 self.m.queries.labels(status="bad_request").inc()
                 return
@@ -697,14 +651,12 @@ class RouterService:
                 self.m.decision.observe(decision_s)
                 self.m.overhead.observe(max(0.0, decision_s - waited))
             self.m.routed.labels(instance=inst.id).inc()
-            await out.send({"v": "bear.routed/1", "instance": inst.id, "model": inst.model,
-                            "predictor_model": inst.predictor_model,
-                            "predicted_ttft_s": _finite(self.policy.latency_estimate(d.candidate)),
-                            "ttft_method": d.candidate.ttft_method, "feasible": d.feasible,
-                            "policy": self.policy.name, "decision_s": decision_s, "attempt": attempt,
-                            "backend": inst.backend,
-                            "prompt_tokens": d.candidate.prompt_tokens or p.prompt_tokens,
-                            "prompt_tokens_exact": d.candidate.tokens_exact})
+            await out.send(Routed(instance=inst.id, model=inst.model, predictor_model=inst.predictor_model,
+                                  predicted_ttft_s=_finite(self.policy.latency_estimate(d.candidate)),
+                                  ttft_method=d.candidate.ttft_method, feasible=d.feasible, policy=self.policy.name,
+                                  decision_s=decision_s, attempt=attempt, backend=inst.backend,
+                                  prompt_tokens=d.candidate.prompt_tokens or p.prompt_tokens,
+                                  prompt_tokens_exact=d.candidate.tokens_exact))
             try:
                 await self._stream(q, out, inst, d, p, request_id, max(1, p.prompt_tokens - d.candidate.prefix_hit_tokens),
                                    t0, decision_s, asked, fallbacks, cands, attempt)
@@ -768,8 +720,8 @@ class RouterService:
                                 local.pending_prefill_tokens[inst.id] -= uncached
                                 pending_open = False
                                 span.event("first_token")
-                            await out.send({"v": "bear.chunk/1", "seq": seq, "choices": piece.choices} if relay
-                                           else {"v": "bear.chunk/1", "seq": seq, "text": piece.text})
+                            await out.send(Chunk(seq=seq, choices=piece.choices) if relay
+                                           else Chunk(seq=seq, text=piece.text))
                             seq += 1
                             if relay:
                                 answer_chars = MAX_PRIMED_CHARS + 1  # choices and tool calls: not one text to prime
@@ -822,11 +774,10 @@ class RouterService:
                 instance=inst.id, ttft_s=ttft, tpot_s=tpot, predicted_ttft_s=_finite(d.candidate.ttft),
                 method=d.candidate.ttft_method, completed=True, t=time.time(),
                 output_tokens=min(round(per_seq), 2**31 - 1), predicted_output_tokens=q.predicted_output)))
-        await out.finish({"v": "bear.done/1", "instance": inst.id, "model": inst.model,
-                          "predictor_model": inst.predictor_model, "ttft_s": ttft, "target_s": q.ttft_target_s,
-                          "on_time": on_time, "utility": utility, "predicted_utility": d.candidate.utility(q.lam),
-                          "predicted_ttft_s": _finite(predicted), "usage": usage, "finish_reason": finish,
-                          "decision_s": decision_s})
+        await out.finish(Done(instance=inst.id, model=inst.model, predictor_model=inst.predictor_model, ttft_s=ttft,
+                              target_s=q.ttft_target_s, on_time=on_time, utility=utility,
+                              predicted_utility=d.candidate.utility(q.lam), predicted_ttft_s=_finite(predicted),
+                              usage=usage, finish_reason=finish, decision_s=decision_s))
         self.m.prompt_tokens.labels(how="exact" if d.candidate.tokens_exact else "estimated").inc()
         self.outcomes.record({
             "query_id": q.query_id, "t": time.time(), "status": "done", "policy": self.policy.name,

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bear.protocol import schemas
 from bear.protocol.errors import BearError, ErrorCode
 
-SCHEMA = "bear.identity/1"
+SCHEMA = schemas.IDENTITY
 CREDS_ENV = "BEAR_NATS_CREDS"
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")  # one NATS subject token: no dots, no wildcards
 

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from bear import libbea
+from bear.protocol import schemas
 from bear.sim.profile import Profile
 from bear.sim.roofline import RooflineModel
 
@@ -61,7 +62,7 @@ def profile_records(profile: Profile, *, seed: int = 0, queries: int = 400, ligh
             t = max(t, pending[0][0])
             continue
         dur = roof.sample([(n, ctx) for _, n, ctx, _ in batch])
-        records.append({"v": "bear.batch/1", "instance": profile.name, "seq": int(engine.seq), "duration_s": dur,
+        records.append({"v": schemas.BATCH, "instance": profile.name, "seq": int(engine.seq), "duration_s": dur,
                         "items": [{"n": int(n), "context": int(c), "decode": bool(d)} for _, n, c, d in batch]})
         t += dur
         engine.finish_step()

@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-SNAPSHOT_SCHEMA = "bear.snapshot/1"
-BATCH_SCHEMA = "bear.batch/1"
+from bear.protocol import schemas
+
+SNAPSHOT_SCHEMA = schemas.SNAPSHOT
+BATCH_SCHEMA = schemas.BATCH
 RECORD_VERSION = 3
 
 STEP_FIELDS = (

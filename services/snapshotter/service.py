@@ -28,6 +28,7 @@ from nats.aio.client import Client as NATS
 from bear.instance.publisher import InstancePublisher
 from bear.instance.record import Registration, instance_record
 from bear.prefix.tracked_pool import TrackedPool
+from bear.protocol import schemas
 from bear.protocol.jsonl import open_text
 from bear.protocol.messages import KvOp, PrefixCacheInfo
 from bear.protocol.subjects import SNAPSHOT_SCHEMA, Subjects
@@ -39,7 +40,7 @@ from bear.snapshotter.records import BatchBuilder, RecordError, to_snapshot
 from bear.snapshotter.shm import ShmReader, pid_namespace
 from bear.snapshotter.step_decoder import StepDecoder
 
-INSTANCE_SCHEMA = "bear.instance/1"
+INSTANCE_SCHEMA = schemas.INSTANCE
 log = structlog.get_logger("bear.snapshotter")
 
 

@@ -18,7 +18,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-SCHEMA = "bear.stack/1"
+from bear.protocol import schemas
+
+SCHEMA = schemas.STACK
 NATS_ENV = "BEAR_NATS_URL"
 
 

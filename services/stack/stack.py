@@ -638,6 +638,7 @@ async def wait_ready(url: str, instances: list[str], prefix: str, timeout_s: flo
     identity to ask as (``admin`` of a stack with authentication)."""
     from bear.client.submit import submit
     from bear.protocol.codec import unpack_map
+    from bear.protocol.replies import Done, Reply
     from bear.protocol.subjects import Subjects
     from bear.runtime.kv import ensure_kv
     from bear.runtime.service import connect
@@ -679,11 +680,11 @@ async def wait_ready(url: str, instances: list[str], prefix: str, timeout_s: flo
         waiting[0] = "a router to route a probe query"
         while True:
             check()
-            last: dict[str, Any] = {}
+            last: Reply | None = None
             async for m in submit(nc, "ready?", ttft_target_s=5.0, max_tokens=1, query_id=f"probe-{time.time_ns()}",
                                   accept_timeout_s=1.0, resubmits=0, subjects=Subjects(prefix)):
                 last = m
-            if last.get("v") == "bear.done/1":
+            if isinstance(last, Done):
                 break
             await asyncio.sleep(0.3)
         while gateway_url:

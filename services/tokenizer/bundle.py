@@ -19,6 +19,8 @@ from pathlib import Path
 
 import msgspec
 
+from bear.protocol import schemas
+
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 MAX_BUNDLE_BYTES = 64 * 1024 * 1024
 
@@ -28,7 +30,7 @@ class BundleError(ValueError):
 
 
 class _Wire(msgspec.Struct, kw_only=True):
-    v: str = "bear.tokenizer/1"
+    v: str = schemas.TOKENIZER
     tokenizer_json: bytes
     chat_template: str | None = None
     special_tokens: dict[str, str] = msgspec.field(default_factory=dict)

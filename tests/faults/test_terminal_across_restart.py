@@ -20,6 +20,7 @@ from typing import Any
 
 from bear.client.submit import submit
 from bear.protocol.codec import unpack_map
+from bear.protocol.replies import Done, Reply, Routed
 from bear.protocol.subjects import Subjects
 from bear.router.service import ClientStream
 from bear.runtime.kv import provision
@@ -60,7 +61,7 @@ async def test_done_published_while_nats_restarts_reaches_the_client(tmp_path: P
         await router.subscribe(S.submit_all, cb=submits.put)
         await router.flush()
 
-        got: list[dict[str, Any]] = []
+        got: list[Reply] = []
 
         async def run_client() -> None:
             async for m in submit(client, "hello", idle_timeout_s=8.0, accept_timeout_s=5.0, resubmits=0):
@@ -70,19 +71,19 @@ async def test_done_published_while_nats_restarts_reaches_the_client(tmp_path: P
         msg = await asyncio.wait_for(submits.get(), 10.0)
         q = unpack_map(msg.data)
         out = _stream(router, msg.reply, q["query_id"], q["nonce"])
-        await out.send({"v": "bear.routed/1", "instance": "a", "attempt": 1})
+        await out.send(Routed(instance="a", attempt=1))
         await router.flush()
         await wait_until(lambda: len(got) == 1, what="the routed message at the client")
 
         await asyncio.to_thread(srv.stop)  # the broker goes away; the query finishes meanwhile
         await wait_until(lambda: not router.is_connected, what="the router noticing the outage")
-        await out.finish({"v": "bear.done/1", "output_tokens": 3})  # buffered by nats-py
+        await out.finish(Done(instance="a", usage={"completion_tokens": 3}))  # buffered by nats-py
         await asyncio.to_thread(srv.start)
         await wait_until(lambda: router.is_connected, what="the router reconnected")
         await router.flush()  # its buffered done has reached the new server
         assert not client_reconnected.is_set(), "precondition: the router reconnected first"
         await asyncio.wait_for(task, 30.0)
-        kinds = [m.get("v") for m in got]
+        kinds = [m.v for m in got]
         assert kinds == ["bear.routed/1", "bear.done/1"], f"the accepted query ended {got[-1]}"
     finally:
         for nc in conns:

@@ -243,7 +243,7 @@ async def test_live_router_and_offline_evaluation_decide_alike(nats_server, tmp_
             assert rec["dropped"] == d.dropped, (policy, qid)
             if isinstance(d, Refused):
                 assert (rec["status"], rec["filter"], rec["reason"]) == (str(d.code), d.filter, d.message)
-                assert msgs[-1]["error"] == {"code": str(d.code), "message": d.message}
+                assert (msgs[-1].code, msgs[-1].message) == (str(d.code), d.message)
                 return rec, d
             assert msgs[-1]["v"] == "bear.done/1", msgs[-1]
             assert rec["fallbacks"] == []

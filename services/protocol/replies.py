@@ -1,0 +1,185 @@
+"""The reply stream of a query (docs/router.md, "Protocol"): what a router sends to the client's
+inbox — ``Routed`` (again with ``attempt`` 2 after a reroute), ``Chunk``…, then exactly one
+``Done`` or ``Error`` — as one msgspec tagged union, ``Reply``, on the ``v`` field. The router
+encodes them (``encode_reply``: the same msgpack bytes as the maps it built before, field for
+field and in the same order); the client library decodes them (``decode_reply``) and yields them
+typed.
+
+Every field has a default, so that a message from an older or newer router still decodes (unknown
+fields are ignored); a field whose absence means something is ``UNSET`` when absent and then not
+written: ``nonce`` (a submit without one), a chunk's ``text`` or ``choices``, an error's
+``instance`` and ``client`` (true: made by the client library, not a router).
+
+``get``/``[]`` read a field by its wire name (``"v"`` the tag), as on the maps these replaced:
+for code that inspects messages generically (tests, logs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from bear.protocol import schemas
+from bear.protocol.codec import MAX_MESSAGE_BYTES
+
+
+class _ByName:
+    """Read access by wire name (``msg["instance"]``, ``msg.get("text", "")``)."""
+
+    __struct_fields__: tuple[str, ...]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key == "v":
+            tag = getattr(self, "v", None)
+            return default if tag is None else tag
+        if key not in self.__struct_fields__:
+            return default
+        val = getattr(self, key)
+        return default if val is UNSET else val
+
+    def __getitem__(self, key: str) -> Any:
+        val = self.get(key, UNSET)
+        if val is UNSET:
+            raise KeyError(key)
+        return val
+
+    def __contains__(self, key: str) -> bool:
+        return self.get(key, UNSET) is not UNSET
+
+
+class ErrorBody(_ByName, msgspec.Struct):
+    """``error`` of a ``bear.error/1``: a code of ``bear.protocol.errors.ErrorCode`` and why."""
+
+    code: str = "internal"
+    message: str = ""
+
+
+class Reply(_ByName, msgspec.Struct, kw_only=True, tag_field="v", forbid_unknown_fields=False):
+    """Base of the reply-stream messages. Each subclass declares ``query_id`` and ``nonce`` last:
+    the router added them after a message's own fields, and the wire order stays so."""
+
+    @property
+    def v(self) -> str:
+        return self.__struct_config__.tag  # type: ignore[return-value]
+
+    @property
+    def terminal(self) -> bool:
+        return False
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the map it is on the wire (``v`` included, unset fields left out)."""
+        return msgspec.to_builtins(self, enc_hook=_plain)
+
+
+class Routed(Reply, tag=schemas.ROUTED, kw_only=True):
+    """The query was sent to ``instance`` (``attempt`` 2: again, to another, after a failure)."""
+
+    instance: str = ""
+    model: str = ""
+    predictor_model: str = ""
+    predicted_ttft_s: float | None = None
+    ttft_method: str = ""
+    feasible: bool = False
+    policy: str = ""
+    decision_s: float = 0.0
+    attempt: int = 1
+    backend: str = ""
+    prompt_tokens: int = 0  # the prompt at that instance
+    prompt_tokens_exact: bool = False  # counted by its tokenizer (else estimated from the text)
+    query_id: str = ""
+    nonce: str | UnsetType = UNSET
+
+
+class Chunk(Reply, tag=schemas.CHUNK, kw_only=True):
+    """One piece of the answer: ``text``, or with engine fields the engine chunk's ``choices``
+    verbatim (``text`` then unset)."""
+
+    seq: int = 0
+    text: str | UnsetType = UNSET
+    choices: list[Any] | UnsetType = UNSET
+    query_id: str = ""
+    nonce: str | UnsetType = UNSET
+
+
+class Done(Reply, tag=schemas.DONE, kw_only=True):
+    """The answer is complete (terminal)."""
+
+    instance: str = ""
+    model: str = ""
+    predictor_model: str = ""
+    ttft_s: float | None = None
+    target_s: float | None = None
+    on_time: bool = False
+    utility: float | None = None
+    predicted_utility: float | None = None
+    predicted_ttft_s: float | None = None
+    usage: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    decision_s: float | None = None
+    query_id: str = ""
+    nonce: str | UnsetType = UNSET
+
+    @property
+    def terminal(self) -> bool:
+        return True
+
+
+class Error(Reply, tag=schemas.ERROR, kw_only=True):
+    """The query failed (terminal): ``error.code`` one of ``ErrorCode``; ``instance`` where it
+    failed, when an instance did; ``client``: made by the client library (no router answered,
+    the stream went silent, the query was not sent)."""
+
+    error: ErrorBody = msgspec.field(default_factory=ErrorBody)
+    instance: str | UnsetType = UNSET
+    query_id: str = ""
+    nonce: str | UnsetType = UNSET
+    client: bool | UnsetType = UNSET
+
+    @property
+    def terminal(self) -> bool:
+        return True
+
+    @property
+    def code(self) -> str:
+        return self.error.code
+
+    @property
+    def message(self) -> str:
+        return self.error.message
+
+
+Event = Routed | Chunk | Done | Error
+TERMINAL_TYPES = (Done, Error)
+
+
+def error_event(code: str, message: str, **fields: Any) -> Error:
+    """A ``bear.error/1`` of the stream (``code``: an ``ErrorCode``)."""
+    return Error(error=ErrorBody(code=str(code), message=message), **fields)
+
+
+def _plain(obj: Any) -> Any:
+    """numpy scalars (floats a policy computed) as the Python numbers msgpack writes them as."""
+    item = getattr(obj, "item", None)
+    if callable(item):
+        return item()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_plain)
+_DECODER = msgspec.msgpack.Decoder(Event)
+
+
+def encode_reply(msg: Reply) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def decode_reply(data: bytes) -> Reply | None:
+    """A reply-stream message, or None when ``data`` is none (malformed, another schema, over
+    the size limit): the client library drops those."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        return None
+    try:
+        return _DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
