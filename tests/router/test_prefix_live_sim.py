@@ -24,7 +24,7 @@ from bear.sim.run import serve
 from bear.vllm_instance.launch import free_port
 from bear.vllm_instance.tiny_model import write_tokenizer
 
-from waiting import WaitTimeout, wait_until
+from waiting import HANG_S, WaitTimeout, wait_until
 
 
 async def test_router_sim_exact_tokens_and_mirrored_hits(nats_server, tmp_path: Path) -> None:
@@ -36,7 +36,11 @@ async def test_router_sim_exact_tokens_and_mirrored_hits(nats_server, tmp_path: 
     nc = await nats.connect(nats_server.url)
     worker = EstimatorWorker(nc, EstimatorConfig())
     router = RouterService(nc, RouterConfig(policy="bear", outcome_log=tmp_path / "out.jsonl", predict_budget_s=0.05,
-                                            predict_try_s=0.025))
+                                            predict_try_s=0.025,  # no predictor here: its fallback at once
+                                            # the hit read below is the estimate's: a busy host (sim engine,
+                                            # worker and router share this loop) must not turn it into the
+                                            # fallback that an estimate past its budget gets
+                                            estimate_budget_s=HANG_S, estimate_try_s=HANG_S / 2))
     seen: dict[str, EstimateRequest] = {}
 
     async def snoop(msg: Any) -> None:
