@@ -1,13 +1,19 @@
-"""The router (``bear router``): subscribes to ``bear.submit`` in queue group ``bear-router``;
-per query it drops the instances the registry already rules out (``router.decide.screen``: model,
-health, context), asks the predictor and — when the decision reads its rows — the estimator
-concurrently (deadlines, fallbacks), builds one ``Candidate`` per instance left
-(``router.candidates``), decides (``router.decide.decide``: the request filters, then the policy;
-``bear eval`` calls the same), publishes ``bear.dispatch.<instance>``, streams the instance's answer to the client's
-inbox and logs the outcome; an instance that does not answer is retried once elsewhere. Before asking the estimator it tokenises the query once per tokenizer its candidates
-use (``bear.tokenizer``, off the event loop; the predictor is asked meanwhile), so that the
-estimator gets exact prompt lengths and the token ids it finds prefix-cache hits with. Routers
-share nothing but NATS. Protocol and decisions: docs/router.md."""
+"""The router (``bear router``): subscribes to ``bear.submit`` in queue group ``bear-router``
+and serves each query as a pipeline of small parts:
+
+* session and admission — ``router.admission`` sheds before the parse, ``router.query`` decodes
+  the submit once, ``router.cancels`` keeps the cancels heard;
+* the decision — ``router.decide.screen`` drops the instances the registry rules out (model,
+  health, context); the predictor and, when the decision reads its rows, the estimator are asked
+  concurrently (``router.predict``: deadlines, fallbacks; the query is tokenised once per
+  tokenizer its candidates use, off the event loop, so the estimator gets exact prompt lengths and
+  the ids it finds prefix-cache hits with); ``router.candidates`` builds the candidates and
+  ``router.decide.decide`` runs the request filters, then the policy (``bear eval`` calls the same);
+* streaming — ``bear.dispatch.<instance>`` is published, the instance's answer relayed to the
+  client's inbox (``router.client_stream``: exactly one terminal message, sent again after a
+  reconnect), the outcome logged; an instance that does not answer is retried once elsewhere.
+
+Routers share nothing but NATS. Protocol and decisions: docs/router.md."""
 
 from __future__ import annotations
 
@@ -17,32 +23,25 @@ import math
 import os
 import time
 import uuid
-from collections import OrderedDict, defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import msgspec
 import structlog
 
 from bear.estimator.client import EstimatorClient
+from bear.protocol.engine_fields import priority as engine_priority
 from bear.protocol.engine_fields import (
-    check_engine,
-    check_json,
-    check_streamable,
     renders_own_prompt,
     sequences,
-    skips_prefix_cache,
 )
-from bear.protocol.engine_fields import priority as engine_priority
 from bear.protocol.errors import BearError, ErrorCode
 from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateRow, Outcome, encode
-from bear.protocol.replies import Chunk, Done, Error, Reply, Routed, encode_reply, error_event
-from bear.protocol.sampling import check_sampling
+from bear.protocol.replies import Chunk, Done, Routed
 from bear.protocol.subjects import Subjects
-from bear.protocol.submit import decode_cancel, decode_submit
 from bear.protocol.token_ids import count
 from bear.router.admission import Admission
+from bear.router.cancels import Cancels
 from bear.router.candidates import (
     LocalLoad,
     ModelPrediction,
@@ -51,6 +50,8 @@ from bear.router.candidates import (
     dispatch_for,
     dispatch_tokens,
 )
+from bear.router.client_stream import ClientStream, TerminalResender
+from bear.router.config import RouterConfig
 from bear.router.decide import Refused, decide, profile_for, screen
 from bear.router.dedup import Deduplicator
 from bear.router.dispatch import (
@@ -64,6 +65,7 @@ from bear.router.dispatch import (
 from bear.router.outcomes import OutcomeLog
 from bear.router.policies import Candidate, Decision, Policy, QueryContext, make_policy
 from bear.router.predict import ask_estimator, ask_predictor
+from bear.router.query import Query, parse_submit, peek_deadline, peek_ids
 from bear.router.registry import InstanceInfo, Registry
 from bear.runtime import tracing
 from bear.runtime.service import connect, stop_event
@@ -72,216 +74,9 @@ from bear.tokenizer.cache import TokenizerCache
 
 log = structlog.get_logger("bear.router")
 
-MAX_PROMPT_BYTES = 4 * 1024 * 1024
-REST_UNKNOWN_MAX_TOKENS = 1 << 20  # max_tokens_rest where no candidate registered its context: the estimate's cap
-MAX_MESSAGE_DEPTH = 8  # chat messages: role/content maps, content parts, their fields
 DISPATCH_MARGIN_S = 0.05  # a query is not dispatched this close to its client's deadline
-RESEND_S = 3.0  # terminal messages sent this long before a reconnect are sent again after it
-TERMINAL_STORE_TRIES = 40  # tries (0.25 s apart) to store a terminal record again after a reconnect
-RESEND_MAX = 20_000
-CANCEL_MEMORY = 4096  # ids of cancelled queries remembered (a cancel may overtake its submission)
-CANCEL_MEMORY_S = 60.0
 MAX_PRIMED_CHARS = 1 << 20  # a longer answer is not encoded ahead of the next turn
 WRITE_YIELDS = 4  # loop turns given to nats-py's flusher before tokenising (one suffices: it is next in line)
-
-
-@dataclass
-class RouterConfig:
-    policy: str = "bear"
-    policy_params: dict[str, float] = field(default_factory=dict)
-    lam: float = 5e-4  # default λ of eq. 4 when the query gives none
-    default_ttft_target_s: float = 1.0
-    default_max_tokens: int = 256
-    predict_budget_s: float = 0.2
-    predict_try_s: float = 0.1
-    estimate_budget_s: float = 0.2
-    estimate_try_s: float = 0.1
-    estimator_shards: int = 1  # estimator shards of the deployment (each its own queue group)
-    default_output_tokens: int = 256  # fallback prediction of the output length
-    max_inflight: int = 4096  # queries in progress (streaming included) before `overloaded`
-    max_deciding: int = 256  # queries being decided (before dispatch) before `overloaded`
-    shed_lag_s: float = 1.0  # event-loop lag beyond which new submits are refused (GC and a busy host stay below)
-    down_after_s: float = 10.0
-    fail_backoff_s: float = 5.0  # an instance that refused a connection is avoided this long
-    max_attempts: int = 2  # instances tried per query before an `unavailable` error
-    connect_timeout_s: float = 2.0
-    idle_timeout_s: float = 60.0
-    # an engine that has produced no first token this long after dispatch is given up: its request
-    # is aborted and the client gets ``deadline_exceeded`` — before the client library's own limit
-    # (30 s of silence), so an accepted query never just goes silent under overload (issue 26)
-    first_token_timeout_s: float = 25.0
-    dedup_ttl_s: float = 600.0
-    dedup_timeout_s: float = 0.1
-    outcome_log: Path | None = None
-    aliases: dict[str, str] = field(default_factory=dict)  # served model → predictor model
-    name: str = ""
-    engine_keys: dict[str, str] = field(default_factory=dict)  # instance (or "*") → its engine's API key
-    allowed_base_urls: tuple[str, ...] = ()  # instances only under these base URLs (empty: any)
-    provisioning: bool = False  # take only registry entries that match their binding (bear_provisioned)
-    tokenize: bool = True  # exact prompt tokens (and prefix hits) where instances register a tokenizer
-    prime_answers: bool = True  # encode each answer ahead of the next turn (TokenizerCache.prime)
-
-
-@dataclass
-class Query:
-    query_id: str
-    prompt: str | None
-    messages: list[dict[str, Any]] | None
-    ttft_target_s: float
-    max_tokens: int
-    lam: float
-    prompt_tokens: int | None
-    model: str | None = None  # only this model's instances are candidates (served or predictor name)
-    sampling: dict[str, Any] = field(default_factory=dict)  # engine sampling fields, validated
-    engine: dict[str, Any] = field(default_factory=dict)  # more engine fields, verbatim (bear.protocol.engine_fields)
-    trace: dict[str, str] | None = None  # trace-context headers for the calls this query makes
-    served_by: str | None = None  # the instance it was last dispatched to
-    predicted_output: int | None = None  # the output length (per sequence) its dispatch there announced
-    deadline: float | None = None  # the client stops waiting for the start then (epoch s)
-    inbox: str = ""  # where the answer goes (a cancel must name it)
-    deciding: bool = True  # counted in Admission.deciding until dispatched or finished
-    session: str | None = None  # the conversation it belongs to (session-affinity routing)
-    # max_tokens_rest: no cap of the client's; the engine generates up to the rest of its context
-    # (vLLM's default), and ``max_tokens`` is the largest such rest, for the estimate
-    rest_of_context: bool = False
-    nonce: str | None = None  # the client's per-query nonce, echoed in every message of the answer
-    client: str = ""  # the client identity it came from (its submit subject's token; "": anonymous)
-
-    def max_tokens_at(self, max_model_len: int | None, prompt_tokens: int) -> int | None:
-        """The query's output cap at an instance: the client's ``max_tokens``, or with
-        ``rest_of_context`` the rest of that instance's context (None: its context is unknown)."""
-        if not self.rest_of_context:
-            return self.max_tokens
-        return max(1, max_model_len - prompt_tokens) if max_model_len else None
-
-    @property
-    def skips_prefix_cache(self) -> bool:
-        """The engine computes the whole prompt, whatever it has cached (prompt logprobs)."""
-        return skips_prefix_cache(self.engine, chat=self.messages is not None)
-
-    @property
-    def text(self) -> str:
-        if self.messages is not None:
-            return "\n".join(str(m.get("content", "")) for m in self.messages)
-        return self.prompt or ""
-
-    def token_estimate(self) -> int:
-        return self.prompt_tokens if self.prompt_tokens is not None else max(1, math.ceil(len(self.text.encode()) / 4))
-
-
-def parse_submit(data: bytes, cfg: RouterConfig) -> Query:
-    """A ``bear.submit/1`` decoded once (``bear.protocol.submit.Submit`` checks every field) and
-    completed with the router's defaults; a coded ``BearError`` for bad input."""
-    s = decode_submit(data)
-    if s.messages is not None:
-        for m in s.messages:
-            check_json(m, "messages", MAX_MESSAGE_DEPTH)
-    max_tokens = REST_UNKNOWN_MAX_TOKENS if s.max_tokens_rest else \
-        cfg.default_max_tokens if s.max_tokens is None else s.max_tokens
-    q = Query(query_id=s.query_id, prompt=s.prompt, messages=s.messages,
-              ttft_target_s=cfg.default_ttft_target_s if s.ttft_target_s is None else float(s.ttft_target_s),
-              max_tokens=int(max_tokens), lam=cfg.lam if s.lam is None else float(s.lam),
-              prompt_tokens=s.prompt_tokens, model=s.model, sampling=check_sampling(s.sampling),
-              engine=check_engine(s.engine), deadline=s.deadline, session=s.session,
-              rest_of_context=s.max_tokens_rest, nonce=s.nonce)
-    if len(q.text.encode()) > MAX_PROMPT_BYTES:
-        raise BearError(ErrorCode.TOO_LARGE, f"prompt larger than {MAX_PROMPT_BYTES} bytes")
-    check_streamable(q.engine, chat=s.messages is not None)
-    return q
-
-
-class _Peek(msgspec.Struct):
-    """The fields admission reads before the submit is parsed (cheap: the rest is skipped)."""
-
-    deadline: float | None = None
-
-
-_peek = msgspec.msgpack.Decoder(_Peek)
-
-
-class _PeekIds(msgspec.Struct):
-    """The ids an answer echoes, read before the submit is parsed (a refusal on arrival, a
-    malformed submit): the client library drops messages without its query id and nonce."""
-
-    query_id: Any = None
-    nonce: Any = None
-
-
-_peek_ids = msgspec.msgpack.Decoder(_PeekIds)
-
-
-def peek_ids(data: bytes) -> tuple[str, str | None]:
-    """(query_id, nonce) of a submit as far as they are well-formed ("", None otherwise)."""
-    try:
-        d = _peek_ids.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-        return "", None
-    qid = d.query_id if isinstance(d.query_id, str) and len(d.query_id) <= 256 else ""
-    nonce = d.nonce if isinstance(d.nonce, str) and 0 < len(d.nonce) <= 64 else None
-    return qid, nonce
-
-
-def peek_deadline(data: bytes) -> float | None:
-    try:
-        d = _peek.decode(data).deadline
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-        return None  # the full parse answers bad_request
-    return d if d is not None and math.isfinite(d) else None
-
-
-class ClientStream:
-    """Messages to one client inbox; guarantees exactly one terminal message (done or error)."""
-
-    def __init__(self, nc: Any, inbox: str, query_id: str, recent: deque[tuple[float, str, bytes]] | None = None,
-                 nonce: str | None = None, terminals: str | None = None) -> None:
-        self.nc = nc
-        self.inbox = inbox
-        self.query_id = query_id
-        self.nonce = nonce  # the client's, echoed in every message (its library drops messages without it)
-        self.finished = False
-        self.recent = recent  # the router's recently sent terminal messages (resent after a reconnect)
-        self.terminals = terminals  # KV bucket keeping the terminal message for a client that missed it
-
-    def _stamp(self, msg: Reply) -> bytes:
-        """``msg`` with the query's id and the client's nonce (echoed in every message), encoded."""
-        msg.query_id = self.query_id
-        if self.nonce is not None:
-            msg.nonce = self.nonce
-        return encode_reply(msg)
-
-    async def send(self, msg: Reply) -> None:
-        if self.finished:
-            return
-        try:
-            await self.nc.publish(self.inbox, self._stamp(msg))
-        except Exception as exc:  # NATS down: the client's own timeout makes the failure explicit
-            log.warning("reply to client failed", query_id=self.query_id, error=str(exc))
-
-    async def finish(self, msg: Done | Error) -> None:
-        if self.finished:
-            return
-        data = self._stamp(msg)
-        try:
-            await self.nc.publish(self.inbox, data)
-        except Exception as exc:
-            log.warning("reply to client failed", query_id=self.query_id, error=str(exc))
-        if self.terminals:
-            # kept in JetStream too (a plain publish: stored without an ack round trip, buffered
-            # through a reconnect): a reply published while NATS restarts reaches the new server
-            # before the client has subscribed again, and is lost — the client then reads it here
-            try:
-                await self.nc.publish(f"$KV.{self.terminals}.{Subjects.terminal_key(self.inbox)}", data)
-            except Exception as exc:
-                log.warning("terminal record failed", query_id=self.query_id, error=str(exc))
-        self.finished = True
-        if self.recent is not None:
-            now = time.monotonic()
-            self.recent.append((now, self.inbox, data))
-            while self.recent and (now - self.recent[0][0] > RESEND_S or len(self.recent) > RESEND_MAX):
-                self.recent.popleft()
-
-    async def error(self, code: ErrorCode, message: str, **extra: Any) -> None:
-        await self.finish(error_event(code, message, **extra))
 
 
 class RouterService:
@@ -311,7 +106,7 @@ class RouterService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._by_query: dict[str, asyncio.Task[None]] = {}  # query_id → the task serving it here
         self._inboxes: dict[str, str] = {}  # query_id → its answer's inbox, while served here
-        self._cancelled: OrderedDict[str, tuple[float, str]] = OrderedDict()  # id → (monotonic time, inbox)
+        self.cancels = Cancels()
         self._sub: Any = None
         self._client_sub: Any = None
         self._cancel_sub: Any = None
@@ -320,16 +115,14 @@ class RouterService:
         self._session: Any = None
         self._lag_task: asyncio.Task[None] | None = None
         self._resend_task: asyncio.Task[None] | None = None
-        # A NATS node that dies takes the messages in its buffers with it: the terminal messages
-        # of the last RESEND_S go out again after a reconnect (a client ends on the first one).
-        self._recent: deque[tuple[float, str, bytes]] = deque()
+        self.resender = TerminalResender(nc, self.subjects.terminals_bucket)  # terminals again after a reconnect
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self._session = engine_session()
         await self.registry.start()
         self._lag_task = asyncio.create_task(self.admission.watch_loop())
-        self._resend_task = asyncio.create_task(self._resend_after_reconnect())
+        self._resend_task = asyncio.create_task(self.resender.run())
         self._sub = await self.nc.subscribe(self.subjects.submit, queue="bear-router", cb=self._on_submit,
                                             pending_msgs_limit=65536)
         # bear.submit.<client>: only that identity may publish there, and it is answered only into
@@ -394,63 +187,12 @@ class RouterService:
             log.warning("submit refused: its reply subject is not the submitter's own inbox", subject=subject[:128],
                         reply=reply[:128], refused_so_far=self.refused_replies)
 
-    async def _resend_after_reconnect(self) -> None:
-        seen = int(self.nc.stats.get("reconnects", 0))
-        while True:
-            await asyncio.sleep(0.05)
-            now_seen = int(self.nc.stats.get("reconnects", 0))
-            if now_seen == seen:
-                continue
-            seen = now_seen
-            recent = list(self._recent)
-            for _, inbox, data in recent:
-                with contextlib.suppress(Exception):
-                    await self.nc.publish(inbox, data)
-            log.info("reconnected: terminal messages sent again", count=len(recent))
-            if recent:  # inline: a reconnect during it is seen by the count when it returns
-                await self._store_terminals(recent)
-
-    async def _store_terminals(self, recent: list[tuple[float, str, bytes]]) -> None:
-        """Store the recent terminal records again, each until JetStream acknowledges it: the plain
-        publish of a record that went out while NATS restarted can reach the new server before its
-        JetStream has loaded the bucket, and is then dropped — the client that missed its ``done``
-        then found no record either (1–3 of 480 queries in 20 restarts)."""
-        bucket = self.subjects.terminals_bucket
-        for _, inbox, data in recent:
-            subject = f"$KV.{bucket}.{Subjects.terminal_key(inbox)}"
-            for _attempt in range(TERMINAL_STORE_TRIES):
-                try:
-                    ack = await self.nc.request(subject, data, timeout=0.5)
-                    if b'"error"' not in ack.data:
-                        break
-                except Exception:  # not connected yet, or JetStream not ready: try again
-                    pass
-                await asyncio.sleep(0.25)
-            else:
-                log.warning("terminal record not stored after a reconnect", inbox=inbox[:64])
-
     async def _on_cancel(self, msg: Any) -> None:
-        """``bear.cancel/1``: abort the query if this router serves it, and remember the id for a
-        while (the cancel may overtake its own submission, which is then not started)."""
-        c = decode_cancel(msg.data)
-        if c is None:
-            return
-        qid, inbox = c.query_id, c.inbox
-        now = time.monotonic()
-        self._cancelled[qid] = (now, inbox)
-        self._cancelled.move_to_end(qid)
-        while self._cancelled and (len(self._cancelled) > CANCEL_MEMORY
-                                   or now - next(iter(self._cancelled.values()))[0] > CANCEL_MEMORY_S):
-            self._cancelled.popitem(last=False)
-        task = self._by_query.get(qid)
-        if task is not None and self._is_cancelled(qid, self._inboxes.get(qid, "")):
+        """``bear.cancel/1``: remembered (``router.cancels``); the query aborted if served here."""
+        qid = self.cancels.hear(msg.data)
+        task = self._by_query.get(qid) if qid is not None else None
+        if task is not None and self.cancels.cancelled(qid, self._inboxes.get(qid, "")):  # type: ignore[arg-type]
             task.cancel()
-
-    def _is_cancelled(self, query_id: str, inbox: str) -> bool:
-        """A cancel counts only from whoever holds the answer's inbox (it names the inbox, which
-        only that client and the router serving it know: a query id alone is not enough)."""
-        c = self._cancelled.get(query_id)
-        return c is not None and c[1] == inbox
 
     def _record_cancelled(self, q: Query, **extra: Any) -> None:
         self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "cancelled", "policy": self.policy.name,
@@ -458,7 +200,7 @@ class RouterService:
 
     async def _serve(self, data: bytes, inbox: str, t0: float, headers: dict[str, str] | None = None,
                      client: str = "") -> None:
-        out = ClientStream(self.nc, inbox, "", self._recent, terminals=self.subjects.terminals_bucket)
+        out = ClientStream(self.nc, inbox, "", self.resender.recent, terminals=self.subjects.terminals_bucket)
         self.m.inflight.inc()
         q: Query | None = None
         try:
@@ -471,7 +213,7 @@ class RouterService:
                 return
             out.query_id, out.nonce = q.query_id, q.nonce
             q.inbox, q.client = inbox, client
-            if self._is_cancelled(q.query_id, inbox):  # the client gave up before it got here
+            if self.cancels.cancelled(q.query_id, inbox):  # the client gave up before it got here
                 out.finished = True
                 self._record_cancelled(q)
                 return
@@ -481,7 +223,7 @@ class RouterService:
                 q.trace = span.headers
                 await self._route(q, out, t0)
         except asyncio.CancelledError:
-            if q is not None and self._is_cancelled(q.query_id, inbox):  # the client cancelled: nobody to answer
+            if q is not None and self.cancels.cancelled(q.query_id, inbox):  # the client cancelled: nobody to answer
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
                 out.finished = True
                 self._record_cancelled(q, instance=q.served_by)

@@ -27,8 +27,9 @@ from bear.protocol.messages import Calibration, Dispatch, encode
 from bear.protocol.subjects import Subjects
 from bear.router.admission import Admission
 from bear.router.candidates import ModelPrediction, dispatch_for
+from bear.router.query import parse_submit
 from bear.router.registry import url_allowed
-from bear.router.service import RouterConfig, RouterService, parse_submit
+from bear.router.service import RouterConfig, RouterService
 from bear.runtime.kv import ensure_kv
 from bear.stack.stack import Child, Stack, StackConfig
 
@@ -328,8 +329,9 @@ async def test_an_engine_that_never_starts_an_accepted_query_ends_in_a_coded_err
     request and answers ``deadline_exceeded`` (a router's error, not the client's own)."""
     eng = FakeEngine(stall=True)
     async with router_with(nats_server, tmp_path, {"e": eng}, first_token_timeout_s=1.0) as (nc, _):
-        msgs = await collect(nc, max_tokens=3, idle_timeout_s=HANG_S)
-        assert [m["v"] for m in msgs] == ["bear.routed/1", "bear.error/1"]
+        # a loaded host may take seconds to route it: the client must not resubmit meanwhile
+        msgs = await collect(nc, max_tokens=3, idle_timeout_s=HANG_S, accept_timeout_s=HANG_S)
+        assert [m["v"] for m in msgs] == ["bear.routed/1", "bear.error/1"], msgs
         err = msgs[-1]
         assert err["error"]["code"] == "deadline_exceeded" and not err.get("client")
         await wait_until(lambda: eng.aborted == 1, what="the engine's request aborted")

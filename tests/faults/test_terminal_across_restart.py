@@ -22,7 +22,7 @@ from bear.client.submit import submit
 from bear.protocol.codec import unpack_map
 from bear.protocol.replies import Done, Reply, Routed
 from bear.protocol.subjects import Subjects
-from bear.router.service import ClientStream
+from bear.router.client_stream import ClientStream
 from bear.runtime.kv import provision
 from bear.runtime.nats_auth import generate
 from bear.runtime.nats_server import LocalNatsServer

@@ -85,7 +85,7 @@ async def test_cancel_that_overtakes_its_submission_stops_it(pool) -> None:
     sub = await pool.nc.subscribe(inbox)
     await pool.nc.publish(Subjects().cancel, pack({"v": CANCEL_SCHEMA, "query_id": "c3", "inbox": inbox}))
     await pool.nc.flush()
-    await wait_until(lambda: "c3" in pool.router._cancelled, what="the router to hear the cancel")
+    await wait_until(lambda: "c3" in pool.router.cancels, what="the router to hear the cancel")
     await pool.nc.publish(Subjects().submit, pack({"v": "bear.submit/1", "query_id": "c3", "prompt": "x", **LONG}),
                           reply=inbox)
     # the router handled the submission: it recorded the query cancelled ...

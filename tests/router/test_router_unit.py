@@ -22,7 +22,8 @@ from bear.protocol.subjects import Subjects
 from bear.router.dedup import Deduplicator
 from bear.router.dispatch import parse_chunk
 from bear.router.observations import HISTORY, RATE_WINDOW_S, Observations
-from bear.router.service import RouterConfig, RouterService, parse_submit
+from bear.router.query import parse_submit
+from bear.router.service import RouterConfig, RouterService
 from bear.runtime.kv import ensure_kv
 from bear.runtime.nats_server import free_port
 

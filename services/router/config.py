@@ -1,0 +1,44 @@
+"""The router's settings (``bear router``'s options): budgets, admission bounds, retries, the
+outcome log, engine keys. One dataclass, read by the service and the submit parser."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class RouterConfig:
+    policy: str = "bear"
+    policy_params: dict[str, float] = field(default_factory=dict)
+    lam: float = 5e-4  # default λ of eq. 4 when the query gives none
+    default_ttft_target_s: float = 1.0
+    default_max_tokens: int = 256
+    predict_budget_s: float = 0.2
+    predict_try_s: float = 0.1
+    estimate_budget_s: float = 0.2
+    estimate_try_s: float = 0.1
+    estimator_shards: int = 1  # estimator shards of the deployment (each its own queue group)
+    default_output_tokens: int = 256  # fallback prediction of the output length
+    max_inflight: int = 4096  # queries in progress (streaming included) before `overloaded`
+    max_deciding: int = 256  # queries being decided (before dispatch) before `overloaded`
+    shed_lag_s: float = 1.0  # event-loop lag beyond which new submits are refused (GC and a busy host stay below)
+    down_after_s: float = 10.0
+    fail_backoff_s: float = 5.0  # an instance that refused a connection is avoided this long
+    max_attempts: int = 2  # instances tried per query before an `unavailable` error
+    connect_timeout_s: float = 2.0
+    idle_timeout_s: float = 60.0
+    # an engine that has produced no first token this long after dispatch is given up: its request
+    # is aborted and the client gets ``deadline_exceeded`` — before the client library's own limit
+    # (30 s of silence), so an accepted query never just goes silent under overload (issue 26)
+    first_token_timeout_s: float = 25.0
+    dedup_ttl_s: float = 600.0
+    dedup_timeout_s: float = 0.1
+    outcome_log: Path | None = None
+    aliases: dict[str, str] = field(default_factory=dict)  # served model → predictor model
+    name: str = ""
+    engine_keys: dict[str, str] = field(default_factory=dict)  # instance (or "*") → its engine's API key
+    allowed_base_urls: tuple[str, ...] = ()  # instances only under these base URLs (empty: any)
+    provisioning: bool = False  # take only registry entries that match their binding (bear_provisioned)
+    tokenize: bool = True  # exact prompt tokens (and prefix hits) where instances register a tokenizer
+    prime_answers: bool = True  # encode each answer ahead of the next turn (TokenizerCache.prime)
