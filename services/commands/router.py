@@ -131,7 +131,8 @@ def router(
     """Route queries from bear.submit: predictor + estimator → policy → instance, streaming back."""
     configure_logging(log_format, log_level)
     setup_tracing("bear-router", trace_exporter, otlp_endpoint)
-    from bear.router.service import RouterConfig, serve
+    from bear.router.config import RouterConfig
+    from bear.router.service import serve
     from bear.runtime.metrics import start_metrics_server
 
     cfg = RouterConfig(policy=str(policy), policy_params=policy_params(str(policy), param), lam=lam, predict_budget_s=predict_budget,
