@@ -28,7 +28,7 @@ from bear.runtime.nats_auth import generate
 from bear.runtime.nats_server import LocalNatsServer
 from bear.runtime.service import connect
 
-from waiting import wait_until
+from waiting import HANG_S, wait_until
 
 S = Subjects()
 
@@ -53,8 +53,9 @@ async def test_done_published_while_nats_restarts_reaches_the_client(tmp_path: P
         async def on_reconnect() -> None:
             client_reconnected.set()
 
-        # the client comes back later than the router (as one of many clients does)
-        client = await connect(srv.url, "client", creds=files.path("client"), reconnect_time_wait=3.0,
+        # the client comes back later than the router (as one of many clients does): 10 s, so
+        # that a loaded host's slow broker restart still sees the router back first
+        client = await connect(srv.url, "client", creds=files.path("client"), reconnect_time_wait=10.0,
                                reconnected_cb=on_reconnect)
         conns += [router, client]
         submits: asyncio.Queue[Any] = asyncio.Queue()
@@ -64,7 +65,7 @@ async def test_done_published_while_nats_restarts_reaches_the_client(tmp_path: P
         got: list[Reply] = []
 
         async def run_client() -> None:
-            async for m in submit(client, "hello", idle_timeout_s=8.0, accept_timeout_s=5.0, resubmits=0):
+            async for m in submit(client, "hello", idle_timeout_s=HANG_S, accept_timeout_s=5.0, resubmits=0):
                 got.append(m)
 
         task = asyncio.create_task(run_client())
@@ -82,7 +83,7 @@ async def test_done_published_while_nats_restarts_reaches_the_client(tmp_path: P
         await wait_until(lambda: router.is_connected, what="the router reconnected")
         await router.flush()  # its buffered done has reached the new server
         assert not client_reconnected.is_set(), "precondition: the router reconnected first"
-        await asyncio.wait_for(task, 30.0)
+        await asyncio.wait_for(task, 2 * HANG_S)
         kinds = [m.v for m in got]
         assert kinds == ["bear.routed/1", "bear.done/1"], f"the accepted query ended {got[-1]}"
     finally:

@@ -196,7 +196,7 @@ async def test_queue_group_spreads_requests(nats_server: LocalNatsServer, predic
         assert not any(is_error(r) for r in reps)
         assert len(set(seen)) == 2  # each request answered once, by either process
         assert len(seen) == 60
-        info = await ncs[2].request("$SRV.PING.bear-predictor", b"", timeout=2.0)
+        info = await ncs[2].request("$SRV.PING.bear-predictor", b"", timeout=HANG_S)
         assert b"bear-predictor" in info.data
     finally:
         for s in svcs:
