@@ -9,6 +9,14 @@ token prompts built on a few long shared documents plus a short question, so tha
 document's first query an instance holds almost the whole prompt — the worst case for the lookup
 (the estimator hashes nearly every block) and the case where hits matter.
 
+Besides wall time, each router process's CPU time during the load (user + system, all threads:
+the tokenizer's encoding runs in the router's thread pool) divided by the queries it answered:
+the difference between the two routers is the CPU that exact tokens add per decision (the
+relay of the answers is the same in both). What each router spends idle (KV watches, heartbeats)
+is measured over ``idle_s`` before the load and taken off at that rate: at a few queries per
+second it would otherwise be milliseconds per query. /proc counts CPU in clock ticks (10 ms):
+figures below a tick per query want a few hundred queries.
+
 The tokenizer is a byte-level BPE trained here (``tokenizers``) on the same synthetic text, with
 a vocabulary like a production model's (32k), so that encoding costs what a real BPE costs per
 token; the prompts are cut to exactly ``prompt_tokens`` of its tokens. Decision times come from
@@ -28,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from bear.runtime import aio
-from bear.runtime.measure import latency_ms
+from bear.runtime.measure import cpu_seconds, latency_ms
 
 WORDS = 20_000
 
@@ -103,7 +111,7 @@ def _summary(recs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_prefix_bench(rate: float, duration: float, prompt_tokens: int = 8192, docs: int = 6, seed: int = 0,
-                     tokenize_ms_reps: int = 200) -> dict[str, Any]:
+                     tokenize_ms_reps: int = 200, idle_s: float = 5.0) -> dict[str, Any]:
 
     from bear.load.generator import LoadQuery
     from bear.load.targets import ttft_target_s
@@ -137,16 +145,27 @@ def run_prefix_bench(rate: float, duration: float, prompt_tokens: int = 8192, do
         try:
             aio.run(wait_ready(stack.url, list(stack.instances), "bear", 60.0, stack, creds=stack.creds("admin")))
             time.sleep(2.0)  # the second router subscribed; tokenizers fetched
+            pids = {"tokenize": stack.children["router-0"].proc.pid, "no_tokenize": extra.pid}  # type: ignore[union-attr]
+            idle0 = {k: cpu_seconds(pid, children=False) for k, pid in pids.items()}
+            time.sleep(idle_s)
+            cpu0 = {k: cpu_seconds(pid, children=False) for k, pid in pids.items()}
+            idle_rate = {k: (cpu0[k] - idle0[k]) / idle_s for k in pids}
             t0 = time.time()
             res = stack.run_load(queries, times)
             elapsed = time.time() - t0
+            cpu1 = {k: cpu_seconds(pid, children=False) for k, pid in pids.items()}
         finally:
             extra.terminate()
             extra.wait(timeout=20)
     on, off = _summary(_records(stack.outcome_log(0))), _summary(_records(off_log))
+    for k, summary in (("tokenize", on), ("no_tokenize", off)):
+        busy = cpu1[k] - cpu0[k] - idle_rate[k] * elapsed
+        summary["cpu_ms_per_query"] = busy * 1e3 / max(1, summary["queries"])
+        summary["idle_cpu_share"] = idle_rate[k]
     ratio = {k: on["decision"][k] / off["decision"][k] - 1.0 for k in ("p50_ms", "p90_ms", "mean_ms")
              if on["decision"].get(k) and off["decision"].get(k)}
     return {"rate_qps": rate, "duration_s": duration, "prompt_tokens": prompt_tokens, "documents": docs,
             "sent": res.sent, "errors": dict(res.errors), "wall_s": elapsed,
             "tokenize": on, "no_tokenize": off, "decision_overhead": ratio,
+            "cpu_ms_added_per_decision": on["cpu_ms_per_query"] - off["cpu_ms_per_query"],
             "encode_8k_in_process": latency_ms(t_enc), "cpus": os.cpu_count(), "host_load": os.getloadavg()}
