@@ -3,7 +3,8 @@ decoded steps turned into ``bear.snapshot/1`` and ``bear.batch/1`` maps.
 
 The plugin writes positional tuples (cheapest on the engine thread); this module and
 ``step_decoder`` (delta-only records, which need the state before them) are the only places that
-know the positions. Stdlib only: the offline vLLM driver imports it beside the plugin.
+know the positions. Stdlib only: the offline vLLM driver imports it beside the plugin (and reads
+the schema ids from ``protocol/schemas.py``'s file there).
 """
 
 from __future__ import annotations
@@ -11,7 +12,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from bear.protocol import schemas
+try:
+    from ..protocol import schemas
+except ImportError:  # imported on its own beside the plugin (the offline vLLM driver, in vLLM's venv
+    # without the bear package): the one list of schema ids, read from its file (stdlib only too)
+    import importlib.util
+    from pathlib import Path
+
+    _spec = importlib.util.spec_from_file_location("bear_schemas", Path(__file__).parent.parent / "protocol" / "schemas.py")
+    assert _spec is not None and _spec.loader is not None
+    schemas = importlib.util.module_from_spec(_spec)  # type: ignore[assignment]
+    _spec.loader.exec_module(schemas)  # type: ignore[union-attr]
 
 SNAPSHOT_SCHEMA = schemas.SNAPSHOT
 BATCH_SCHEMA = schemas.BATCH
