@@ -80,7 +80,11 @@ async def echo_rtt(url: str, rate: float, n: int, seed: int = 0, **nats_options:
         await nc.close()
 
 
-def run_bench(rate: float, duration: float, seed: int = 0, routers: int = 1) -> dict[str, Any]:
+def run_bench(rate: float, duration: float, seed: int = 0, routers: int = 1, answer_tokens: int = 1,
+              router_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``answer_tokens``: every answer streams this many tokens (the sim engines never stop early),
+    so that the router's CPU per query includes relaying them; ``router_args``: more ``bear
+    router`` arguments (e.g. ``--no-coalesce``)."""
 
     from bear.load.arrivals import arrivals
     from bear.load.generator import make_queries
@@ -90,7 +94,8 @@ def run_bench(rate: float, duration: float, seed: int = 0, routers: int = 1) -> 
     n = max(1, round(rate * duration))
     queries = make_queries(n, seed, ("alpaca",), ("Qwen3-0.6B", "Qwen3-8B", "Qwen3-32B"))
     times = arrivals("poisson", rate, n, seed=seed)
-    stack = Stack(StackConfig(workdir=work, calibrator=False, log_level="warning", routers=routers))
+    stack = Stack(StackConfig(workdir=work, calibrator=False, log_level="warning", routers=routers,
+                              router_args=list(router_args)))
     with stack:
         import subprocess
         import sys
@@ -106,7 +111,7 @@ def run_bench(rate: float, duration: float, seed: int = 0, routers: int = 1) -> 
         procs = _processes(stack)
         cpu0 = {k: cpu_seconds(pid) for k, pid in procs.items()}
         t0 = time.time()
-        res = stack.run_load(queries, times)
+        res = stack.run_load(queries, times, max_tokens=answer_tokens)
         elapsed = time.time() - t0
         cpu1 = {k: cpu_seconds(pid) for k, pid in procs.items()}
     recs = [json.loads(line) for i in range(routers) for line in stack.outcome_log(i).read_text().splitlines()]
@@ -114,8 +119,16 @@ def run_bench(rate: float, duration: float, seed: int = 0, routers: int = 1) -> 
     dec = [r["decision_s"] for r in recs]
     own = [max(0.0, r["decision_s"] - r["wait_s"]) for r in recs]
     wait = [r["wait_s"] for r in recs]
+    router_cpu_ms = sum((cpu1[k] - cpu0[k]) * 1e3 for k in procs if k.startswith("router"))
+    streamed = sum(int((r.get("usage") or {}).get("completion_tokens", 0)) for r in recs)
+    chunks = sum(int(r.get("chunks", 0)) for r in recs)
     return {
-        "rate_qps": rate, "duration_s": duration, "routers": routers, "sent": res.sent, "done": len(res.outcomes),
+        "rate_qps": rate, "duration_s": duration, "routers": routers, "answer_tokens": answer_tokens,
+        "router_args": list(router_args),
+        # the routers' CPU, relaying included: per query sent and per answer token streamed
+        "router_cpu_ms_per_query": router_cpu_ms / max(res.sent, 1),
+        "router_cpu_us_per_token": router_cpu_ms * 1e3 / streamed if streamed else None,
+        "tokens_streamed": streamed, "relay_messages": chunks, "sent": res.sent, "done": len(res.outcomes),
         "errors": dict(res.errors), "achieved_qps": res.sent / max(float(times[-1]), 1e-9), "wall_s": elapsed,
         "decision": latency_ms(dec), "router_own_overhead": latency_ms(own), "predictor_estimator_wait": latency_ms(wait),
         "nats_echo_rtt_floor": floor,

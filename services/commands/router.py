@@ -120,6 +120,10 @@ def router(
         help="After each answer, encode the conversation with it in the background, so that the next turn, "
              "which resends it, encodes only its new message; --no-prime-answers: each turn encodes the last "
              "answer when it arrives"),
+    coalesce: bool = typer.Option(
+        True, "--coalesce/--no-coalesce",
+        help="Relay the answer's chunks that arrived from the engine in one read as one message to the client "
+             "(nothing waits for more); --no-coalesce: one message per engine chunk"),
     metrics_port: MetricsPort = 0,
     metrics_host: MetricsHost = DEFAULT_METRICS_HOST,
     prefix: Prefix = "bear",
@@ -140,7 +144,7 @@ def router(
                        estimate_try_s=estimate_budget / 2, default_output_tokens=default_output_tokens,
                        max_inflight=max_inflight, max_deciding=max_deciding, shed_lag_s=shed_lag,
                        first_token_timeout_s=first_token_timeout, down_after_s=down_after, outcome_log=outcome_log, estimator_shards=estimator_shards,
-                       tokenize=tokenize, prime_answers=prime_answers, aliases=_aliases(model_alias), engine_keys=_engine_keys(engine_keys),
+                       tokenize=tokenize, prime_answers=prime_answers, coalesce=coalesce, aliases=_aliases(model_alias), engine_keys=_engine_keys(engine_keys),
                        allowed_base_urls=tuple(_base_urls(allow_base_url)), provisioning=provisioning)
     start_metrics_server(metrics_port, metrics_host)
     aio.run(serve(nats_url, cfg, prefix))

@@ -313,14 +313,22 @@ def bench_router(
     rate: float = typer.Option(200.0, "--rate", callback=positive, help="Queries per second (Poisson, > 0)"),
     duration: float = typer.Option(10.0, "--duration", callback=positive, help="Seconds of load (> 0)"),
     routers: int = typer.Option(1, "--routers", min=1, help="Router processes (one queue group)"),
+    answer_tokens: int = typer.Option(1, "--answer-tokens", min=1,
+                                      help="Tokens every answer streams (≥ 1): the routers' CPU per query then "
+                                           "includes relaying them (router_cpu_us_per_token)"),
+    coalesce: bool = typer.Option(True, "--coalesce/--no-coalesce",
+                                  help="The routers' --coalesce/--no-coalesce (chunks of one read relayed as one "
+                                       "message, or one message per chunk)"),
     out: Path | None = typer.Option(None, "--out", help="Write the result JSON here"),
 ) -> None:
-    """Decision overhead (submit received → dispatch sent) at a given rate, on a local stack."""
+    """Decision overhead (submit received → dispatch sent) at a given rate, on a local stack, and
+    the routers' CPU per query and per streamed token."""
     from rich.console import Console
 
     from bear.benchmarks.router import run_bench
 
-    res = run_bench(rate, duration, routers=routers)
+    res = run_bench(rate, duration, routers=routers, answer_tokens=answer_tokens,
+                    router_args=() if coalesce else ("--no-coalesce",))
     Console().print_json(json.dumps(json_safe(res)))
     if out is not None:
         out.write_text(json.dumps(json_safe(res), indent=2))

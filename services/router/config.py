@@ -42,3 +42,4 @@ class RouterConfig:
     provisioning: bool = False  # take only registry entries that match their binding (bear_provisioned)
     tokenize: bool = True  # exact prompt tokens (and prefix hits) where instances register a tokenizer
     prime_answers: bool = True  # encode each answer ahead of the next turn (TokenizerCache.prime)
+    coalesce: bool = True  # the answer's chunks that arrived in one read go to the client as one message

@@ -453,7 +453,7 @@ class RouterService:
                     async for piece in stream_completion(self._session, inst.base_url, request_id, path, body,
                                                          connect_timeout_s=self.cfg.connect_timeout_s,
                                                          idle_timeout_s=self.cfg.idle_timeout_s, headers=headers,
-                                                         raw=raw):
+                                                         raw=raw, coalesce=self.cfg.coalesce):
                         relay = piece.choices is not None
                         if relay or piece.text:
                             if first is None and (piece.produced or not relay):
@@ -537,7 +537,7 @@ class RouterService:
             "predict_s": asked.predict_s, "estimate_s": asked.estimate_s, "claim_s": asked.claim_s,
             "tokenize_s": asked.tokenize_s, "estimator_service_s": asked.estimator_service_s,
             "fallbacks": fallbacks, "dropped": d.dropped, "attempt": attempt, "usage": usage, "request_id": request_id,
-            "candidates": {c.instance: {
+            "chunks": seq, "candidates": {c.instance: {
                 "model": c.model, "acc": c.acc, "cost": c.cost, "out_len": c.out_len, "out_p90": c.out_p90,
                 "ttft": c.ttft, "method": c.ttft_method, "calibration": c.ttft_calibration,
                 "ttft_prefill": c.ttft_prefill, "n_running": c.n_running,

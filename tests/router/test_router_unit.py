@@ -473,3 +473,118 @@ async def test_requests_are_on_the_wire_before_the_router_tokenises(router_env, 
     before = router.nc.stats["out_msgs"]
     await router._ask(q, insts, 2)
     assert seen == [0] and router.nc.stats["out_msgs"] - before >= 2  # claim and predictor, written
+
+
+class _Reads:
+    """A fake engine response whose body arrives in the given reads (``iter_any``'s blocks)."""
+
+    def __init__(self, reads: list[bytes]) -> None:
+        self.status = 200
+        self.reads = reads
+        self.content = self
+
+    async def iter_any(self):  # type: ignore[no-untyped-def]
+        for r in self.reads:
+            yield r
+
+    async def __aenter__(self) -> _Reads:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+class _Session:
+    def __init__(self, reads: list[bytes]) -> None:
+        self.reads = reads
+
+    def post(self, *_: object, **__: object) -> _Reads:
+        return _Reads(self.reads)
+
+
+def _sse(text: str | None = None, finish: str | None = None, usage: dict | None = None) -> bytes:
+    d: dict = {"choices": [{"index": 0, "text": text or "", "finish_reason": finish}] if text is not None else []}
+    if usage is not None:
+        d["usage"] = usage
+    return b"data: " + json.dumps(d).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+async def test_chunks_of_one_read_are_relayed_as_one_piece(coalesce: bool) -> None:
+    """With ``coalesce`` the text chunks that arrived in one read come out as one piece (the texts
+    joined in order, the usage and finish reason of the last); an event split across two reads is
+    still parsed whole; nothing is lost or reordered, and without ``coalesce`` every chunk is its
+    own piece."""
+    from bear.router.dispatch import stream_completion
+
+    first = _sse("a")
+    tail = _sse("d", "stop") + _sse(usage={"prompt_tokens": 3, "completion_tokens": 4}) + b"data: [DONE]\n\n"
+    reads = [first, _sse("b") + _sse("c") + tail[:7], tail[7:]]
+    pieces = [p async for p in stream_completion(_Session(reads), "http://x/v1", "r", "/completions", {},
+                                                 coalesce=coalesce)]
+    assert "".join(p.text for p in pieces) == "abcd"
+    assert [p.usage for p in pieces if p.usage] == [{"prompt_tokens": 3, "completion_tokens": 4}]
+    assert [p.finish_reason for p in pieces if p.finish_reason] == ["stop"]
+    if coalesce:
+        assert [p.text for p in pieces] == ["a", "bc", "d"]  # one piece per read that completed events
+    else:
+        assert [p.text for p in pieces] == ["a", "b", "c", "d", ""]
+
+
+async def test_raw_chunks_are_never_joined() -> None:
+    """Answers relayed verbatim (engine fields: choices, tool calls) keep one piece per chunk."""
+    from bear.router.dispatch import stream_completion
+
+    reads = [_sse("a") + _sse("b") + b"data: [DONE]\n\n"]
+    pieces = [p async for p in stream_completion(_Session(reads), "http://x/v1", "r", "/completions", {}, raw=True)]
+    assert [p.choices[0]["text"] for p in pieces] == ["a", "b"]
+
+
+@pytest.mark.parametrize("event", [
+    {"object": "text_completion", "choices": [{"index": 0, "text": " w", "logprobs": None, "finish_reason": None}]},
+    {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+    {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+    {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]},
+    {"choices": [{"index": 0, "delta": {"content": None}, "finish_reason": "stop"}]},
+    {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                              "prompt_tokens_details": {"cached_tokens": 3}}},
+    {"choices": [], "usage": {"prompt_tokens": 5, "prompt_tokens_details": None}},
+    {"choices": [{"text": 3}]},  # not vLLM's shape: decoded by the generic path
+    {"choices": "x"},
+    {"usage": [1]},
+    {},
+])
+def test_text_event_parse_equals_the_generic_parse(event: dict) -> None:
+    """The typed decode of text chunks reads every chunk as ``json.loads`` + ``parse_chunk`` does
+    (same piece, or the same exception type)."""
+    from bear.router.dispatch import parse_chunk, parse_text_event
+
+    payload = json.dumps(event).encode()
+
+    def run(f):  # type: ignore[no-untyped-def]
+        try:
+            return f()
+        except Exception as exc:  # noqa: BLE001 - the exception's type is what is compared
+            return type(exc)
+
+    assert run(lambda: parse_text_event(payload)) == run(lambda: parse_chunk(json.loads(payload)))
+
+
+@pytest.mark.parametrize("event", [{"object": "error", "message": "boom"}, {"error": {"message": "x"}},
+                                   {"error": None}, {"object": "error"}])
+def test_text_event_errors_break_the_stream_alike(event: dict) -> None:
+    from bear.router.dispatch import StreamBroken, parse_chunk, parse_text_event
+
+    payload = json.dumps(event).encode()
+    with pytest.raises(StreamBroken) as a:
+        parse_text_event(payload)
+    with pytest.raises(StreamBroken) as b:
+        parse_chunk(json.loads(payload))
+    assert str(a.value) == str(b.value)
+
+
+def test_malformed_text_event_raises_value_error() -> None:
+    from bear.router.dispatch import parse_text_event
+
+    with pytest.raises(ValueError):
+        parse_text_event(b"{not json")
