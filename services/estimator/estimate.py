@@ -120,6 +120,9 @@ class Plan:
     query: EstimateQuery
     rows: list[EstimateRow]
     jobs: list[Job] = field(default_factory=list)
+    # dispatches queued ahead at a pool described block by block that came without token ids (a
+    # router that did not tokenise): replayed by counts, their hits unknown (a metric counts them)
+    unkeyed_ahead: int = 0
 
     @property
     def residents(self) -> int:
@@ -196,6 +199,8 @@ def plan(query: EstimateQuery, candidates: list[EstimateCandidate], store: State
             keys = _keys_for(st, store) if st.prefix_spec is not None and st.snap.tracked_blocks > 0 else None
             inputs = replay_inputs(st, now, cfg, keys, None if later is None else later.get(c.instance, []))
             row.ahead, row.pool_keyed = len(inputs.ahead), keys is not None
+            if keys is not None:
+                p.unkeyed_ahead += sum(1 for r in inputs.ahead if "block_keys" not in r)
             p.jobs.append(Job(row, st, pa.hit, ptoks, inputs, st.snap, _pool_keys(keys, c, ids)))
             continue
         if not ((age is not None and age <= cfg.down_after_s) or now - st.registry_heartbeat <= cfg.down_after_s):

@@ -37,6 +37,10 @@ def metrics() -> Any:
                         "Resync requests by outcome (installed, refused, or the error code)", ["outcome"]),
         prefix=Counter("bear_estimator_prefix_hits_total",
                        "Per-instance answers by how the prefix-cache hit was found (mirror, unsynced, ...)", ["how"]),
+        unkeyed_dispatches=Counter(
+            "bear_estimator_unkeyed_dispatches_total",
+            "Dispatches queued ahead at a pool described block by block that came without token ids "
+            "(a router that did not tokenise): replayed by counts, per estimate that replayed them"),
         kv_malformed=Counter("bear_estimator_kv_malformed_total", "Malformed prefix-cache messages dropped"),
         kv_resyncs=Counter("bear_estimator_kv_mirror_lost_total", "Mirrors that lost sync (gap, epoch)", ["reason"]),
         kv_resync_requests=Counter("bear_estimator_kv_resync_requests_total", "Whole-state requests sent"),

@@ -295,6 +295,8 @@ class EstimatorWorker:
         else:
             results = run_jobs(p, self.cfg)
         rows = finish(p, results, self.cfg)
+        if p.unkeyed_ahead:
+            self.m.unkeyed_dispatches.inc(p.unkeyed_ahead)
         for r in rows:
             self.m.methods.labels(method=r.method).inc()
             self.m.prefix.labels(how=r.prefix).inc()

@@ -207,8 +207,7 @@ class _SnapshotMixin:
     def add_request(self, request: Any) -> None:
         super().add_request(request)  # type: ignore[misc]
         if self._bear_ops is not None and request.block_hashes:  # one slice per full block
-            self._bear_ops.ops.append((_block_ops.OP_NAMES, request.request_id,
-                                       b"".join([h[-8:] for h in request.block_hashes]).hex()))
+            self._bear_ops.ops.append(_block_ops.names_op(request))
         if self._bear_delta:
             # the row as the next schedule() will see it (nothing changes a waiting request
             # before then but an abort); timed with perf_counter only (CPU ≈ wall for ~1 µs, and
@@ -616,7 +615,15 @@ class _SnapshotMixin:
             self._bear_dropped += 1
 
     def _bear_block_ops(self, dump: bool) -> tuple[Any, ...] | None:
-        return None if self._bear_ops is None else self._bear_ops.take(dump)
+        """The step's block ops; with ``dump`` (first and resync records) the whole pool and the
+        block names of every request the scheduler holds, so that a reader that attached late, or
+        lost records, knows the requests added before as the ones logged at ``add_request``."""
+        if self._bear_ops is None:
+            return None
+        if not dump:
+            return self._bear_ops.take(False)
+        names = tuple(_block_ops.names_op(r) for r in self.requests.values() if r.block_hashes)
+        return (*names, *self._bear_ops.take(True))
 
     def _bear_write_initial(self) -> None:
         free = self._bear_pool.get_num_free_blocks()

@@ -19,6 +19,11 @@ from typing import Any
 OP_POP, OP_TOUCH, OP_PREPEND, OP_APPEND, OP_CACHE, OP_EVICT, OP_RESET, OP_DUMP, OP_NAMES = range(9)
 
 
+def names_op(request: Any) -> tuple[int, str, str]:
+    """``OP_NAMES`` of a request: its full blocks' names (each hash's last 8 bytes), as hex."""
+    return (OP_NAMES, request.request_id, b"".join([h[-8:] for h in request.block_hashes]).hex())
+
+
 def _name(block_hash: Any) -> int:
     """A cached block's hash (vLLM's BlockHashWithGroupId: digest + 4-byte group id) as the int
     vLLM's KV events carry: the digest's low 64 bits."""

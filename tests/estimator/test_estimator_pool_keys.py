@@ -83,3 +83,20 @@ def test_dispatches_carry_the_ids_only_where_the_pool_is_described() -> None:
     assert dispatch_tokens(ids, "tok", counted) is None  # no replay reads them there
     assert dispatch_tokens(ids, "tok", None) is None  # no estimate for the instance
     assert dispatch_tokens(ids, None, keyed) is None and dispatch_tokens(ids, "other", keyed) is None
+
+
+def test_dispatches_ahead_without_ids_are_counted_where_the_pool_is_described() -> None:
+    """A dispatch from a router that did not tokenise has no keys: at a described pool it is
+    replayed by counts, and the plan counts it (``bear_estimator_unkeyed_dispatches_total``)."""
+    for tracked in (True, False):
+        store = _store(tracked)
+        st = store.get("a")
+        st.on_dispatch(Dispatch(query_id="k", request_id="k", prompt_tokens=40, predicted_output_tokens=4,
+                                t=100.4, tokens=pack_ids(list(range(40)))), 100.4)
+        st.on_dispatch(Dispatch(query_id="u", request_id="u", prompt_tokens=40, predicted_output_tokens=4,
+                                t=100.5), 100.5)
+        p = plan(EstimateQuery(id="q", prompt_tokens=100, max_tokens=4),
+                 [EstimateCandidate(instance="a", tokenizer="tok")], store, 100.6, EstimatorConfig(),
+                 tokens={"tok": pack_ids(list(range(100)))})
+        assert [a["id"] for a in p.jobs[0].inputs.ahead] == ["k", "u"]
+        assert p.unkeyed_ahead == (1 if tracked else 0)

@@ -226,6 +226,8 @@ def verify(args: argparse.Namespace) -> dict[str, Any]:
                 sched.waiting.rotate(1)
             elif len(sched.running) > 1:
                 sched.running[0], sched.running[-1] = sched.running[-1], sched.running[0]
+        if i == args.resync_at:  # what the heartbeat thread does when a reader asks for a full record
+            sched._bear_resync = True
         if not sched.has_requests():
             continue
         out = sched.schedule()
@@ -270,6 +272,7 @@ def main() -> None:
     p.add_argument("--churn", action="store_true", help="bench: requests finish and new ones arrive")
     p.add_argument("--dump", default=None, help="verify: write the raw records (gzip'd marshal) here")
     p.add_argument("--chaos", action="store_true", help="verify: reorder vLLM's queues behind the plugin's back")
+    p.add_argument("--resync-at", type=int, default=-1, help="verify: a reader asks for a full record at this step")
     args = p.parse_args()
     res = bench(args) if args.what == "bench" else verify(args)
     print(json.dumps(res))

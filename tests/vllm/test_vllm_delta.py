@@ -69,3 +69,46 @@ def test_forwarded_plugin_deltas_applied_by_libbea_equal_the_full_state(config: 
     res = check_plugin_deltas(raws, meta["config"])
     checks = sum(1 for r in raws if r[20] == 4)
     assert res["differences"] == [] and res["forwarded"] == res["applied_equal"] == len(raws) - 1 - checks, res
+
+
+def test_a_reader_that_attaches_late_knows_every_request_from_the_resync_dump(vllm_py: str, tiny_model: Path,
+                                                                                tmp_path: Path) -> None:
+    """With the block-op log, the full record a reader asks for (a snapshotter that attached late
+    or lost records) carries the block names of every request the scheduler holds, not only the
+    pool: from that record on, a ``TrackedPool`` knows every request with a full block — those
+    added before the record included — so none is replayed by counts."""
+    import gzip
+    import marshal
+    import os
+
+    from bear.prefix.tracked_pool import TrackedPool
+    from bear.snapshotter.step_decoder import StepDecoder
+
+    dump = tmp_path / "records.marshal.gz"
+    out = subprocess.run([vllm_py, str(DRIVER), "verify", str(tiny_model), "--config", "kv-pressure-prefix",
+                          "--mode", "delta", "--steps", "600", "--seed", "23", "--resync-at", "300",
+                          "--dump", str(dump)],
+                         capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "BEAR_SNAPSHOT_BLOCK_OPS": "1"})  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    with gzip.open(dump, "rb") as f:
+        meta, records = marshal.load(f)
+    start = next(i for i, raw in enumerate(records) if raw[20] == 3)  # FULL_RESYNC: the late reader's first
+    pool = TrackedPool(int(meta["config"]["num_gpu_blocks"]))
+    dec = StepDecoder()
+    before: set[str] = set()  # requests added before the resync record, still there after it
+    seen = set()
+    checked = 0
+    for k, raw in enumerate(records[start:]):
+        step = dec.decode(raw)
+        assert step is not None, dec.last_problem
+        assert pool.step(step), pool.problem
+        rows = [*step["running"], *step["waiting"]]
+        if k == 0:
+            before = {r[0] for r in rows if r[1] >= 128}
+        for r in rows:
+            if r[1] >= 128:  # a full block of 128 tokens: vLLM has named it
+                assert r[0] in pool.names, (step["seq"], r[0])
+                checked += 1
+                seen.add(r[0])
+    assert before and checked > 0, (before, checked)
