@@ -315,7 +315,7 @@ async def test_overload_is_shed_with_overloaded(nats_server, tmp_path) -> None:
                          what="every query of the burst refused or being decided")
         assert len(held) == 4 and router.admission.deciding == 4
         for msg in held:
-            await msg.respond(pack(error_reply(ErrorCode.UNAVAILABLE, "a test predictor")))
+            await msg.respond(encode(error_reply(ErrorCode.UNAVAILABLE, "a test predictor")))
         results = await asyncio.gather(*burst)
         codes = [r[-1]["v"] if r[-1]["v"] == "bear.done/1" else r[-1]["error"]["code"] for r in results]
         assert codes.count("bear.done/1") == 4 and codes.count("overloaded") == 16, codes
