@@ -12,6 +12,7 @@ class ByName:
     """``msg["instance"]``, ``msg.get("text", "")``, ``"nonce" in msg`` on a msgspec struct (``"v"``
     reads the tag; an unset field reads as absent)."""
 
+    __slots__ = ()
     __struct_fields__: tuple[str, ...]
 
     def get(self, key: str, default: Any = None) -> Any:

@@ -220,7 +220,7 @@ async def test_calibrator_is_bounded_in_instances(nats_server) -> None:
     for k in range(MAX_INSTANCES + 300):
         await cal._on_batches(Msg(S.batches(f"fake-{k}"), pack([rec])))
     assert len(cal.records) == MAX_INSTANCES
-    assert "junk" not in next(iter(cal.records.values())).batches()[0]["items"][0]  # only what the fit reads is kept
+    assert "junk" not in next(iter(cal.records.values())).batches()[0].items[0]  # only what the fit reads is kept
     await nc.close()
 
 
