@@ -45,7 +45,7 @@ import structlog
 from bear.instance.delta import StateStream
 from bear.instance.kv_stream import KvStream
 from bear.instance.metrics import PublisherMetrics
-from bear.protocol.batch import BatchRecord
+from bear.protocol.batch import BatchRecord, encode_batches
 from bear.protocol.codec import pack
 from bear.protocol.errors import BearError, ErrorCode, error_reply
 from bear.protocol.messages import KvOp, ResyncRequest, decode, encode
@@ -181,7 +181,7 @@ class InstancePublisher:
             return  # the bounded buffer drops the oldest while NATS is away
         items = list(self._batches)
         self._batches.clear()
-        if await self._send(self._batch_subject, encode(items)):  # a map: the bytes pack() gave
+        if await self._send(self._batch_subject, encode_batches(items)):
             self.metrics.batches_published.inc(len(items))
         else:
             self.metrics.batches_dropped.inc(len(items))

@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import get_type_hints
 
 import msgpack
+import numpy as np
 import pytest
 
 from bear.calibrator.fit import read_records
 from bear.calibrator.service import valid_record
 from bear.protocol import schemas
-from bear.protocol.batch import FIELDS, MAX_ITEMS, BatchItem, BatchRecord, batch_record
+from bear.protocol.batch import FIELDS, MAX_ITEMS, BatchItem, BatchRecord, batch_record, encode_batches
 from bear.protocol.codec import pack
 from bear.protocol.messages import encode
 
@@ -36,6 +37,13 @@ def test_a_record_is_the_bytes_of_the_map_eval_and_profiling_built(duration: flo
     assert encode([rec, rec]) == pack([old, old])  # a bear.batches.<id> group
     back = batch_record(msgpack.unpackb(encode(rec)))
     assert back == rec and back["items"] == ITEMS and back.get("v") == schemas.BATCH
+
+
+def test_a_group_is_the_bytes_pack_gave_numpy_numbers_included() -> None:
+    snapshotter = {"v": schemas.BATCH, "instance": "i1", "seq": 8, "duration_s": None, "exec_s": 0.002,
+                   "items": ITEMS}
+    sim = BatchRecord(instance="i1", seq=np.int64(7), duration_s=np.float64(0.0123), items=ITEMS)
+    assert encode_batches([sim, snapshotter]) == pack([GOOD, snapshotter])
 
 
 def test_exec_s_is_written_only_when_measured() -> None:
