@@ -26,6 +26,8 @@ import numpy as np
 from scipy.optimize import nnls
 
 from bear import libbea
+from bear.protocol import schemas
+from bear.protocol.batch import BatchRecord, batch_record
 from bear.protocol.jsonl import read_jsonl
 from bear.protocol.messages import Calibration
 
@@ -66,29 +68,35 @@ def _four(v: Any, name: str) -> tuple[float, float, float, float]:
     return (b[0], b[1], b[2], b[3])
 
 
-def read_records(paths: Iterable[str | Path]) -> Iterator[dict[str, Any]]:
-    """bear.batch/1 records from JSONL files (``.gz`` accepted), one object per line."""
+def read_records(paths: Iterable[str | Path]) -> Iterator[BatchRecord]:
+    """bear.batch/1 records from JSONL files (``.gz`` accepted), one object per line;
+    ValueError naming the file and line of one that is not a record."""
     for p in paths:
-        yield from read_jsonl(p)
+        for k, obj in enumerate(read_jsonl(p), 1):
+            r = batch_record(obj)
+            if r is None:
+                raise ValueError(f"{p}: line {k} is not a {schemas.BATCH} record")
+            yield r
 
 
-def design_row(record: dict[str, Any]) -> tuple[float, float, float, float]:
+def design_row(record: BatchRecord) -> tuple[float, float, float, float]:
     """The eq. 12 regressors [1, Σn, Σ decode context, Σ prefill attention] of one record."""
-    tokens, decode_ctx, prefill_work = libbea.batch_features(record["items"])
+    tokens, decode_ctx, prefill_work = libbea.batch_features(record.items)
     return (1.0, tokens, decode_ctx, prefill_work)
 
 
-def usable(record: dict[str, Any]) -> bool:
-    d = record.get("duration_s")
-    return isinstance(d, int | float) and d > 0 and np.isfinite(d) and bool(record.get("items"))
+def usable(record: BatchRecord) -> bool:
+    """A record the fit learns from: a finite positive loop period and something computed."""
+    d = record.duration_s
+    return d is not None and d > 0 and np.isfinite(d) and bool(record.items)
 
 
-def design_matrix(records: Iterable[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+def design_matrix(records: Iterable[BatchRecord]) -> tuple[np.ndarray, np.ndarray]:
     rows, ys = [], []
     for r in records:
         if usable(r):
             rows.append(design_row(r))
-            ys.append(float(r["duration_s"]))
+            ys.append(float(r.duration_s))  # type: ignore[arg-type]  # usable: not None
     return np.asarray(rows, dtype=float).reshape(-1, 4), np.asarray(ys, dtype=float)
 
 
@@ -202,36 +210,36 @@ def fit_roofline(x: np.ndarray, y: np.ndarray, objective: str = DEFAULT_OBJECTIV
     return eq12
 
 
-def fit_beta(records: Iterable[dict[str, Any]], objective: str = DEFAULT_OBJECTIVE) -> Fit:
+def fit_beta(records: Iterable[BatchRecord], objective: str = DEFAULT_OBJECTIVE) -> Fit:
     """Fit β from bear.batch/1 records (records with a null duration are skipped)."""
     x, y = design_matrix(records)
     return fit_arrays(x, y, objective)
 
 
-def prefill_throughput(records: Iterable[dict[str, Any]]) -> float:
+def prefill_throughput(records: Iterable[BatchRecord]) -> float:
     """θ_pre of paper eq. 8: prefill tokens of batches with a prefill chunk / their total time."""
     tokens = 0.0
     seconds = 0.0
     for r in records:
         if not usable(r):
             continue
-        pre = sum(int(it["n"]) for it in r["items"] if not it.get("decode"))
+        pre = sum(it["n"] for it in r.items if not it["decode"])
         if pre > 0:
             tokens += pre
-            seconds += float(r["duration_s"])
+            seconds += float(r.duration_s)  # type: ignore[arg-type]  # usable: not None
     if seconds <= 0:
         raise ValueError("no batch with a prefill chunk and a duration")
     return tokens / seconds
 
 
-def robust_fit(records: list[dict[str, Any]], instance: str = "", objective: str = DEFAULT_OBJECTIVE,
+def robust_fit(records: list[BatchRecord], instance: str = "", objective: str = DEFAULT_OBJECTIVE,
                prior: Calibration | None = None) -> Calibration:
     """The calibration that ``bear calibrator`` publishes (and ``bear eval`` uses) from
     ``bear.batch/1`` records: ``refit_arrays`` of their eq. 12 rows (``prior``: the instance's
     calibration before serving, if any)."""
     kept = [r for r in records if usable(r)]
     x, y = design_matrix(kept)
-    prefill = np.array([sum(int(it["n"]) for it in r["items"] if not it.get("decode")) for r in kept], dtype=float)
+    prefill = np.array([sum(it["n"] for it in r.items if not it["decode"]) for r in kept], dtype=float)
     return refit_arrays(x, y, prefill, instance, objective, prior)
 
 

@@ -23,6 +23,7 @@ import structlog
 from bear.calibrator.fit import DEFAULT_OBJECTIVE, OBJECTIVES, BatchWindow, RefitPolicy, robust_fit
 from bear.calibrator.lengths import LengthWindow
 from bear.calibrator.ttft_error import ratio_quantiles
+from bear.protocol.batch import BatchRecord, batch_record
 from bear.protocol.codec import unpack
 from bear.protocol.errors import BearError
 from bear.protocol.messages import Calibration, Outcome, decode, encode
@@ -36,33 +37,12 @@ B = TypeVar("B")
 log = structlog.get_logger("bear.calibrator")
 
 MAX_INSTANCES = 1024  # instances followed (least recently heard of forgotten first)
-MAX_ITEMS = 8192  # requests in one batch record: more is no engine's batch
 FIRST_FIT_POLL_S = 0.5  # how often the loop looks for instances due a fit
 
 
 def valid_record(r: Any) -> bool:
-    if not isinstance(r, dict):
-        return False
-    d = r.get("duration_s")
-    if d is not None and (not isinstance(d, int | float) or isinstance(d, bool) or not math.isfinite(d) or d < 0):
-        return False
-    items = r.get("items")
-    if not isinstance(items, list) or len(items) > MAX_ITEMS:
-        return False
-    for it in items:
-        if not isinstance(it, dict):
-            return False
-        n, c = it.get("n"), it.get("context")
-        if not isinstance(n, int) or not isinstance(c, int) or not 0 <= n < 2**31 or not 0 <= c < 2**31 \
-                or not isinstance(it.get("decode"), bool):
-            return False
-    return True
-
-
-def compact(r: dict[str, Any]) -> dict[str, Any]:
-    """Only what the fit reads (a record's other fields would be kept for nothing)."""
-    return {"duration_s": float(r["duration_s"]),
-            "items": [{"n": it["n"], "context": it["context"], "decode": it["decode"]} for it in r["items"]]}
+    """Whether a decoded map is a ``bear.batch/1`` record (``bear.protocol.batch.batch_record``)."""
+    return batch_record(r) is not None
 
 
 class OnlineCalibrator:
@@ -79,7 +59,7 @@ class OnlineCalibrator:
         self.window = window
         self.min_records = min_records
         self.refit_s = refit_s
-        self.records: OrderedDict[str, BatchWindow[dict[str, Any]]] = OrderedDict()
+        self.records: OrderedDict[str, BatchWindow[BatchRecord]] = OrderedDict()
         self.malformed = 0
         self.fits: dict[str, Calibration] = {}
         self._subs: list[Any] = []
@@ -116,13 +96,13 @@ class OnlineCalibrator:
             self.malformed += 1
             return
         buf = self._bounded(self.records, instance, lambda: BatchWindow(self.window))
-        for r in group:
-            if not valid_record(r):
+        for raw in group:
+            r = batch_record(raw)  # typed and validated; an item keeps only n, context, decode
+            if r is None:
                 self.malformed += 1
                 continue
-            if r.get("duration_s") and r["items"]:
-                c = compact(r)
-                buf.add(c, any(not it["decode"] for it in c["items"]))
+            if r.duration_s and r.items:
+                buf.add(r, any(not it["decode"] for it in r.items))
 
     def _bounded(self, table: OrderedDict[str, B], instance: str, make: Callable[[], B]) -> B:
         """``table[instance]``, created if new; the least recently heard-of instance is forgotten

@@ -40,7 +40,7 @@ from bear.evaluation.learned import features as learned_features
 from bear.evaluation.workload import QuerySet
 from bear.load.metrics import Outcome
 from bear.predictor.synth import MAX_OUTPUT_TOKENS
-from bear.protocol import schemas
+from bear.protocol.batch import BatchRecord
 from bear.protocol.messages import Calibration, EstimateCandidate, EstimateQuery
 from bear.router.candidates import ModelPrediction, build_candidates, dispatch_for
 from bear.router.decide import Refused, RoutingProfile, decide, profile_for
@@ -108,7 +108,7 @@ class SimInstance:
     snaps: deque[tuple[float, object]] = field(default_factory=deque)  # (capture time, snapshot)
     busy: bool = False
     idle_since: float = 0.0
-    records: list[dict] | None = None  # bear.batch/1 records, when calibrating
+    records: list[BatchRecord] | None = None  # bear.batch/1 records, when calibrating
     busy_s: float = 0.0
     running_s: float = 0.0  # ∫ running requests dt over busy time (mean concurrency = running_s / busy_s)
     arrived: list[str] = field(default_factory=list)  # added since the last published state
@@ -160,12 +160,12 @@ class SimInstance:
         batch = self.engine.step()
         if not batch:
             if self.records:
-                self.records[-1]["duration_s"] = None  # the engine went idle: no loop period
+                self.records[-1].duration_s = None  # the engine went idle: no loop period
             return None
         dur = self.roof.sample([(n, ctx) for _, n, ctx, _ in batch])
         assert self.records is not None
-        self.records.append({"v": schemas.BATCH, "instance": self.spec.name, "seq": self.engine.seq,
-                             "duration_s": dur, "items": [{"n": n, "context": c, "decode": d} for _, n, c, d in batch]})
+        self.records.append(BatchRecord(instance=self.spec.name, seq=self.engine.seq, duration_s=dur,
+                                        items=[{"n": n, "context": c, "decode": d} for _, n, c, d in batch]))
         return dur
 
     def visible(self, t: float) -> tuple[float, object]:

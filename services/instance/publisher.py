@@ -45,6 +45,7 @@ import structlog
 from bear.instance.delta import StateStream
 from bear.instance.kv_stream import KvStream
 from bear.instance.metrics import PublisherMetrics
+from bear.protocol.batch import BatchRecord, encode_batches
 from bear.protocol.codec import pack
 from bear.protocol.errors import BearError, ErrorCode, error_reply
 from bear.protocol.messages import KvOp, ResyncRequest, decode, encode
@@ -81,7 +82,7 @@ class InstancePublisher:
         self._resync_sub: Any = None
         self._batch_subject = self.subjects.batches(instance)
         self._pending: deque[tuple[dict[str, Any], dict[str, Any] | None]] = deque()  # (state, change)
-        self._batches: deque[dict[str, Any]] = deque(maxlen=batch_buffer)
+        self._batches: deque[BatchRecord | dict[str, Any]] = deque(maxlen=batch_buffer)
         self._last: dict[str, Any] | None = None  # the newest snapshot sent (idle re-sends)
         self._last_sent = 0.0  # monotonic
         self._wake = asyncio.Event()
@@ -111,10 +112,15 @@ class InstancePublisher:
         self._pending.append((snap, change))
         self._wake.set()
 
-    def batch(self, record: dict[str, Any]) -> None:
-        """Queue one ``bear.batch/1`` record (``{seq, duration_s, items}``)."""
-        record.setdefault("v", BATCH_SCHEMA)
-        record.setdefault("instance", self.instance)
+    def batch(self, record: BatchRecord | dict[str, Any]) -> None:
+        """Queue one ``bear.batch/1`` record, ``instance`` filled in: a ``BatchRecord`` (the sim
+        engine), or the snapshotter's map with the same keys (built stdlib-only beside vLLM)."""
+        if isinstance(record, BatchRecord):
+            if not record.instance:
+                record.instance = self.instance
+        else:
+            record.setdefault("v", BATCH_SCHEMA)
+            record.setdefault("instance", self.instance)
         if len(self._batches) == self._batches.maxlen:
             self.metrics.batches_dropped.inc()  # the deque drops the oldest
         self._batches.append(record)
@@ -175,7 +181,7 @@ class InstancePublisher:
             return  # the bounded buffer drops the oldest while NATS is away
         items = list(self._batches)
         self._batches.clear()
-        if await self._send(self._batch_subject, pack(items)):
+        if await self._send(self._batch_subject, encode_batches(items)):
             self.metrics.batches_published.inc(len(items))
         else:
             self.metrics.batches_dropped.inc(len(items))

@@ -31,7 +31,8 @@ from bear.predictor.runtime import Predictor
 from bear.protocol import schemas
 from bear.protocol.codec import pack
 from bear.protocol.deadline import Deadline
-from bear.protocol.errors import BearError, ErrorCode, error_reply
+from bear.protocol.errors import BearError, ErrorCode, ErrorReply, error_reply
+from bear.protocol.messages import encode
 from bear.protocol.predict import PredictRequest, decode_predict
 from bear.protocol.subjects import Subjects
 from bear.runtime.metrics import start_metrics_server
@@ -132,9 +133,9 @@ class PredictorService:
             (m.ok if outcome == "ok" else m.requests.labels(outcome)).inc()
             m.latency.observe(time.perf_counter() - t0)
 
-    async def _reply(self, request: Any, body: dict[str, Any], outcome: str, t0: float) -> None:
+    async def _reply(self, request: Any, body: dict[str, Any] | ErrorReply, outcome: str, t0: float) -> None:
         try:
-            await request.respond(pack(body))
+            await request.respond(encode(body) if isinstance(body, ErrorReply) else pack(body))
         except Exception as exc:  # connection gone: nobody to tell, count it
             log.warning("reply_failed", error=repr(exc))
             outcome = "reply_failed"
@@ -181,6 +182,7 @@ class PredictorService:
         self._inflight += 1
         if m is not None:
             m.inflight.inc()
+        body: dict[str, Any] | ErrorReply
         try:
             body = self._compute(req)
             deadline.check()  # the requester has given up: say so rather than send stale work

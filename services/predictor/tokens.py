@@ -19,6 +19,7 @@ import structlog
 
 from bear.predictor.models import ModelSpec
 from bear.tokenizer.chunks import encode_ids
+from bear.tokenizer.loader import load_tokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -54,11 +55,10 @@ class TokenCounter:
                 self._by_model[spec.name] = None
                 self._sources[spec.name] = "fallback"
                 continue
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            data = path.read_bytes()
+            digest = hashlib.sha256(data).hexdigest()
             if digest not in self._tokenizers:
-                from tokenizers import Tokenizer
-
-                self._tokenizers[digest] = Tokenizer.from_file(str(path))
+                self._tokenizers[digest] = load_tokenizer(data)  # the router's loader (one file read)
             self._by_model[spec.name] = digest
             self._sources[spec.name] = str(path)
         log.info("token_counters", sources=self._sources)

@@ -5,7 +5,10 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
+import msgspec
+
 from bear.protocol import schemas
+from bear.protocol.by_name import ByName
 
 
 class ErrorCode(StrEnum):
@@ -21,6 +24,34 @@ class ErrorCode(StrEnum):
     DUPLICATE = "duplicate"  # a resubmitted query_id that is (or was) already executed
 
 
+class ErrorBody(ByName, msgspec.Struct):
+    """``error`` of a ``bear.error/1``: a code of ``ErrorCode`` and why. One definition for a
+    service's error reply and the reply stream's ``Error`` (``bear.protocol.replies``)."""
+
+    code: str = "internal"
+    message: str = ""
+
+
+class ErrorReply(ByName, msgspec.Struct, tag_field="v", tag=schemas.ERROR, forbid_unknown_fields=False):
+    """A service's error reply (``bear.resync``, ``bear.predict``, ``bear.estimate``):
+    ``{"v": "bear.error/1", "error": {code, message}}`` — the bytes of the map it replaced.
+    The reply stream's ``Error`` carries the same body plus its query's fields."""
+
+    error: ErrorBody = msgspec.field(default_factory=ErrorBody)
+
+    @property
+    def v(self) -> str:
+        return schemas.ERROR
+
+    @property
+    def code(self) -> str:
+        return self.error.code
+
+    @property
+    def message(self) -> str:
+        return self.error.message
+
+
 class BearError(Exception):
     """An error with a stable code, turned into an error reply at service boundaries."""
 
@@ -29,22 +60,29 @@ class BearError(Exception):
         self.code = code
         self.message = message
 
-    def reply(self) -> dict[str, Any]:
+    def reply(self) -> ErrorReply:
         return error_reply(self.code, self.message)
 
 
-def error_reply(code: ErrorCode, message: str) -> dict[str, Any]:
-    """The map every service returns on failure: ``{"v": "bear.error/1", "error": {code, message}}``."""
-    return {"v": schemas.ERROR, "error": {"code": str(code), "message": message}}
+def error_reply(code: ErrorCode | str, message: str) -> ErrorReply:
+    """The error reply every service returns on failure (encode it with msgspec:
+    ``bear.protocol.messages.encode``)."""
+    return ErrorReply(error=ErrorBody(code=str(code), message=message))
 
 
 def is_error(reply: Any) -> bool:
-    return isinstance(reply, dict) and isinstance(reply.get("error"), dict)
+    """Whether a decoded reply (a generic map, or an ``ErrorReply``) is an error reply."""
+    return isinstance(reply, ErrorReply) or (isinstance(reply, dict) and isinstance(reply.get("error"), dict))
 
 
-def error_of(reply: dict[str, Any]) -> BearError:
+def error_of(reply: dict[str, Any] | ErrorReply) -> BearError:
     """The ``BearError`` an error reply carries (an unknown code reads as ``internal``)."""
-    err = reply.get("error") or {}
-    code = err.get("code") if isinstance(err, dict) else None
+    if isinstance(reply, ErrorReply):
+        code: Any = reply.code
+        message = reply.message
+    else:
+        err = reply.get("error") or {}
+        code = err.get("code") if isinstance(err, dict) else None
+        message = str(err.get("message", "")) if isinstance(err, dict) else ""
     known = ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.INTERNAL
-    return BearError(known, str(err.get("message", "")) if isinstance(err, dict) else "")
+    return BearError(known, message)

@@ -21,41 +21,12 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from bear.protocol import schemas
+from bear.protocol.by_name import ByName
 from bear.protocol.codec import MAX_MESSAGE_BYTES
+from bear.protocol.errors import ErrorBody
 
 
-class _ByName:
-    """Read access by wire name (``msg["instance"]``, ``msg.get("text", "")``)."""
-
-    __struct_fields__: tuple[str, ...]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        if key == "v":
-            tag = getattr(self, "v", None)
-            return default if tag is None else tag
-        if key not in self.__struct_fields__:
-            return default
-        val = getattr(self, key)
-        return default if val is UNSET else val
-
-    def __getitem__(self, key: str) -> Any:
-        val = self.get(key, UNSET)
-        if val is UNSET:
-            raise KeyError(key)
-        return val
-
-    def __contains__(self, key: str) -> bool:
-        return self.get(key, UNSET) is not UNSET
-
-
-class ErrorBody(_ByName, msgspec.Struct):
-    """``error`` of a ``bear.error/1``: a code of ``bear.protocol.errors.ErrorCode`` and why."""
-
-    code: str = "internal"
-    message: str = ""
-
-
-class Reply(_ByName, msgspec.Struct, kw_only=True, tag_field="v", forbid_unknown_fields=False):
+class Reply(ByName, msgspec.Struct, kw_only=True, tag_field="v", forbid_unknown_fields=False):
     """Base of the reply-stream messages. Each subclass declares ``query_id`` and ``nonce`` last:
     the router added them after a message's own fields, and the wire order stays so."""
 

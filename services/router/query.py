@@ -19,6 +19,7 @@ from bear.router.config import RouterConfig
 MAX_PROMPT_BYTES = 4 * 1024 * 1024
 REST_UNKNOWN_MAX_TOKENS = 1 << 20  # max_tokens_rest where no candidate registered its context: the estimate's cap
 MAX_MESSAGE_DEPTH = 8  # chat messages: role/content maps, content parts, their fields
+BYTES_PER_TOKEN = 4  # the text estimate of a prompt's length (docs/contract.md, "Prompt length")
 
 
 @dataclass
@@ -65,7 +66,12 @@ class Query:
         return self.prompt or ""
 
     def token_estimate(self) -> int:
-        return self.prompt_tokens if self.prompt_tokens is not None else max(1, math.ceil(len(self.text.encode()) / 4))
+        """The query's prompt length before any tokenizer (docs/contract.md, "Prompt length"): the
+        client's declared ``prompt_tokens``, else the text's UTF-8 bytes / ``BYTES_PER_TOKEN``.
+        What the estimate request's query carries and every instance falls back to."""
+        if self.prompt_tokens is not None:
+            return self.prompt_tokens
+        return max(1, math.ceil(len(self.text.encode()) / BYTES_PER_TOKEN))
 
 
 def parse_submit(data: bytes, cfg: RouterConfig) -> Query:

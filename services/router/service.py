@@ -324,7 +324,8 @@ class RouterService:
 
     async def _route(self, q: Query, out: ClientStream, t0: float) -> None:
         healthy = {i.id for i in self.registry.healthy()}
-        ctx = self._context(q, q.token_estimate())
+        ptoks = q.token_estimate()  # once per query: it encodes the whole text
+        ctx = self._context(q, ptoks)
         # the filters that read only the registry, before anything is asked about the instances
         dropped: dict[str, str] = {}
         kept = screen(self.profile.registry_filters, ctx, [
@@ -335,8 +336,7 @@ class RouterService:
             return
         insts = [self.registry.get(c.instance) for c in kept]
         if q.rest_of_context and all(i.max_model_len for i in insts):
-            q.max_tokens = max(q.max_tokens_at(i.max_model_len, q.token_estimate()) or 1 for i in insts)
-        ptoks = q.token_estimate()
+            q.max_tokens = max(q.max_tokens_at(i.max_model_len, ptoks) or 1 for i in insts)
         # The dedup claim (a JetStream round trip) runs concurrently with the two questions.
         estimate = self.profile.needs_estimate
         asked = await self._ask(q, insts, ptoks, estimate)

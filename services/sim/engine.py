@@ -19,6 +19,7 @@ from typing import Any
 
 from bear import libbea
 from bear.instance.publisher import InstancePublisher
+from bear.protocol.batch import BatchRecord
 from bear.protocol.messages import KvOp
 from bear.sim.lengths import OutputLengths
 from bear.sim.profile import Profile
@@ -189,12 +190,12 @@ class SimEngine:
             last_end = end
             if self.publisher is not None:
                 self.publisher.batch(
-                    {
-                        "seq": self.engine.seq,
+                    BatchRecord(
+                        seq=self.engine.seq,
                         # loop period while the engine stays busy (bear.batch/1), null otherwise
-                        "duration_s": period if self.engine.has_work else None,
-                        "items": [{"n": n, "context": ctx, "decode": dec} for _, n, ctx, dec in batch],
-                    }
+                        duration_s=period if self.engine.has_work else None,
+                        items=[{"n": n, "context": ctx, "decode": dec} for _, n, ctx, dec in batch],
+                    )
                 )
             self.publish_snapshot(end)
 

@@ -20,18 +20,17 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Any
 
 import numpy as np
 
 from bear import libbea
-from bear.protocol import schemas
+from bear.protocol.batch import BatchRecord
 from bear.sim.profile import Profile
 from bear.sim.roofline import RooflineModel
 
 
 def profile_records(profile: Profile, *, seed: int = 0, queries: int = 400, light_rate: float = 2.0,
-                    burst_rate: float = 40.0, max_output_tokens: int = 1024) -> list[dict[str, Any]]:
+                    burst_rate: float = 40.0, max_output_tokens: int = 1024) -> list[BatchRecord]:
     """``bear.batch/1`` records of one profiling run of ``profile`` (module doc)."""
     rng = np.random.default_rng(seed)
     cfg = profile.engine_config()
@@ -44,7 +43,7 @@ def profile_records(profile: Profile, *, seed: int = 0, queries: int = 400, ligh
     arrivals = np.cumsum(gaps)
     engine = libbea.Engine(cfg)
     roof = RooflineModel(profile, seed=seed)
-    records: list[dict[str, Any]] = []
+    records: list[BatchRecord] = []
     pending = [(float(arrivals[i]), i) for i in range(queries)]
     heapq.heapify(pending)
     t = 0.0
@@ -56,14 +55,14 @@ def profile_records(profile: Profile, *, seed: int = 0, queries: int = 400, ligh
         batch = engine.step() if engine.has_work else None
         if not batch:
             if records:
-                records[-1]["duration_s"] = None  # the engine went idle: no loop period
+                records[-1].duration_s = None  # the engine went idle: no loop period
             if not pending:
                 break
             t = max(t, pending[0][0])
             continue
         dur = roof.sample([(n, ctx) for _, n, ctx, _ in batch])
-        records.append({"v": schemas.BATCH, "instance": profile.name, "seq": int(engine.seq), "duration_s": dur,
-                        "items": [{"n": int(n), "context": int(c), "decode": bool(d)} for _, n, c, d in batch]})
+        records.append(BatchRecord(instance=profile.name, seq=int(engine.seq), duration_s=dur,
+                                   items=[{"n": int(n), "context": int(c), "decode": bool(d)} for _, n, c, d in batch]))
         t += dur
         engine.finish_step()
     return records

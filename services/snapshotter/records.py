@@ -194,8 +194,8 @@ class BatchBuilder:
         self._prompt = prompts
         self._computed = {r[0]: r[2] for r in step["running"]} | {r[0]: r[2] for r in step["waiting"]}
         if items:
-            rec = {
-                "schema": BATCH_SCHEMA,
+            rec = {  # bear.protocol.batch.BatchRecord's fields (tests/protocol/test_batch.py checks them)
+                "v": BATCH_SCHEMA,
                 "instance": self.instance,
                 "seq": step["seq"],
                 "duration_s": None,

@@ -29,6 +29,7 @@ from bear.protocol.token_ids import pack, unpack
 from bear.tokenizer.bundle import BundleError, TokenizerBundle
 from bear.tokenizer.chat import ChatError, render
 from bear.tokenizer.chunks import ChunkedEncoder, Deferred, encode_ids
+from bear.tokenizer.loader import load_tokenizer
 from bear.tokenizer.store import get_bundle
 
 log = structlog.get_logger("bear.tokenizer")
@@ -102,12 +103,7 @@ class Loaded:
 
 
 def load(bundle: TokenizerBundle, *, chunked: bool = True) -> Loaded:
-    from tokenizers import Tokenizer
-
-    try:
-        tok = Tokenizer.from_str(bundle.tokenizer_json.decode())
-    except Exception as exc:  # the Rust side raises its own exception type
-        raise BundleError(f"tokenizer.json does not load: {exc}") from exc
+    tok = load_tokenizer(bundle.tokenizer_json)  # BundleError when it does not load
     return Loaded(bundle, tok, ChunkedEncoder(tok) if chunked else None)
 
 

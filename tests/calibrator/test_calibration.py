@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from bear.calibrator.fit import Fit, fit_beta, prefill_throughput
+from bear.protocol.batch import BatchRecord
 
 
 def synthetic_records(beta, n=400, noise=0.0, seed=0):
@@ -21,7 +22,7 @@ def synthetic_records(beta, n=400, noise=0.0, seed=0):
         dec = sum(i["context"] for i in items if i["decode"])
         pre = sum(i["n"] * i["context"] + i["n"] * (i["n"] + 1) / 2 for i in items if not i["decode"])
         t = beta[0] + beta[1] * tok + beta[2] * dec + beta[3] * pre
-        recs.append({"schema": "bear.batch/1", "items": items, "duration_s": t * (1 + noise * rng.normal())})
+        recs.append(BatchRecord(items=items, duration_s=t * (1 + noise * rng.normal())))
     return recs
 
 
@@ -35,7 +36,7 @@ def test_recovers_exact_coefficients() -> None:
 def test_noisy_fit_and_skips_null_durations() -> None:
     beta = (5e-3, 2e-5, 1e-7, 3e-9)
     recs = synthetic_records(beta, noise=0.05)
-    recs += [{"items": [{"n": 5, "context": 0, "decode": False}], "duration_s": None}] * 50
+    recs += [BatchRecord(items=[{"n": 5, "context": 0, "decode": False}], duration_s=None)] * 50
     cal = fit_beta(recs)
     assert cal.n == len(recs) - 50
     assert 0.02 < cal.mape < 0.08
@@ -55,9 +56,9 @@ def test_calibration_json_round_trip_and_validation() -> None:
 
 
 def test_prefill_throughput() -> None:
-    recs = [{"items": [{"n": 100, "context": 0, "decode": False}, {"n": 1, "context": 5, "decode": True}],
-             "duration_s": 0.5},
-            {"items": [{"n": 1, "context": 5, "decode": True}], "duration_s": 0.1}]
+    recs = [BatchRecord(items=[{"n": 100, "context": 0, "decode": False}, {"n": 1, "context": 5, "decode": True}],
+                        duration_s=0.5),
+            BatchRecord(items=[{"n": 1, "context": 5, "decode": True}], duration_s=0.1)]
     assert prefill_throughput(recs) == pytest.approx(200.0)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
 
 import msgspec
 import nats
@@ -16,7 +15,7 @@ import pytest
 from bear.calibrator.fit import design_matrix, predict, refit_arrays, rescale_fit_arrays, robust_fit
 from bear.calibrator.lengths import MAX_FACTOR, MIN_LENGTHS, LengthWindow
 from bear.calibrator.service import OnlineCalibrator
-from bear.protocol.codec import pack
+from bear.protocol.batch import BatchRecord
 from bear.protocol.messages import Calibration, Outcome, decode, encode
 from bear.protocol.subjects import Subjects
 from bear.runtime.kv import ensure_kv
@@ -45,7 +44,7 @@ def prefill_rows(profile_name: str, prompt: int) -> tuple[np.ndarray, float]:
     return np.array(rows), truth
 
 
-def decode_records(profile_name: str, n: int, seed: int, slower: float = 1.0) -> list[dict[str, Any]]:
+def decode_records(profile_name: str, n: int, seed: int, slower: float = 1.0) -> list[BatchRecord]:
     """What a fresh instance's first serving window holds: decodes and short prefills only."""
     roof = RooflineModel(load_profile(profile_name), seed=seed)
     rng = np.random.default_rng(seed)
@@ -54,8 +53,8 @@ def decode_records(profile_name: str, n: int, seed: int, slower: float = 1.0) ->
         items = [(1, int(rng.integers(20, 600))) for _ in range(int(rng.integers(1, 24)))]
         if rng.random() < 0.3:
             items.append((int(rng.integers(8, 96)), 0))
-        out.append({"seq": k, "duration_s": slower * roof.sample(items),
-                    "items": [{"n": a, "context": c, "decode": a == 1} for a, c in items]})
+        out.append(BatchRecord(seq=k, duration_s=slower * roof.sample(items),
+                               items=[{"n": a, "context": c, "decode": a == 1} for a, c in items]))
     return out
 
 
@@ -139,8 +138,8 @@ async def test_the_calibrator_rescales_the_profile_in_the_bucket_and_publishes_t
     cal = OnlineCalibrator(nc, window=500, min_records=50, refit_s=3600)
     await cal.start()
     try:
-        await nc.publish(S.batches("p-1"), pack(decode_records(PROFILE, 200, seed=9, slower=1.2)))
-        await nc.publish(S.batches("free-1"), pack(decode_records(PROFILE, 200, seed=9)))
+        await nc.publish(S.batches("p-1"), encode(decode_records(PROFILE, 200, seed=9, slower=1.2)))
+        await nc.publish(S.batches("free-1"), encode(decode_records(PROFILE, 200, seed=9)))
         for k in range(MIN_LENGTHS):  # answers a third of what the router predicted
             await nc.publish(S.outcome("p-1"), encode(Outcome(instance="p-1", t=time.time(), output_tokens=100 + k,
                                                               predicted_output_tokens=3 * (100 + k))))

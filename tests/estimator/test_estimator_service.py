@@ -17,6 +17,7 @@ from bear.calibrator.service import OnlineCalibrator
 from bear.estimator.client import EstimatorClient
 from bear.estimator.estimate import EstimatorConfig
 from bear.estimator.worker import EstimatorWorker
+from bear.protocol.batch import BatchRecord
 from bear.protocol.codec import pack, unpack_map
 from bear.protocol.errors import BearError, ErrorCode
 from bear.protocol.messages import NOMINAL_BETA, EstimateReply, Outcome, encode
@@ -197,7 +198,7 @@ async def test_only_the_newest_snapshot_is_parsed(env) -> None:
     assert worker.m.snapshots_kept._value.get() == kept + 1  # the newest parsed, the 19 others never
 
 
-def roofline_records(n: int, seed: int, outliers: float = 0.0) -> list[dict[str, Any]]:
+def roofline_records(n: int, seed: int, outliers: float = 0.0) -> list[BatchRecord]:
     m = RooflineModel(load_profile("qwen3-8b-h100"), seed=seed)
     rng = np.random.default_rng(seed)
     out = []
@@ -208,8 +209,8 @@ def roofline_records(n: int, seed: int, outliers: float = 0.0) -> list[dict[str,
         d = m.sample(items)
         if rng.random() < outliers:
             d *= 8.0
-        out.append({"v": "bear.batch/1", "seq": k, "duration_s": d,
-                    "items": [{"n": n_, "context": c, "decode": n_ == 1} for n_, c in items]})
+        out.append(BatchRecord(seq=k, duration_s=d,
+                               items=[{"n": n_, "context": c, "decode": n_ == 1} for n_, c in items]))
     return out
 
 
@@ -229,7 +230,7 @@ async def test_online_calibrator_publishes_beta(env) -> None:
     try:
         recs = roofline_records(300, 2, outliers=0.02)
         for k in range(0, 300, 50):
-            await nc.publish(S.batches("cal-a"), pack(recs[k:k + 50]))
+            await nc.publish(S.batches("cal-a"), encode(recs[k:k + 50]))
         await nc.publish(S.batches("cal-a"), pack([1, 2, {"items": "x"}]))  # a list of non-records
         await nc.flush()
         await wait_until(lambda: len(cal.records.get("cal-a", ())) == 300)
@@ -247,7 +248,7 @@ async def test_online_calibrator_publishes_beta(env) -> None:
                                                                 method="bea", t=time.time())))
         await nc.publish(S.outcome("cal-a"), encode(Outcome(instance="cal-a", ttft_s=1.0, predicted_ttft_s=0.1,
                                                             method="analytic", t=time.time())))
-        await nc.publish(S.batches("cal-a"), pack(recs[:50]))
+        await nc.publish(S.batches("cal-a"), encode(recs[:50]))
         await nc.flush()
         await wait_until(lambda: len(cal.ttft.get("cal-a", ())) == len(pairs) and "cal-a" in cal.records and cal.records["cal-a"].new == 50)
         assert await cal.refit_once() == ["cal-a"]

@@ -220,7 +220,7 @@ async def test_calibrator_is_bounded_in_instances(nats_server) -> None:
     for k in range(MAX_INSTANCES + 300):
         await cal._on_batches(Msg(S.batches(f"fake-{k}"), pack([rec])))
     assert len(cal.records) == MAX_INSTANCES
-    assert "junk" not in next(iter(cal.records.values())).batches()[0]["items"][0]  # only what the fit reads is kept
+    assert "junk" not in next(iter(cal.records.values())).batches()[0].items[0]  # only what the fit reads is kept
     await nc.close()
 
 
@@ -315,7 +315,7 @@ async def test_overload_is_shed_with_overloaded(nats_server, tmp_path) -> None:
                          what="every query of the burst refused or being decided")
         assert len(held) == 4 and router.admission.deciding == 4
         for msg in held:
-            await msg.respond(pack(error_reply(ErrorCode.UNAVAILABLE, "a test predictor")))
+            await msg.respond(encode(error_reply(ErrorCode.UNAVAILABLE, "a test predictor")))
         results = await asyncio.gather(*burst)
         codes = [r[-1]["v"] if r[-1]["v"] == "bear.done/1" else r[-1]["error"]["code"] for r in results]
         assert codes.count("bear.done/1") == 4 and codes.count("overloaded") == 16, codes

@@ -154,6 +154,17 @@ def test_local_tokenizer_is_used(trained: tuple[Path, Matrix, Matrix], tmp_path:
     assert by["Qwen3-0.6B"] == analyse(text).n_pieces == 7
 
 
+def test_local_tokenizer_loads_through_the_routers_loader(trained: tuple[Path, Matrix, Matrix],
+                                                          tmp_path: Path) -> None:
+    """One loader (bear.tokenizer.loader): a broken tokenizer.json is the router's BundleError here too."""
+    from bear.tokenizer.bundle import BundleError
+
+    (tmp_path / "Qwen3-8B").mkdir()
+    (tmp_path / "Qwen3-8B" / "tokenizer.json").write_text("{not json")
+    with pytest.raises(BundleError):
+        Predictor(trained[0], tokenizer_dir=tmp_path)
+
+
 def test_model_dir_errors(tmp_path: Path) -> None:
     with pytest.raises(BearError) as e:
         Predictor(tmp_path)

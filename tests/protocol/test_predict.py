@@ -33,7 +33,7 @@ def test_the_predictor_reply_map_decodes() -> None:
         "prompt_tokens": 6, "cost": 1e-5}}}
     p = decode_prediction(pack(wire))
     assert p is not None and p.id == "q1" and p.models["a"].len.p90 == 300.0 and p.models["a"].prompt_tokens == 6
-    assert decode_prediction(pack(error_reply(ErrorCode.OVERLOADED, "busy"))) is None
+    assert decode_prediction(encode(error_reply(ErrorCode.OVERLOADED, "busy"))) is None
     assert decode_prediction(pack({"v": schemas.PREDICTION, "models": {"a": {"acc": 1}}})) is None
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from bear.protocol import schemas
 from bear.protocol.codec import pack
-from bear.protocol.errors import ErrorCode, error_reply
+from bear.protocol.errors import ErrorBody, ErrorCode, ErrorReply, error_reply
 from bear.protocol.replies import Chunk, Done, Error, Routed, decode_reply, encode_reply, error_event
 
 ROUTED = {"v": schemas.ROUTED, "instance": "i1", "model": "m/a", "predictor_model": "a", "predicted_ttft_s": 0.25,
@@ -54,18 +54,20 @@ def test_chunks_are_the_bytes_the_router_built() -> None:
 
 
 def test_errors_are_the_bytes_the_router_and_client_built() -> None:
-    router = error_reply(ErrorCode.UNAVAILABLE, "instance stream failed")
-    router.update(instance="i1")
-    router = _stamped(router)
+    router = _stamped({"v": schemas.ERROR, "error": {"code": "unavailable", "message": "instance stream failed"},
+                       "instance": "i1"})
     assert encode_reply(error_event(ErrorCode.UNAVAILABLE, "instance stream failed", instance="i1", query_id="q1",
                                     nonce="ab12")) == pack(router)
-    client = error_reply(ErrorCode.DEADLINE_EXCEEDED, "stream silent")
-    client.update(query_id="q1", client=True)
+    client = {"v": schemas.ERROR, "error": {"code": "deadline_exceeded", "message": "stream silent"},
+              "query_id": "q1", "client": True}
     e = error_event(ErrorCode.DEADLINE_EXCEEDED, "stream silent", query_id="q1", client=True)
     assert encode_reply(e) == pack(client)
     back = decode_reply(pack(router))
     assert isinstance(back, Error) and back.terminal and back.code == "unavailable" and back.instance == "i1"
     assert back.client is not True
+    # one body type: a service's error reply and the stream's error share it, and read alike
+    assert type(back.error) is type(error_reply(ErrorCode.UNAVAILABLE, "x").error) and isinstance(back.error, ErrorBody)
+    assert ErrorReply.__struct_fields__ == ("error",)
 
 
 def test_numpy_numbers_encode_as_python_numbers() -> None:

@@ -32,6 +32,19 @@ from waiting import wait_until
 S = Subjects()
 
 
+def test_the_query_prompt_length_is_declared_else_the_text_estimate() -> None:
+    """Query.token_estimate, the query's one prompt length before any tokenizer (docs/contract.md,
+    "Prompt length at each stage"): the client's count when declared, else UTF-8 bytes / 4."""
+    cfg = RouterConfig()
+    sub = {"v": "bear.submit/1", "query_id": "a", "ttft_target_s": 0.3}
+    assert parse_submit(pack({**sub, "prompt": "x" * 9, "prompt_tokens": 1000}), cfg).token_estimate() == 1000
+    assert parse_submit(pack({**sub, "prompt": "x" * 9}), cfg).token_estimate() == 3  # ⌈9 / 4⌉
+    assert parse_submit(pack({**sub, "prompt": "é" * 6}), cfg).token_estimate() == 3  # 12 bytes, not 6 chars
+    chat = parse_submit(pack({**sub, "messages": [{"role": "user", "content": "abcd"},
+                                                  {"role": "assistant", "content": "efgh"}]}), cfg)
+    assert chat.token_estimate() == 3  # "abcd\nefgh": the contents joined, 9 bytes
+
+
 def test_parse_submit_validates() -> None:
     cfg = RouterConfig()
     q = parse_submit(pack({"v": "bear.submit/1", "query_id": "a", "prompt": "hi", "ttft_target_s": 0.3}), cfg)

@@ -5,8 +5,13 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
+from typing import get_type_hints
 
 from bear import libbea
+from bear.protocol import schemas
+from bear.protocol.batch import FIELDS, BatchItem, batch_record
+from bear.protocol.codec import pack
+from bear.protocol.messages import encode
 from bear.replay.recorded_run import build_cases, record_run
 from bear.snapshotter.records import BatchBuilder, batches_of, parse_step, to_snapshot
 
@@ -63,6 +68,18 @@ def test_batch_records_durations_and_decode_flags() -> None:
     for r, ps in zip(recs, prompts, strict=True):
         for it, p in zip(r["items"], ps, strict=True):
             assert it["decode"] == libbea.is_decode(it["n"], it["context"], p)
+
+
+def test_batch_records_are_the_protocols_struct() -> None:
+    """records.py builds bear.batch/1 by hand (stdlib only beside vLLM): its keys, in order, are
+    BatchRecord's fields, each item's BatchItem's, and the struct encodes to the same bytes."""
+    recs = batches_of(_scenario(), "i1")
+    assert recs
+    for r in recs:
+        assert tuple(r) == FIELDS and r["v"] == schemas.BATCH
+        assert all(tuple(it) == tuple(get_type_hints(BatchItem)) for it in r["items"])
+        typed = batch_record(r)
+        assert typed is not None and encode(typed) == pack(r)
 
 
 def test_batch_record_is_held_until_the_next_step_starts() -> None:

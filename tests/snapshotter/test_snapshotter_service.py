@@ -169,7 +169,7 @@ async def test_every_step_in_order_then_down_on_kill_and_up_on_restart(
         assert all(s["v"] == "bear.snapshot/1" and s["instance"] == "i1" for s in snaps)
         libbea.Snapshot.from_dict(snaps[-1])
         assert snaps[-1]["running"][0]["computed_tokens"] == 10 + snaps[-1]["seq"]
-        assert batches and all(b["schema"] == "bear.batch/1" for b in batches)
+        assert batches and all(b["v"] == "bear.batch/1" for b in batches)
         assert service.metrics.plugin_overhead._sum.get() > 0  # type: ignore[attr-defined]
 
         engine.send_signal(signal.SIGKILL)

@@ -27,6 +27,7 @@ from bear.estimator.estimate import EstimatorConfig
 from bear.instance.record import instance_record
 from bear.prefix.mirror import PrefixMirror
 from bear.prefix.tracked_pool import TrackedPool
+from bear.protocol.batch import batch_record
 from bear.protocol.codec import unpack
 from bear.protocol.messages import KvEvents, KvOp, KvState
 from bear.replay.recorded_cache import kv_batches
@@ -70,7 +71,7 @@ def replay_fidelity(cases: list[dict[str, Any]], batches: list[dict[str, Any]]) 
     """Exact-batch-sequence rate, and the TTFT MAPE with β fitted online: each case uses β fitted
     on the batch records that finished before its snapshot (refitted every 100 records)."""
     cases = sorted(cases, key=lambda c: c["snapshot"]["seq"])
-    usable = [b for b in batches if b["duration_s"] is not None]
+    usable = [r for b in batches if (r := batch_record(b)) is not None and r.duration_s is not None]
     exact, errors, beta, fitted_upto = 0, [], None, -1
     known = exact_known = 0  # cases whose batches no request outside them changed (cases.py)
     for c in cases:
