@@ -261,7 +261,10 @@ def refit_arrays(x: np.ndarray, y: np.ndarray, prefill_tokens: np.ndarray, insta
         anchored = anchored_fit_arrays(x, y, prefill_tokens, scaled, instance, objective)
     except ValueError:
         return scaled
-    return anchored if anchored is not None and _agrees(anchored, scaled) else scaled
+    if anchored is None or not _agrees(anchored, scaled):
+        return scaled
+    # the engine's pace against its profile, and the profile itself (a restarted calibrator reads it back)
+    return msgspec.structs.replace(anchored, scale=scaled.scale, profile=tuple(prior.coefficients))
 
 
 def _agrees(fit: Calibration, scaled: Calibration) -> bool:

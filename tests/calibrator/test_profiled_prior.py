@@ -123,7 +123,8 @@ def test_the_refit_of_a_short_window_prices_its_own_steps_freely_and_long_prompt
     x, truth = prefill_rows(PROFILE, 20_000)
     got = refit_arrays(x_w, y_w, pf, PROFILE, prior=prior)
     scaled = rescale_fit_arrays(x_w, y_w, pf, prior, PROFILE)
-    assert got.gamma is not None and got.scale is None  # a roofline of the window's line and the anchors'
+    assert got.gamma is not None  # a roofline of the window's line and the anchors'
+    assert got.scale == pytest.approx(scaled.scale) and got.profile == pytest.approx(tuple(prior.coefficients))
     assert mape(predict(got.coefficients, x_w), y_w) < 0.6 * mape(predict(scaled.coefficients, x_w), y_w)
     assert got.mape == pytest.approx(mape(predict(got.coefficients, x_w), y_w)) and got.n == len(y_w)
     assert float(predict(got.coefficients, x).sum()) == pytest.approx(1.3 * truth, rel=0.06)
@@ -185,6 +186,7 @@ async def test_the_calibrator_rescales_the_profile_in_the_bucket_and_publishes_t
         assert sorted(await cal.refit_once()) == ["free-1", "p-1"]
         got = decode(Calibration, (await kv.get("p-1")).value)
         assert got.source == "online" and got.scale == pytest.approx(1.2, rel=0.03)
+        assert got.profile == pytest.approx(tuple(prior.coefficients))  # anchored by it: the profile kept
         assert got.length_scale == pytest.approx(1 / 3) and got.length_sigma == pytest.approx(0.0, abs=1e-9)
         assert cal.fits["free-1"].scale is None  # never profiled: a free fit
         # A restarted calibrator finds the profile again in its own rescaled entry.
@@ -193,6 +195,14 @@ async def test_the_calibrator_rescales_the_profile_in_the_bucket_and_publishes_t
         recovered = await again.prior("p-1")
         assert recovered is not None and recovered.source == "profiled"
         assert recovered.beta == pytest.approx(prior.beta) and recovered.scale is None
+        assert recovered.gamma == pytest.approx(prior.gamma) and recovered.profile is None
+        # … and from a rescaled profile (no `profile`: its β over its scale)
+        rescaled = msgspec.structs.replace(prior, beta=tuple(b * 1.5 for b in prior.beta), source="online",
+                                           gamma=None if prior.gamma is None else tuple(g * 1.5 for g in prior.gamma),
+                                           scale=1.5)
+        await kv.put("p-2", encode(rescaled))
+        back = await again.prior("p-2")
+        assert back is not None and back.beta == pytest.approx(prior.beta) and back.source == "profiled"
         assert await again.prior("free-1") is None
     finally:
         await cal.stop()
