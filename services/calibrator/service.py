@@ -176,8 +176,9 @@ class OnlineCalibrator:
     async def prior(self, instance: str) -> Calibration | None:
         """The instance's profiled calibration (``bear up``'s sim engines, an operator's ``bear
         calibrate`` put in the bucket before serving), read once: the online refit rescales it
-        rather than fitting freely. An entry this calibrator rescaled earlier gives it back (its
-        β over its ``scale``), so a restarted calibrator keeps the profile."""
+        rather than fitting freely. An entry this calibrator refitted earlier gives it back (the
+        ``profile`` an anchored refit carries, else a rescaled entry's β over its ``scale``), so a
+        restarted calibrator keeps the profile."""
         if instance in self.priors:
             return self.priors[instance]
         found: Calibration | None = None
@@ -188,6 +189,10 @@ class OnlineCalibrator:
             cal = None
         if cal is not None and cal.source == "profiled":
             found = cal
+        elif cal is not None and cal.profile is not None:  # an anchored refit carries the profile itself
+            b = cal.profile
+            found = msgspec.structs.replace(cal, beta=tuple(b[:4]), gamma=tuple(b[4:]) if len(b) == 8 else None,
+                                            source="profiled", scale=None, profile=None)
         elif cal is not None and cal.scale:
             s = cal.scale
             found = msgspec.structs.replace(

@@ -59,6 +59,9 @@ class EstimatorConfig:
     # residents run to their median length given what they generated (the calibration's
     # length_sigma); off: on bear eval's seed 7301 it doubled the chosen instance's MAPE at 5 q/s
     condition_lengths: bool = False
+    # a sync engine still in the step it ran from the held state past that step's eq. 12 end (by
+    # at most this share of it): the query joins the next step, not the one after a phantom one
+    step_overrun: float = 0.25
     # worker only (I/O):
     shards: int = 1  # estimator shards of the deployment (1: every worker serves every instance)
     shard: int = 0  # the shard this worker serves (0 … shards − 1)
@@ -90,6 +93,10 @@ def replay_inputs(st: InstanceState, now: float, cfg: EstimatorConfig,
     compensate = cfg.compensate_staleness and not st.snap.async_scheduling
     tokens_per_s, per_s = (st.arrival_rate(now, cfg.rate_window_s) if cfg.arrival_fill and later is None
                            else (0.0, 0.0))
+    if compensate and cfg.step_overrun > 0 and age > 0:
+        step = st.step_in_flight_s(cfg)
+        if 0 < step < age <= step * (1.0 + cfg.step_overrun):
+            age = step * (1.0 - 1e-9)
     return ReplayInputs(
         age_s=max(0.0, age) if compensate else 0.0,
         ahead=st.ahead(cfg.dispatch_grace_s, keys_of) if cfg.use_dispatches else [],

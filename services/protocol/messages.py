@@ -108,6 +108,10 @@ class Calibration(Message, tag=schemas.CALIBRATION, kw_only=True):
     # an online refit of a profiled instance: the profile times this factor (how much slower the
     # engine runs now than when profiled: bear.calibrator.fit.rescale_fit_arrays); None: a free fit
     scale: float | None = None
+    # an online refit of a profiled instance that is not the rescaled profile (the free fit
+    # anchored by it beyond its window: bear.calibrator.fit.anchored_fit_arrays): the profile's
+    # coefficients (β, then γ if a roofline), so that a restarted calibrator finds the profile again
+    profile: tuple[float, ...] | None = None
     # the router's predicted output lengths there, times this, is what the instance's answers
     # turned out to be (Σ actual / Σ predicted over its recent outcomes: bear.calibrator.lengths);
     # the replay scales the residents' and the dispatches' lengths by it. None: not measured
@@ -124,6 +128,9 @@ class Calibration(Message, tag=schemas.CALIBRATION, kw_only=True):
                 self.length_scale, self.length_sigma)
         if any(b < 0 for b in (*self.beta, *(self.gamma or ()))):
             raise ValueError("beta and gamma must be non-negative")
+        if self.profile is not None and (len(self.profile) not in (4, 8)
+                                         or not all(math.isfinite(b) and b >= 0 for b in self.profile)):
+            raise ValueError("profile must be 4 or 8 finite non-negative coefficients")
         if self.theta is not None and self.theta <= 0:
             raise ValueError("theta must be > 0")
         if self.ttft_ratio_q is not None:

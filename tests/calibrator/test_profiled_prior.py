@@ -12,7 +12,16 @@ import nats
 import numpy as np
 import pytest
 
-from bear.calibrator.fit import design_matrix, predict, refit_arrays, rescale_fit_arrays, robust_fit
+from bear.calibrator.fit import (
+    ANCHOR_MAX_TOKENS,
+    anchored_fit_arrays,
+    design_matrix,
+    mape,
+    predict,
+    refit_arrays,
+    rescale_fit_arrays,
+    robust_fit,
+)
 from bear.calibrator.lengths import MAX_FACTOR, MIN_LENGTHS, LengthWindow
 from bear.calibrator.service import OnlineCalibrator
 from bear.protocol.batch import BatchRecord
@@ -88,12 +97,39 @@ def test_a_free_refit_of_a_first_window_underprices_long_prompts_and_the_rescale
     x, truth = prefill_rows(PROFILE, 20_000)
     free = refit_arrays(x_w, y_w, pf, PROFILE)  # no prior: a free fit
     assert float(predict(free.coefficients, x).sum()) < 0.5 * 1.3 * truth
-    scaled = refit_arrays(x_w, y_w, pf, PROFILE, prior=prior)
+    got = refit_arrays(x_w, y_w, pf, PROFILE, prior=prior)
+    assert got.source == "online"
+    assert float(predict(got.coefficients, x).sum()) == pytest.approx(1.3 * truth, rel=0.06)
+    scaled = rescale_fit_arrays(x_w, y_w, pf, prior, PROFILE)
     assert scaled.source == "online" and scaled.scale == pytest.approx(1.3, rel=0.03)
     assert float(predict(scaled.coefficients, x).sum()) == pytest.approx(1.3 * truth, rel=0.06)
     assert scaled.beta == pytest.approx(tuple(b * scaled.scale for b in prior.beta))
     with pytest.raises(ValueError):
         rescale_fit_arrays(x_w[:3], y_w[:3], pf[:3], prior)
+
+
+def test_the_refit_of_a_short_window_prices_its_own_steps_freely_and_long_prompts_by_the_profile() -> None:
+    """A window of decodes and short prefills (the 32B in bear eval's pool, sent short prompts
+    only): the rescaled profile's one shape misses the window's own steps — the steps a short
+    query's TTFT is made of — while the free fit misprices long prompts. The published refit is
+    the free fit anchored by the rescaled profile's prices of the chunks beyond the window: the
+    window's steps as the free fit prices them, a long prompt as the profile does."""
+    prior = msgspec.structs.replace(robust_fit(profile_records(load_profile(PROFILE), seed=0), PROFILE),
+                                    source="profiled")
+    recs = decode_records(PROFILE, 300, seed=5, slower=1.3)
+    x_w, y_w = design_matrix(recs)
+    pf = np.array([sum(it["n"] for it in r["items"] if not it["decode"]) for r in recs], dtype=float)
+    x, truth = prefill_rows(PROFILE, 20_000)
+    got = refit_arrays(x_w, y_w, pf, PROFILE, prior=prior)
+    scaled = rescale_fit_arrays(x_w, y_w, pf, prior, PROFILE)
+    assert got.gamma is not None  # a roofline of the window's line and the anchors'
+    assert got.scale == pytest.approx(scaled.scale) and got.profile == pytest.approx(tuple(prior.coefficients))
+    assert mape(predict(got.coefficients, x_w), y_w) < 0.6 * mape(predict(scaled.coefficients, x_w), y_w)
+    assert got.mape == pytest.approx(mape(predict(got.coefficients, x_w), y_w)) and got.n == len(y_w)
+    assert float(predict(got.coefficients, x).sum()) == pytest.approx(1.3 * truth, rel=0.06)
+    assert got.theta == pytest.approx(float(pf.sum()) / float(y_w[pf > 0].sum()))  # the window's θ, no anchor's
+    # a window that already holds chunks as large as the largest anchor: nothing to anchor
+    assert anchored_fit_arrays(x_w, y_w, np.full_like(pf, ANCHOR_MAX_TOKENS), scaled, PROFILE) is None
 
 
 def test_a_window_that_spans_what_the_engine_runs_is_fitted_freely() -> None:
@@ -149,6 +185,7 @@ async def test_the_calibrator_rescales_the_profile_in_the_bucket_and_publishes_t
         assert sorted(await cal.refit_once()) == ["free-1", "p-1"]
         got = decode(Calibration, (await kv.get("p-1")).value)
         assert got.source == "online" and got.scale == pytest.approx(1.2, rel=0.03)
+        assert got.profile == pytest.approx(tuple(prior.coefficients))  # anchored by it: the profile kept
         assert got.length_scale == pytest.approx(1 / 3) and got.length_sigma == pytest.approx(0.0, abs=1e-9)
         assert cal.fits["free-1"].scale is None  # never profiled: a free fit
         # A restarted calibrator finds the profile again in its own rescaled entry.
@@ -157,6 +194,14 @@ async def test_the_calibrator_rescales_the_profile_in_the_bucket_and_publishes_t
         recovered = await again.prior("p-1")
         assert recovered is not None and recovered.source == "profiled"
         assert recovered.beta == pytest.approx(prior.beta) and recovered.scale is None
+        assert recovered.gamma == pytest.approx(prior.gamma) and recovered.profile is None
+        # … and from a rescaled profile (no `profile`: its β over its scale)
+        rescaled = msgspec.structs.replace(prior, beta=tuple(b * 1.5 for b in prior.beta), source="online",
+                                           gamma=None if prior.gamma is None else tuple(g * 1.5 for g in prior.gamma),
+                                           scale=1.5)
+        await kv.put("p-2", encode(rescaled))
+        back = await again.prior("p-2")
+        assert back is not None and back.beta == pytest.approx(prior.beta) and back.source == "profiled"
         assert await again.prior("free-1") is None
     finally:
         await cal.stop()
