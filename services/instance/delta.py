@@ -47,8 +47,8 @@ def encode_delta(prev: dict[str, Any], cur: dict[str, Any]) -> dict[str, Any] | 
     maps), or None when the rules above cannot express the change."""
     if prev.get("generation", 0) != cur.get("generation", 0) or cur["seq"] <= prev["seq"]:
         return None  # another engine, or a state that is not a later step (an engine's initial state)
-    if "tracked_blocks" in cur:
-        return None  # the pool described block by block: a delta does not carry the table
+    if "tracked_blocks" in cur or "pool_table" in cur:
+        return None  # the pool described block by block: only its publisher knows the table's change
     if prev["config"] is not cur["config"] and prev["config"] != cur["config"]:
         return None
     old_r, old_w = prev["running"], prev["waiting"]
@@ -157,7 +157,7 @@ def forward_delta(prev: dict[str, Any], cur: dict[str, Any], change: dict[str, A
     that step (steps coalesced or dropped in between, another generation or config) or ``cur``
     carries what a delta cannot (the tracked-block table, an in-flight batch)."""
     if (prev.get("generation", 0) != cur.get("generation", 0) or prev["seq"] != cur["seq"] - 1
-            or "tracked_blocks" in cur or cur.get("inflight") or cur.get("idle")):
+            or "tracked_blocks" in cur or "pool_table" in cur or cur.get("inflight") or cur.get("idle")):
         return None
     if prev["config"] is not cur["config"] and prev["config"] != cur["config"]:
         return None
