@@ -25,6 +25,7 @@ another generation or config) gets no delta: the publisher sends the full state.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from bear.protocol.codec import pack
@@ -192,7 +193,14 @@ class StateStream:
     """What a publisher sends for each new state of its instance: the delta against the state it
     sent before (``deltas``), and the full snapshot every ``full_every`` states (1: every state,
     0: never), when no delta can express the change, and after ``want_full()`` (a consumer asked
-    to resync). ``last`` is the newest state sent: the one a resync is answered with."""
+    to resync). ``last`` is the newest state sent: the one a resync is answered with.
+
+    The block table kept step by step (``bear.prefix.tracked_pool.PoolTable``; contract.md §2,
+    "The table in stable form"): a state's change carries the table's change (``pool``), and a
+    state that goes out in full carries the whole table (``pool_table``), written by
+    ``with_table`` when the state is queued — the table then is that state's. A state that must go
+    out in full without it (the state before it was not sent, a resync answer) goes out with counts
+    only, and the next state carries the table in full."""
 
     def __init__(self, *, deltas: bool = True, full_every: int = 256) -> None:
         self.deltas = deltas
@@ -201,9 +209,27 @@ class StateStream:
         self.forwarded = 0  # deltas forwarded from a known change (not computed from two states)
         self._since_full = 0
         self._want_full = False
+        self._table_wanted = False
 
     def want_full(self) -> None:
         self._want_full = True
+
+    def want_table(self) -> None:
+        """A state went out without the table (a resync answer): the next one carries it."""
+        self._table_wanted = True
+
+    def with_table(self, snap: dict[str, Any], change: dict[str, Any] | None,
+                   table: Callable[[dict[str, Any]], None] | None, *, ahead: int = 0, force: bool = False) -> None:  # fmt: skip
+        """Write the whole table on ``snap`` (``table(snap)``, now: the caller's table is this
+        state's) when it will go out in full: the first state, no table change known, a full due
+        (``ahead``: states queued before it), one asked for (``want_full``, ``want_table``)."""
+        if table is None:
+            return
+        if (force or self._table_wanted or self._want_full or change is None or "pool" not in change
+                or not self.deltas or self.last is None
+                or (self.full_every > 0 and self._since_full + ahead + 1 >= self.full_every)):
+            table(snap)
+            self._table_wanted = False
 
     def encode(self, snap: dict[str, Any], change: dict[str, Any] | None = None) -> tuple[bytes | None, bytes | None]:
         """``(full, delta)`` msgpack payloads for ``snap`` (either may be None), and ``snap``
@@ -218,8 +244,12 @@ class StateStream:
                 delta = encode_delta(self.last, snap)
         self._since_full += 1
         full = None
-        if (delta is None or self._want_full or not self.deltas
-                or (self.full_every > 0 and self._since_full >= self.full_every)):
+        want = (delta is None or self._want_full or not self.deltas
+                or (self.full_every > 0 and self._since_full >= self.full_every))
+        if want and change is not None and "pool" in change and "pool_table" not in snap:
+            self._table_wanted = True  # this state's table was not written: the next state carries it
+            want = delta is None  # counts only would replace the table a consumer keeps: only when it must
+        if want:
             full = pack(snap)
             self._since_full = 0
             self._want_full = False

@@ -309,8 +309,8 @@ std::vector<std::string> apply_delta(Snapshot& s, ResidentIds& ids, const Value&
   const int64_t free_blocks = int_field(v, "free_blocks", "delta.", 0, cfg.num_gpu_blocks);
   std::optional<PoolChange> pool;
   if (const Value* m = v.get("pool"); m != nullptr && m->type != Value::Type::Nil) {
-    if (!s.has_pool) refuse("a change of the block table for a state without one (a full snapshot carries it)");
-    pool = pool_change(*m, cfg, r_new, n_new);
+    PoolChange c = pool_change(*m, cfg, r_new, n_new);  // checked either way
+    if (s.has_pool) pool = std::move(c);  // else: the state has counts only until a full snapshot brings the table
   }
 
   std::optional<Inflight> inflight;
