@@ -210,6 +210,7 @@ class StateStream:
         self._since_full = 0
         self._want_full = False
         self._table_wanted = False
+        self._queued = 0  # states queued since the last one given the table (with_table)
 
     def want_full(self) -> None:
         self._want_full = True
@@ -221,23 +222,33 @@ class StateStream:
     def with_table(self, snap: dict[str, Any], change: dict[str, Any] | None,
                    table: Callable[[dict[str, Any]], None] | None, *, ahead: int = 0, force: bool = False) -> None:  # fmt: skip
         """Write the whole table on ``snap`` (``table(snap)``, now: the caller's table is this
-        state's) when it will go out in full: the first state, no table change known, a full due
-        (``ahead``: states queued before it), one asked for (``want_full``, ``want_table``)."""
+        state's) when it will go out in full: the first state (none sent, none queued: ``ahead``),
+        no table change known, every ``full_every``-th state queued (``encode`` then sends it in
+        full), one asked for (``want_full``, ``want_table``)."""
         if table is None:
             return
+        self._queued += 1
         if (force or self._table_wanted or self._want_full or change is None or "pool" not in change
-                or not self.deltas or self.last is None
-                or (self.full_every > 0 and self._since_full + ahead + 1 >= self.full_every)):
+                or not self.deltas or (self.last is None and not ahead)
+                or (self.full_every > 0 and self._queued >= self.full_every)):
             table(snap)
             self._table_wanted = False
+            self._queued = 0
 
     def encode(self, snap: dict[str, Any], change: dict[str, Any] | None = None) -> tuple[bytes | None, bytes | None]:
         """``(full, delta)`` msgpack payloads for ``snap`` (either may be None), and ``snap``
         becomes the newest state sent. ``change``: the step's ``bear.delta/1`` body, when the
-        caller knows it (forwarded if the state sent before is the step before ``snap``)."""
+        caller knows it (forwarded if the state sent before is the step before ``snap``); with
+        only ``pool`` (the block table's change; the lists' change unknown), the lists' change is
+        computed from the two states."""
         delta = None
         if self.deltas and self.last is not None:
-            if change is not None:
+            if change is not None and change.keys() == {"pool"}:  # the table's change alone: the lists' from the states
+                if self.last["seq"] == snap["seq"] - 1 and self.last.get("generation", 0) == snap.get("generation", 0):
+                    delta = encode_delta(self.last, snap)
+                    if delta is not None:
+                        delta["pool"] = change["pool"]
+            elif change is not None:
                 delta = forward_delta(self.last, snap, change)
                 self.forwarded += delta is not None
             if delta is None:

@@ -392,6 +392,8 @@ class Snapshotter:
         that goes out in full (``InstancePublisher.snapshot``); while the pool is not known, the
         change alone (a delta without ``pool``: consumers replay by counts) and a full record is
         asked for."""
+        if not self._meta.get("config", {}).get("enable_prefix_caching"):
+            return change, None  # no cache: no table (libbea takes one only with prefix caching on)
         pool = self._pool
         if pool is None:
             pool = self._pool = TrackedPool(int(self._meta.get("config", {}).get("num_gpu_blocks", 0)) or 1)
@@ -410,8 +412,8 @@ class Snapshotter:
         self._describe_s.append(took)
         self.metrics.pool_describe.observe(took)
         self.metrics.pool_described.inc()
-        if pc is not None and change is not None:
-            change = {**change, "pool": pc}
+        if pc is not None:  # (a full record: the lists' change comes from the two states)
+            change = {**change, "pool": pc} if change is not None else {"pool": pc}
         return change, self._table.full
 
     def _describe_slow(self) -> bool:
