@@ -16,6 +16,10 @@ With the table keyed by content, a waiting request's and the query's hit need no
 replay finds each block by its key (``block_keys`` of the query: ``keys_of`` its names). The
 snapshotter describes every step it publishes this way (the live path); the recorded cases are
 described by the same code (``bear.replay.recorded_pool``).
+
+``PoolTable`` keeps the same inputs step by step in the table's stable form (block ids, free-queue
+tickets; contract.md §2), for deltas that carry the table's change (``bear snapshotter
+--pool-deltas``, issue 28): a step costs what it changed, not the pool.
 """
 
 from __future__ import annotations
