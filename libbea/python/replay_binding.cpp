@@ -174,8 +174,12 @@ void bind_replay(py::module_& m) {
       .def_property_readonly("broken", &PySnapshot::broken, "A delta failed to apply: the state is unknown.")
       .def_property_readonly("time", [](const PySnapshot& s) { return s.snap().time; })
       .def_property_readonly("free_blocks", [](const PySnapshot& s) { return s.snap().free_blocks; })
-      .def_property_readonly("tracked_blocks", [](const PySnapshot& s) { return s.snap().tracked_blocks.size(); },
-                             "Entries of its tracked-block table (0: the replay counts blocks; a delta drops it).")
+      .def_property_readonly("tracked_blocks",
+                             [](const PySnapshot& s) {
+                               return s.snap().has_pool ? s.snap().pool.size() : s.snap().tracked_blocks.size();
+                             },
+                             "Entries of its tracked-block table, in either form (0: the replay counts blocks; a delta\n"
+                             "without the table's change drops it).")
       .def_property_readonly("n_running", [](const PySnapshot& s) { return s.snap().running.size(); })
       .def_property_readonly("n_waiting", [](const PySnapshot& s) { return s.snap().waiting.size(); })
       .def_property_readonly("async_scheduling", [](const PySnapshot& s) { return s.snap().config.async_scheduling; })

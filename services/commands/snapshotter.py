@@ -84,6 +84,12 @@ def snapshotter(
                                           "pools: never fall behind the engine); 0: once five are timed, only the "
                                           "newest step of each poll is described.")
     ] = 1.0,
+    pool_deltas: Annotated[
+        bool, typer.Option("--pool-deltas/--no-pool-deltas",
+                           help="BEAR_SNAPSHOT_BLOCK_OPS=1: keep the block table step by step and send its change in "
+                                "each step's delta, the whole table only in full snapshots (issue 28; `bear bench "
+                                "pool`); off: every step described in full and sent as a full snapshot.")
+    ] = False,
     metrics_port: MetricsPort = 0,
     metrics_host: MetricsHost = DEFAULT_METRICS_HOST,
     log_format: LogFormatOpt = LogFormat.console,
@@ -107,6 +113,7 @@ def snapshotter(
         stale_after_s=stale_after_ms / 1e3, on_down=on_down, record_to=str(record_to) if record_to else None,
         tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None, register_tokenizer=register_tokenizer,
         kv_events=kv_events, describe_superseded_below_s=describe_superseded_below_ms / 1e3,
+        pool_deltas=pool_deltas,
     )  # fmt: skip
     metrics = SnapshotterMetrics()
     from bear.runtime.metrics import start_metrics_server

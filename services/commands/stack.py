@@ -412,16 +412,19 @@ def bench_pool(
     sizes: str = typer.Option("1000,10000,50000", "--sizes", callback=_sizes,
                               help="Comma-separated pool sizes in KV blocks (each >= 16)"),
     reps: int = typer.Option(20, "--reps", min=1, help="Runs per size (medians and p99 are over these)"),
+    steps: int = typer.Option(200, "--steps", min=2, help="Steps per size for the table kept step by step"),
     out: Path | None = typer.Option(None, "--out", help="Write the result JSON here"),
 ) -> None:
     """What describing the block pool (BEAR_SNAPSHOT_BLOCK_OPS=1) costs the snapshotter per
     published step, and the bytes it adds to the snapshot, at growing pool sizes (synthetic busy
-    pools: 80 % of the blocks cached, 64 running requests)."""
+    pools: 80 % of the blocks cached, 64 running requests): described in full every step (before
+    issue 28), and kept step by step (``deltas``: the snapshotter's per-step cost, the change's
+    bytes, the worker's ingest of the step's delta)."""
     from rich.console import Console
 
     from bear.benchmarks.pool import run_pool_bench
 
-    res = run_pool_bench(tuple(int(x) for x in sizes.split(",")), reps=reps)
+    res = run_pool_bench(tuple(int(x) for x in sizes.split(",")), reps=reps, steps=steps)
     Console().print_json(json.dumps(json_safe(res)))
     if out is not None:
         out.write_text(json.dumps(json_safe(res), indent=2))

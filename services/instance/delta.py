@@ -25,6 +25,7 @@ another generation or config) gets no delta: the publisher sends the full state.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from bear.protocol.codec import pack
@@ -47,8 +48,8 @@ def encode_delta(prev: dict[str, Any], cur: dict[str, Any]) -> dict[str, Any] | 
     maps), or None when the rules above cannot express the change."""
     if prev.get("generation", 0) != cur.get("generation", 0) or cur["seq"] <= prev["seq"]:
         return None  # another engine, or a state that is not a later step (an engine's initial state)
-    if "tracked_blocks" in cur:
-        return None  # the pool described block by block: a delta does not carry the table
+    if "tracked_blocks" in cur or "pool_table" in cur:
+        return None  # the pool described block by block: only its publisher knows the table's change
     if prev["config"] is not cur["config"] and prev["config"] != cur["config"]:
         return None
     old_r, old_w = prev["running"], prev["waiting"]
@@ -157,7 +158,7 @@ def forward_delta(prev: dict[str, Any], cur: dict[str, Any], change: dict[str, A
     that step (steps coalesced or dropped in between, another generation or config) or ``cur``
     carries what a delta cannot (the tracked-block table, an in-flight batch)."""
     if (prev.get("generation", 0) != cur.get("generation", 0) or prev["seq"] != cur["seq"] - 1
-            or "tracked_blocks" in cur or cur.get("inflight") or cur.get("idle")):
+            or "tracked_blocks" in cur or "pool_table" in cur or cur.get("inflight") or cur.get("idle")):
         return None
     if prev["config"] is not cur["config"] and prev["config"] != cur["config"]:
         return None
@@ -192,7 +193,14 @@ class StateStream:
     """What a publisher sends for each new state of its instance: the delta against the state it
     sent before (``deltas``), and the full snapshot every ``full_every`` states (1: every state,
     0: never), when no delta can express the change, and after ``want_full()`` (a consumer asked
-    to resync). ``last`` is the newest state sent: the one a resync is answered with."""
+    to resync). ``last`` is the newest state sent: the one a resync is answered with.
+
+    The block table kept step by step (``bear.prefix.tracked_pool.PoolTable``; contract.md §2,
+    "The table in stable form"): a state's change carries the table's change (``pool``), and a
+    state that goes out in full carries the whole table (``pool_table``), written by
+    ``with_table`` when the state is queued — the table then is that state's. A state that must go
+    out in full without it (the state before it was not sent, a resync answer) goes out with counts
+    only, and the next state carries the table in full."""
 
     def __init__(self, *, deltas: bool = True, full_every: int = 256) -> None:
         self.deltas = deltas
@@ -201,25 +209,58 @@ class StateStream:
         self.forwarded = 0  # deltas forwarded from a known change (not computed from two states)
         self._since_full = 0
         self._want_full = False
+        self._table_wanted = False
+        self._queued = 0  # states queued since the last one given the table (with_table)
 
     def want_full(self) -> None:
         self._want_full = True
 
+    def want_table(self) -> None:
+        """A state went out without the table (a resync answer): the next one carries it."""
+        self._table_wanted = True
+
+    def with_table(self, snap: dict[str, Any], change: dict[str, Any] | None,
+                   table: Callable[[dict[str, Any]], None] | None, *, ahead: int = 0, force: bool = False) -> None:  # fmt: skip
+        """Write the whole table on ``snap`` (``table(snap)``, now: the caller's table is this
+        state's) when it will go out in full: the first state (none sent, none queued: ``ahead``),
+        no table change known, every ``full_every``-th state queued (``encode`` then sends it in
+        full), one asked for (``want_full``, ``want_table``)."""
+        if table is None:
+            return
+        self._queued += 1
+        if (force or self._table_wanted or self._want_full or change is None or "pool" not in change
+                or not self.deltas or (self.last is None and not ahead)
+                or (self.full_every > 0 and self._queued >= self.full_every)):
+            table(snap)
+            self._table_wanted = False
+            self._queued = 0
+
     def encode(self, snap: dict[str, Any], change: dict[str, Any] | None = None) -> tuple[bytes | None, bytes | None]:
         """``(full, delta)`` msgpack payloads for ``snap`` (either may be None), and ``snap``
         becomes the newest state sent. ``change``: the step's ``bear.delta/1`` body, when the
-        caller knows it (forwarded if the state sent before is the step before ``snap``)."""
+        caller knows it (forwarded if the state sent before is the step before ``snap``); with
+        only ``pool`` (the block table's change; the lists' change unknown), the lists' change is
+        computed from the two states."""
         delta = None
         if self.deltas and self.last is not None:
-            if change is not None:
+            if change is not None and change.keys() == {"pool"}:  # the table's change alone: the lists' from the states
+                if self.last["seq"] == snap["seq"] - 1 and self.last.get("generation", 0) == snap.get("generation", 0):
+                    delta = encode_delta(self.last, snap)
+                    if delta is not None:
+                        delta["pool"] = change["pool"]
+            elif change is not None:
                 delta = forward_delta(self.last, snap, change)
                 self.forwarded += delta is not None
             if delta is None:
                 delta = encode_delta(self.last, snap)
         self._since_full += 1
         full = None
-        if (delta is None or self._want_full or not self.deltas
-                or (self.full_every > 0 and self._since_full >= self.full_every)):
+        want = (delta is None or self._want_full or not self.deltas
+                or (self.full_every > 0 and self._since_full >= self.full_every))
+        if want and change is not None and "pool" in change and "pool_table" not in snap:
+            self._table_wanted = True  # this state's table was not written: the next state carries it
+            want = delta is None  # counts only would replace the table a consumer keeps: only when it must
+        if want:
             full = pack(snap)
             self._since_full = 0
             self._want_full = False

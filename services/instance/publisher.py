@@ -99,13 +99,17 @@ class InstancePublisher:
         """How many more snapshots ``snapshot`` takes before the caller must let them go out."""
         return 1 << 30 if self.min_interval_s > 0 else max(0, self.snapshot_buffer - len(self._pending))
 
-    def snapshot(self, snap: dict[str, Any], change: dict[str, Any] | None = None) -> None:
+    def snapshot(self, snap: dict[str, Any], change: dict[str, Any] | None = None,
+                 table: Callable[[dict[str, Any]], None] | None = None) -> None:
         """Queue the state after one step (a ``bear.snapshot/1`` map; ``v``/``instance`` filled in)
         and, when the caller knows it, the step's change as a ``bear.delta/1`` body: forwarded as
-        the delta when the state sent before is the step before (``delta.forward_delta``)."""
+        the delta when the state sent before is the step before (``delta.forward_delta``).
+        ``table``: writes the block table in full on a state (``PoolTable.full``), called now
+        when this state will go out in full (``StateStream.with_table``)."""
         snap.setdefault("v", SNAPSHOT_SCHEMA)
         snap.setdefault("instance", self.instance)
         snap.setdefault("generation", self.generation)
+        self.stream.with_table(snap, change, table, ahead=len(self._pending), force=self.min_interval_s > 0)
         if self.min_interval_s > 0 and self._pending:
             self.metrics.snapshots_dropped.labels("coalesced").inc(len(self._pending))
             self._pending.clear()
@@ -261,6 +265,8 @@ class InstancePublisher:
             return encode(error_reply(ErrorCode.NOT_FOUND, f"{self.instance} has published no state yet"))
         self._resync_tokens -= 1.0
         m.resyncs.labels("answered").inc()
+        if "pool_table" not in last:
+            self.stream.want_table()  # a block table kept step by step: the next state carries it in full
         full = pack(last)
         m.state_bytes.labels("resync").inc(len(full))
         return full

@@ -79,3 +79,36 @@ def published_states(meta: dict[str, Any], steps: Sequence[dict[str, Any]], *, i
             pool.describe(snap)
         snap.update(v=SNAPSHOT_SCHEMA, instance=instance, generation=generation)
         yield int(st["seq"]), pack(snap)
+
+
+def published_stream(meta: dict[str, Any], steps: Sequence[dict[str, Any]], *, instance: str, model: str = "",
+                     generation: int = 0, full_every: int = 256,
+                     ) -> Iterator[tuple[dict[str, Any], bytes | None, bytes | None]]:  # fmt: skip
+    """``(state, full bytes or None, delta bytes or None)`` for each step of a recorded run, as a
+    snapshotter with ``--pool-deltas`` publishes them: the block table kept step by step
+    (``PoolTable``), its change in each step's ``bear.delta/1``, the whole table in the full
+    snapshots (the first state, every ``full_every``, after the pool was lost) — the same
+    ``StateStream`` rules the live publisher follows. The steps' list changes are computed from
+    the two states (``encode_delta``: what the plugin's delta says)."""
+    from bear.instance.delta import StateStream, encode_delta
+    from bear.prefix.tracked_pool import PoolTable
+
+    pool = TrackedPool(int(meta["config"]["num_gpu_blocks"]))
+    table = PoolTable(pool)
+    stream = StateStream(full_every=full_every)
+    for st in steps:
+        snap = to_snapshot(st, meta.get("config", {}), instance=instance, model=model)
+        snap.update(v=SNAPSHOT_SCHEMA, instance=instance, generation=generation)
+        last = stream.last
+        change = encode_delta(last, snap) if last is not None and last["seq"] == snap["seq"] - 1 else None
+        fill = None
+        if st.get("block_ops") is not None:
+            pool.step(st)
+            pc = table.update(snap)
+            if pool.synced:
+                fill = table.full
+                if pc is not None and change is not None:
+                    change = {**change, "pool": pc}
+        stream.with_table(snap, change, fill)
+        full, delta = stream.encode(snap, change)
+        yield snap, full, delta

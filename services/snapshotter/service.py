@@ -18,6 +18,7 @@ import json
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -27,7 +28,7 @@ from nats.aio.client import Client as NATS
 
 from bear.instance.publisher import InstancePublisher
 from bear.instance.record import Registration, instance_record
-from bear.prefix.tracked_pool import TrackedPool
+from bear.prefix.tracked_pool import PoolTable, TrackedPool
 from bear.protocol import schemas
 from bear.protocol.jsonl import open_text
 from bear.protocol.messages import KvOp, PrefixCacheInfo
@@ -75,6 +76,10 @@ class SnapshotterConfig:
     # processor time (a large pool: the snapshotter must not fall behind the engine); below it,
     # every step is described
     describe_superseded_below_s: float = 0.001
+    # BEAR_SNAPSHOT_BLOCK_OPS=1: keep the block table step by step (PoolTable) and send its change
+    # in each step's delta, the whole table only in full snapshots (issue 28); off: every step
+    # described in full (TrackedPool.describe) and sent as a full snapshot
+    pool_deltas: bool = False
 
 
 DESCRIBE_SAMPLES = 5  # descriptions timed before a pool can be judged slow to describe
@@ -108,6 +113,7 @@ class Snapshotter:
         self._builder = BatchBuilder(cfg.instance)
         self._decoder = StepDecoder()
         self._pool: TrackedPool | None = None  # the engine's block pool, when the plugin logs it (BEAR_SNAPSHOT_BLOCK_OPS=1)
+        self._table: PoolTable | None = None  # its table kept step by step (pool_deltas)
         # the processor time of the last descriptions of the pool: their median is its cost (one
         # garbage collection or preemption inside a description must not count as a large pool)
         self._describe_s: deque[float] = deque(maxlen=16)
@@ -379,6 +385,37 @@ class Snapshotter:
             self.log.warning("block_pool_lost", problem=pool.problem, seq=step["seq"])
         self._ask_full(r, f"block pool: {pool.problem}")
 
+    def _keep_table(self, r: ShmReader, step: dict[str, Any], snap: dict[str, Any], change: dict[str, Any] | None,
+                    ) -> tuple[dict[str, Any] | None, Callable[[dict[str, Any]], None] | None]:  # fmt: skip
+        """The pool's table kept step by step (``PoolTable``, ``pool_deltas``): the step's change
+        with the table's change in it (``pool``) and the writer of the whole table for a state
+        that goes out in full (``InstancePublisher.snapshot``); while the pool is not known, the
+        change alone (a delta without ``pool``: consumers replay by counts) and a full record is
+        asked for."""
+        if not self._meta.get("config", {}).get("enable_prefix_caching"):
+            return change, None  # no cache: no table (libbea takes one only with prefix caching on)
+        pool = self._pool
+        if pool is None:
+            pool = self._pool = TrackedPool(int(self._meta.get("config", {}).get("num_gpu_blocks", 0)) or 1)
+        if self._table is None or self._table.pool is not pool:
+            self._table = PoolTable(pool)
+        was = pool.synced
+        t = time.thread_time()
+        pool.step(step)
+        pc = self._table.update(snap)
+        if not pool.synced:
+            if was:
+                self.log.warning("block_pool_lost", problem=pool.problem, seq=step["seq"])
+            self._ask_full(r, f"block pool: {pool.problem}")
+            return change, None
+        took = time.thread_time() - t
+        self._describe_s.append(took)
+        self.metrics.pool_describe.observe(took)
+        self.metrics.pool_described.inc()
+        if pc is not None:  # (a full record: the lists' change comes from the two states)
+            change = {**change, "pool": pc} if change is not None else {"pool": pc}
+        return change, self._table.full
+
     def _describe_slow(self) -> bool:
         """Whether describing the pool costs more than ``describe_superseded_below_s``: the median
         processor time of the last descriptions, once there are ``DESCRIBE_SAMPLES`` of them (one
@@ -467,11 +504,15 @@ class Snapshotter:
             snap = to_snapshot(
                 step, self._meta.get("config", {}), instance=self.cfg.instance, model=self.cfg.model
             )
+            change, table = self._decoder.change, None
             if step.get("block_ops") is not None:
-                self._describe_pool(r, step, snap, superseded=k < newest)
+                if self.cfg.pool_deltas and self.cfg.deltas:
+                    change, table = self._keep_table(r, step, snap, change)
+                else:
+                    self._describe_pool(r, step, snap, superseded=k < newest)
             # never full here: _drain_and_publish reads only what fits; the plugin's delta goes on
             # as the step's bear.delta/1 (no diff of the two states)
-            self.publisher.snapshot(snap, self._decoder.change)
+            self.publisher.snapshot(snap, change, table)
             for b in self._builder.feed(step):
                 self.publisher.batch(b)
         return len(res.records)

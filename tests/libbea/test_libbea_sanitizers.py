@@ -50,6 +50,78 @@ def delta_chains() -> list[list[dict]]:
     return chains
 
 
+def pool_chains() -> list[list[dict]]:
+    """[snapshot with the table in stable form, delta with its change, ...] chains from random
+    engine runs (issue 28), and structured mutations of their tables and changes."""
+    from pool_sim import PoolSim
+
+    from bear.instance.delta import encode_delta
+    from bear.prefix.tracked_pool import PoolTable, TrackedPool
+
+    def state(sim: PoolSim, step: dict) -> dict:
+        def r(rid: str, bl: list[int] | None) -> dict:
+            p, held = 16 * len(sim.prompts[rid]) + 8, len(bl or ())
+            return {"id": rid, "prompt_tokens": p, "computed_tokens": min(p, 16 * held), "output_tokens": 0,
+                    "max_tokens": 64, "blocks": held, "exclusive_blocks": held,
+                    "preemptions": sim.preemptions.get(rid, 0)}
+
+        return {"seq": step["seq"], "time": float(step["seq"]), "free_blocks": step["free_blocks"],
+                "config": {"max_num_batched_tokens": 256, "max_num_seqs": 16, "block_size": 16,
+                           "num_gpu_blocks": sim.n, "max_model_len": 4096, "enable_prefix_caching": True},
+                "running": [r(x[0], step["block_ids"][x[0]]) for x in step["running"]],
+                "waiting": [r(x[0], None) for x in step["waiting"]]}
+
+    rng = random.Random(17)
+    chains = []
+    for seed in range(6):
+        sim = PoolSim(40, seed)
+        pool = TrackedPool(sim.n)
+        table = PoolTable(pool)
+        chain: list[dict] = []
+        prev = None
+        for _ in range(60):
+            step = sim.step()
+            pool.step(step)
+            cur = state(sim, step)
+            change = table.update(cur)
+            if change is None or prev is None or len(chain) >= 12:
+                if chain:
+                    chains.append(chain)
+                full = state(sim, step)
+                table.full(full)
+                chain = [full]
+            else:
+                d = encode_delta(prev, cur)
+                assert d is not None
+                d["pool"] = change
+                chain.append(d)
+            prev = cur
+        chains.append(chain)
+    out = list(chains)
+    for chain in chains:
+        for _ in range(4):
+            c = copy.deepcopy(chain)
+            k = rng.randrange(len(c))
+            target = c[k]
+            if k == 0:
+                rows = target["pool_table"]
+                if rows and rng.random() < 0.5:
+                    rows[rng.randrange(len(rows))] = rng.choice([-2, -1, 0, 39, 40, 1 << 62])
+                elif target["running"]:
+                    target["running"][0]["tracked_ids"] = [rng.randint(-1, 41) for _ in range(rng.randint(0, 5))]
+            else:
+                pc = target["pool"]
+                key = rng.choice(["put", "drop", "tracked", "keys"])
+                lst = pc.setdefault(key, [])
+                if lst and rng.random() < 0.6:
+                    lst[rng.randrange(len(lst))] = rng.choice([-2, -1, 0, 1, 39, 40, 1 << 62])
+                else:
+                    lst.extend(rng.randint(-1, 41) for _ in range(rng.randint(1, 6)))
+            out.append(c)
+    assert len(out) > 20
+    return out
+
+
 def tracked_snapshots() -> list[dict]:
     """Sim-engine snapshots with tracked-block tables under KV pressure (each with its query), and
     structured mutations of their tables: the ledger's inputs, valid and nearly valid."""
@@ -105,6 +177,7 @@ def test_sanitized_fuzz(tmp_path: Path, sanitized_tool: Callable[[str], Path]) -
     ]
     seeds += delta_chains()
     seeds += tracked_snapshots()
+    seeds += pool_chains()
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     n = 0

@@ -157,10 +157,14 @@ def test_the_bulk_description_equals_the_block_by_block_one(seed: int) -> None:
 def test_the_pool_benchmark_reports_every_size() -> None:
     from bear.benchmarks.pool import run_pool_bench
 
-    res = run_pool_bench((64, 256), reps=2)
+    res = run_pool_bench((64, 256), reps=2, steps=5)
     small, large = res["sizes"]["64"], res["sizes"]["256"]
     assert 0 < small["table_entries"] < large["table_entries"] and 0 < small["bytes"] < large["bytes"]
     assert all(v["describe"]["n"] == 2 and v["describe"]["p50_ms"] > 0 for v in (small, large))
+    for v in (small, large):  # the table kept step by step (the bench checks libbea's state against the full table)
+        d = v["deltas"]
+        assert d["snapshotter_step"]["n"] == d["worker_ingest"]["n"] == 5
+        assert 0 < d["change_bytes_p50"] < d["delta_bytes_p50"] < d["full_table"]["bytes"]
 
 
 def test_a_gap_in_the_steps_loses_the_pool_until_the_next_dump() -> None:

@@ -455,6 +455,65 @@ async def test_superseded_steps_skip_the_pool_description_while_it_is_slow(
         await nc.close()
 
 
+async def test_pool_deltas_keep_a_consumers_table_by_deltas(nats_server: LocalNatsServer, shm_name: str) -> None:
+    """``pool_deltas`` (issue 28), BEAR_SNAPSHOT_BLOCK_OPS=1: the first state and every
+    ``full_every``-th go out in full with the whole table, the others as deltas with the table's
+    change; a consumer that installs the full snapshots and applies the deltas (libbea) ends with
+    the snapshotter's table."""
+    import copy
+
+    from bear.prefix.pool_replica import OP_CACHE, OP_DUMP, OP_POP
+
+    from snapshotter_fakes import CONFIG, meta, raw_step
+
+    w = ShmWriter(shm_name, meta={**meta(), "config": {**CONFIG, "enable_prefix_caching": True}}, slot_count=1024)
+    for seq in range(40):
+        ops: list = [(OP_DUMP, list(range(1, 1000)), [], []), (OP_POP, [1])] if seq == 0 else \
+            [(OP_CACHE, [seq], [1000 + seq]), (OP_POP, [seq + 1])]
+        req = {"id": "R", "prompt": 4000, "computed": 100 * seq, "output": 0, "max_tokens": 10**6,
+               "blocks": seq + 1, "bids": tuple(range(1, seq + 2))}
+        w.write(raw_step(seq, sched={"R": 128}, running=[req], block_ops=ops, free=998 - seq, with_ids=True))
+    nc = await nats.connect(nats_server.url)
+    held: list = [None]
+    got = {"full": 0, "table": 0, "delta": 0, "pool": 0}
+
+    async def on_msg(msg: nats.aio.msg.Msg) -> None:
+        if msg.subject == "bear.snapshot.i1":
+            got["full"] += 1
+            held[0] = libbea.Snapshot.from_msgpack(msg.data)
+            got["table"] += held[0].tracked_blocks > 0
+        elif msg.subject == "bear.delta.i1":
+            got["delta"] += 1
+            got["pool"] += "pool" in unpack_map(msg.data)
+            d = libbea.Delta.from_msgpack(msg.data)
+            if held[0] is not None and d.base == held[0].seq:
+                held[0].apply_delta(d)
+
+    await nc.subscribe("bear.*.i1", cb=on_msg)
+    await nc.flush()
+    cfg = SnapshotterConfig(instance="i1", shm=shm_name, nats_url=nats_server.url, model="tiny",
+                            base_url="http://127.0.0.1:1/v1", idle_snapshot_s=0, full_every=16,
+                            pool_deltas=True)  # fmt: skip
+    svc = Snapshotter(cfg)
+    task = asyncio.create_task(svc.run())
+    try:
+        async with beating(w):
+            await wait_until(lambda: held[0] is not None and held[0].seq == 39, what="the 40 steps published")
+        await nc.flush()
+        assert got["full"] >= 3 and got["table"] == got["full"], got  # the first, every 16th: with the table
+        assert got["delta"] >= 30 and got["pool"] == got["delta"], got
+        assert svc._table is not None
+        ref = copy.deepcopy(svc.publisher.stream.last)
+        svc._table.full(ref)
+        assert held[0].tracked_blocks == len(svc._table.entries) > 990
+        assert libbea.snapshot_difference(held[0], libbea.Snapshot.from_dict(ref)) is None
+    finally:
+        svc.stop()
+        await asyncio.wait_for(task, 10)
+        w.close()
+        await nc.close()
+
+
 async def test_a_loop_that_fails_stops_the_snapshotter_loudly(tmp_path: Path) -> None:
     """A loop that raises (a bug) ends run() with that error instead of leaving a snapshotter
     that heartbeats 'up' and publishes nothing."""

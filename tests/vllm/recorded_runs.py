@@ -31,7 +31,7 @@ from bear.protocol.batch import batch_record
 from bear.protocol.codec import unpack
 from bear.protocol.messages import KvEvents, KvOp, KvState
 from bear.replay.recorded_cache import kv_batches
-from bear.replay.recorded_pool import published_states
+from bear.replay.recorded_pool import published_states, published_stream
 from bear.replay.recorded_run import generations, record_run
 from bear.snapshotter.records import batches_of
 from bear.snapshotter.service import prefix_info
@@ -211,10 +211,7 @@ def live_pool_fidelity(cases: list[dict[str, Any]], published: dict[int, bytes],
     published it over NATS (its pool block by block: ``bear.prefix.tracked_pool``), parsed by an
     estimator's state store, and the query's block keys as the estimator's plan computes them
     from its token ids — replayed and compared with the engine's batches."""
-    from bear.estimator.estimate import plan
     from bear.estimator.state import StateStore
-    from bear.protocol.messages import Dispatch, EstimateCandidate, EstimateQuery
-    from bear.protocol.token_ids import pack
     from bear.replay.recorded_cache import find_prompt
 
     out = {"cases": len(cases), "published": 0, "described": 0, "keyed": 0, "ahead": 0, "exact": 0}
@@ -231,29 +228,88 @@ def live_pool_fidelity(cases: list[dict[str, Any]], published: dict[int, bytes],
         t = float(state["time"])  # an idle re-send of this state carries a later time
         store.offer(record.id, data, t)
         st.ensure_parsed()
-        # the requests that reached the engine after this snapshot and before the query: what
-        # the router's dispatches tell the estimator (with the prompts' token ids)
-        for k, w in enumerate(c["snapshot"]["waiting"][len(state["waiting"]):]):
-            wt = find_prompt(prompts, w["id"])
-            st.on_dispatch(Dispatch(query_id=w["id"], request_id=w["id"], prompt_tokens=w["prompt_tokens"],
-                                    predicted_output_tokens=c["output_lengths"][w["id"]], max_tokens=w["max_tokens"],
-                                    prefix_hit_tokens=w.get("prefix_hit_tokens", 0), t=t + 1e-3 * (k + 1),
-                                    tokens=None if wt is None else pack(wt)))
-        req = c["request"]
-        p = plan(EstimateQuery(id=req["id"], prompt_tokens=len(toks), max_tokens=req["max_tokens"]),
-                 [EstimateCandidate(instance=record.id, tokenizer=tokenizer_id)], store, t,
-                 EstimatorConfig(), tokens={tokenizer_id: pack(toks)})
-        (job,) = p.jobs
         out["described"] += "tracked_blocks" in state  # (the engine's first state: an empty table)
-        out["keyed"] += bool(job.keys)
-        qd = {"id": req["id"], "prompt_tokens": len(toks), "max_tokens": req["max_tokens"],
-              "prefix_hit_tokens": job.hit, **({"block_keys": job.keys} if job.keys else {})}
-        out["ahead"] += len(job.inputs.ahead)
-        res = libbea.estimate(job.snap, qd, beta=[1e-3, 0.0, 0.0, 0.0], lengths=c["output_lengths"],
-                              ahead=job.inputs.ahead, trace=True)
-        out["exact"] += res["batches"] == c["expected_batches"]
+        _replay_case(c, state, store, st, record, prompts, tokenizer_id, toks, out)
     out["exact_frac"] = out["exact"] / max(1, out["published"])
     return out
+
+
+def live_pool_delta_fidelity(cases: list[dict[str, Any]], stream: list[tuple[dict[str, Any], bytes | None, bytes | None]],
+                             record: Any, prompts: dict[str, list[int]], tokenizer_id: str) -> dict[str, Any]:
+    """``live_pool_fidelity`` from what a live estimator holds when the snapshotter keeps the
+    block table step by step (``--pool-deltas``; ``published_stream``): for each case, the
+    estimator's state store takes the last full snapshot at or before the case's step and every
+    ``bear.delta/1`` after it up to that step (libbea applies the table's changes in place), and
+    the case is replayed from that state."""
+    from bear.estimator.state import StateStore
+    from bear.replay.recorded_cache import find_prompt
+
+    out = {"cases": len(cases), "published": 0, "described": 0, "keyed": 0, "ahead": 0, "exact": 0,
+           "deltas_applied": 0, "from_full": 0}
+    where = {int(s["seq"]): k for k, (s, _, _) in enumerate(stream)}
+    for c in cases:
+        k = where.get(c["snapshot"]["seq"])
+        toks = find_prompt(prompts, c["request"]["id"])
+        if k is None or toks is None:
+            continue
+        j = k
+        while j >= 0 and stream[j][1] is None:
+            j -= 1
+        if j < 0:
+            continue
+        state = stream[k][0]
+        out["published"] += 1
+        out["from_full"] += j == k
+        store = StateStore()
+        st = store.get(record.id)
+        st.on_registry(record)
+        t = float(state["time"])
+        full = stream[j][1]
+        assert full is not None
+        store.offer(record.id, full, t)
+        st.ensure_parsed()
+        for i in range(j + 1, k + 1):
+            delta = stream[i][2]
+            assert delta is not None, f"seq {stream[i][0]['seq']}: no delta after a full snapshot"
+            got = st.offer_delta(delta, t)
+            assert got == "applied", (stream[i][0]["seq"], got)
+            out["deltas_applied"] += 1
+        assert st.snap is not None
+        out["described"] += st.snap.tracked_blocks > 0  # (the engine's first state: every block free)
+        _replay_case(c, state, store, st, record, prompts, tokenizer_id, toks, out)
+    out["exact_frac"] = out["exact"] / max(1, out["published"])
+    return out
+
+
+def _replay_case(c: dict[str, Any], state: dict[str, Any], store: Any, st: Any, record: Any,
+                 prompts: dict[str, list[int]], tokenizer_id: str, toks: list[int], out: dict[str, Any]) -> None:
+    """One case replayed from the estimator's state ``st`` (the state published at its step)."""
+    from bear.estimator.estimate import plan
+    from bear.protocol.messages import Dispatch, EstimateCandidate, EstimateQuery
+    from bear.protocol.token_ids import pack
+    from bear.replay.recorded_cache import find_prompt
+
+    t = float(state["time"])
+    # the requests that reached the engine after this snapshot and before the query: what
+    # the router's dispatches tell the estimator (with the prompts' token ids)
+    for k, w in enumerate(c["snapshot"]["waiting"][len(state["waiting"]):]):
+        wt = find_prompt(prompts, w["id"])
+        st.on_dispatch(Dispatch(query_id=w["id"], request_id=w["id"], prompt_tokens=w["prompt_tokens"],
+                                predicted_output_tokens=c["output_lengths"][w["id"]], max_tokens=w["max_tokens"],
+                                prefix_hit_tokens=w.get("prefix_hit_tokens", 0), t=t + 1e-3 * (k + 1),
+                                tokens=None if wt is None else pack(wt)))
+    req = c["request"]
+    p = plan(EstimateQuery(id=req["id"], prompt_tokens=len(toks), max_tokens=req["max_tokens"]),
+             [EstimateCandidate(instance=record.id, tokenizer=tokenizer_id)], store, t,
+             EstimatorConfig(), tokens={tokenizer_id: pack(toks)})
+    (job,) = p.jobs
+    out["keyed"] += bool(job.keys)
+    qd = {"id": req["id"], "prompt_tokens": len(toks), "max_tokens": req["max_tokens"],
+          "prefix_hit_tokens": job.hit, **({"block_keys": job.keys} if job.keys else {})}
+    out["ahead"] += len(job.inputs.ahead)
+    res = libbea.estimate(job.snap, qd, beta=[1e-3, 0.0, 0.0, 0.0], lengths=c["output_lengths"],
+                          ahead=job.inputs.ahead, trace=True)
+    out["exact"] += res["batches"] == c["expected_batches"]
 
 
 def prefix_fidelity(step_log: Path, prompts: dict[str, list[int]], config: str, work: Path) -> dict[str, Any]:
@@ -294,6 +350,11 @@ def prefix_fidelity(step_log: Path, prompts: dict[str, list[int]], config: str, 
         record = msgspec.structs.replace(instance_record(instance, "tiny", "", config=meta.get("config")),
                                          prefix_cache=prefix_info(meta))
         res["live_pool"] = live_pool_fidelity(cases, published, record, prompts, TOKENIZER_ID)
+        # a snapshotter with --pool-deltas: the table's changes in the deltas, the whole table in
+        # the full snapshots only (every 64 states here, so that every case's state is rebuilt
+        # from a full snapshot and up to 63 deltas)
+        stream = list(published_stream(meta, steps, instance=instance, model="tiny", full_every=64))
+        res["live_pool_deltas"] = live_pool_delta_fidelity(cases, stream, record, prompts, TOKENIZER_ID)
     return res
 
 

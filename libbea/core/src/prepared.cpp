@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
+#include <string>
 #include <unordered_map>
 
 #include "bea/core/request_fields.h"
@@ -39,6 +41,62 @@ double conditional_median(double pred, double k, double sigma) {
   const double tail = 0.5 * std::erfc(z / std::sqrt(2.0));
   if (!(tail > 1e-12)) return std::nan("");
   return pred * std::exp(sigma * normal_quantile_upper(1.0 - 0.5 * tail));
+}
+
+// The table in stable form as the ledger reads it (tracked_ledger.h): the free blocks ranked by
+// ticket (a block's rank is its place in the free queue), the free blocks nobody named left out
+// (they only take places), the cached ones first in stamp order, then the held ones nobody named;
+// each running request's tracked blocks as indices. Once per state (Prepared is kept per state).
+void indexed_table(const Snapshot& s, Prepared& p) {
+  const auto nb = static_cast<size_t>(std::max<int64_t>(s.config.num_gpu_blocks, 0));
+  std::vector<std::pair<int64_t, int64_t>> free, cached;  // (ticket, id), (stamp, id)
+  std::vector<int64_t> held;
+  free.reserve(static_cast<size_t>(s.pool_free));
+  for (const auto& [id, e] : s.pool) {
+    if (e.ticket >= 0) free.emplace_back(e.ticket, id);
+    if (e.key >= 0) cached.emplace_back(e.stamp, id);
+    else if (e.ticket < 0) held.push_back(id);
+  }
+  std::sort(free.begin(), free.end());
+  std::sort(cached.begin(), cached.end());
+  std::sort(held.begin(), held.end());
+  std::vector<int64_t> pos(nb, -1);
+  for (size_t k = 0; k < free.size(); ++k) pos[static_cast<size_t>(free[k].second)] = static_cast<int64_t>(k);
+  std::vector<int32_t> index(nb, -1);
+  p.tracked_pos.reserve(cached.size() + held.size());
+  p.tracked_keys.reserve(cached.size() + held.size());
+  for (const auto& [stamp, id] : cached) {
+    index[static_cast<size_t>(id)] = static_cast<int32_t>(p.tracked_pos.size());
+    p.tracked_pos.push_back(pos[static_cast<size_t>(id)]);
+    p.tracked_keys.push_back(s.pool.at(id).key);
+  }
+  for (int64_t id : held) {
+    index[static_cast<size_t>(id)] = static_cast<int32_t>(p.tracked_pos.size());
+    p.tracked_pos.push_back(-1);
+    p.tracked_keys.push_back(-1);
+  }
+  p.chains.reserve(p.reqs.size());
+  p.has_chain.reserve(p.reqs.size());
+  p.keys.reserve(p.reqs.size());
+  for (const auto* list : {&s.running, &s.waiting})
+    for (size_t k = 0; k < list->size(); ++k) {
+      const Request& r = (*list)[k];
+      std::vector<int32_t> chain;
+      if (list == &s.running) {
+        const std::string f = "running[" + std::to_string(k) + "].tracked_ids";
+        if (static_cast<int64_t>(r.tracked_ids.size()) > r.blocks) throw std::invalid_argument(f + ": more blocks than it holds");
+        chain.reserve(r.tracked_ids.size());
+        for (int64_t id : r.tracked_ids) {
+          const int32_t t = id >= 0 && static_cast<size_t>(id) < nb ? index[static_cast<size_t>(id)] : -1;
+          if (t < 0 || p.tracked_pos[static_cast<size_t>(t)] >= 0)
+            throw std::invalid_argument(f + ": block " + std::to_string(id) + " is not a held block of the table");
+          chain.push_back(t);
+        }
+      }
+      p.chains.push_back(std::move(chain));
+      p.has_chain.push_back(!r.block_keys.empty() ? 1 : 0);
+      p.keys.push_back(r.block_keys);
+    }
 }
 
 }  // namespace
@@ -82,7 +140,10 @@ Prepared prepare(const Snapshot& s, const ReplayOptions& opt) {
       p.names.push_back(r.id);
     }
   p.decode_start = decode_group_start(p.reqs, p.n_running, p.cfg);
-  if (s.has_tracked) {
+  if (s.has_pool) {
+    p.tracked = true;
+    indexed_table(s, p);
+  } else if (s.has_tracked) {
     p.tracked = true;
     p.tracked_pos = s.tracked_blocks;
     p.tracked_keys = s.tracked_keys;

@@ -27,6 +27,7 @@ Request request_from_value(const Value& r, const std::string& path, const Config
   if (auto t = opt_index_list(r, "tracked", p, kMaxBlocks)) q.tracked = std::move(*t);  // checked against the table by the snapshot
   q.hit_blocks = opt_index_list(r, "hit_blocks", p, kMaxBlocks);
   q.block_keys = opt_key_list(r, "block_keys", p);
+  q.tracked_ids = opt_key_list(r, "tracked_ids", p);  // checked against the table by the snapshot
   return q;
 }
 
@@ -66,6 +67,7 @@ Value request_to_value(const Request& r) {
   if (!r.tracked.empty()) d.map.emplace_back("tracked", int_list_value(r.tracked));
   if (r.hit_blocks) d.map.emplace_back("hit_blocks", int_list_value(*r.hit_blocks));
   if (!r.block_keys.empty()) d.map.emplace_back("block_keys", int_list_value(r.block_keys));
+  if (!r.tracked_ids.empty()) d.map.emplace_back("tracked_ids", int_list_value(r.tracked_ids));
   return d;
 }
 

@@ -49,6 +49,30 @@ std::vector<Request> requests_from(const Value& list, const std::string& name, c
   return out;
 }
 
+// The table in stable form (`pool_table`: rows of block id, ticket, key, stamp; contract.md §2).
+void pool_from(const Value& v, Snapshot& s) {
+  const Value* t = v.get("pool_table");
+  if (t == nullptr || t->type == Value::Type::Nil) return;
+  if (t->type != Value::Type::Arr || t->arr.size() % 4 != 0)
+    bad("pool_table", "must be a list of [block, ticket, key, stamp] rows");
+  if (!s.tracked_blocks.empty()) bad("pool_table", "not with tracked_blocks");
+  if (!t->arr.empty() && !s.config.enable_prefix_caching) bad("pool_table", "needs config.enable_prefix_caching");
+  if (static_cast<int64_t>(t->arr.size() / 4) > s.config.num_gpu_blocks) bad("pool_table", "more blocks than the pool has");
+  s.pool.reserve(t->arr.size() / 4);
+  for (size_t k = 0; k < t->arr.size(); k += 4) {
+    const std::string f = "pool_table[" + std::to_string(k) + "]";
+    const int64_t id = as_int(t->arr[k], f, 0, s.config.num_gpu_blocks - 1);
+    PoolEntry e;
+    e.ticket = as_int(t->arr[k + 1], f, -1, INT64_MAX);
+    e.key = as_int(t->arr[k + 2], f, -1, INT64_MAX);
+    e.stamp = as_int(t->arr[k + 3], f, -1, INT64_MAX);
+    if (!s.pool.emplace(id, e).second) bad(f, "a block given twice");
+    s.pool_free += e.ticket >= 0;
+  }
+  if (s.pool_free > s.free_blocks) bad("pool_table", "more free blocks than free_blocks");
+  s.has_pool = true;
+}
+
 // The tracked-block table and every request's references into it (tracked_ledger.h).
 void tracked_from(const Value& v, Snapshot& s) {
   const Value* t = v.get("tracked_blocks");
@@ -74,7 +98,8 @@ void tracked_from(const Value& v, Snapshot& s) {
     for (size_t k = 0; k < keys->arr.size(); ++k)
       s.tracked_keys.push_back(as_int(keys->arr[k], "tracked_keys[" + std::to_string(k) + "]", -1, INT64_MAX));
   }
-  s.has_tracked = n > 0;
+  pool_from(v, s);
+  s.has_tracked = n > 0 || s.has_pool;
   for (const auto* list : {&s.running, &s.waiting})
     for (size_t k = 0; k < list->size(); ++k) {
       const Request& r = (*list)[k];
@@ -88,6 +113,16 @@ void tracked_from(const Value& v, Snapshot& s) {
         if (r.tracked[j] >= n) bad(p + "tracked[" + std::to_string(j) + "]", "not an index into tracked_blocks");
         if (s.tracked_blocks[static_cast<size_t>(r.tracked[j])] >= 0)
           bad(p + "tracked[" + std::to_string(j) + "]", "a block in the free queue is not held");
+      }
+      if (!r.tracked_ids.empty()) {
+        if (list == &s.waiting) bad(p + "tracked_ids", "a waiting request holds no blocks");
+        if (!s.has_pool) bad(p + "tracked_ids", "needs pool_table");
+        if (static_cast<int64_t>(r.tracked_ids.size()) > r.blocks) bad(p + "tracked_ids", "more blocks than it holds");
+        for (size_t j = 0; j < r.tracked_ids.size(); ++j) {
+          auto it = s.pool.find(r.tracked_ids[j]);
+          if (it == s.pool.end()) bad(p + "tracked_ids[" + std::to_string(j) + "]", "not a block of pool_table");
+          if (it->second.ticket >= 0) bad(p + "tracked_ids[" + std::to_string(j) + "]", "a block in the free queue is not held");
+        }
       }
       if (!r.block_keys.empty()) s.has_tracked = true;
       if (r.hit_blocks)
@@ -200,6 +235,19 @@ Value snapshot_to_value(const Snapshot& s) {
   d.map.emplace_back("inflight", Value{});  // sync scheduling: nothing in flight between steps
   if (!s.tracked_blocks.empty()) d.map.emplace_back("tracked_blocks", int_list_value(s.tracked_blocks));
   if (!s.tracked_keys.empty()) d.map.emplace_back("tracked_keys", int_list_value(s.tracked_keys));
+  if (s.has_pool) {
+    std::vector<int64_t> ids;
+    ids.reserve(s.pool.size());
+    for (const auto& kv : s.pool) ids.push_back(kv.first);
+    std::sort(ids.begin(), ids.end());
+    std::vector<int64_t> rows;
+    rows.reserve(4 * ids.size());
+    for (int64_t id : ids) {
+      const PoolEntry& e = s.pool.at(id);
+      rows.insert(rows.end(), {id, e.ticket, e.key, e.stamp});
+    }
+    d.map.emplace_back("pool_table", int_list_value(rows));
+  }
   return d;
 }
 

@@ -89,6 +89,111 @@ void check_row(const Request& r, const Config& cfg, size_t pos) {
     refuse("resident " + std::to_string(pos) + " ('" + r.id + "') " + f + " out of range");
 }
 
+// A delta's change of the table in stable form (`pool`), read and checked against the state's
+// shape before anything changes; what depends on the state after the list changes (a tracked
+// prefix's start, a dropped block's presence) is checked as it is applied.
+struct PoolChange {
+  std::vector<std::pair<int64_t, PoolEntry>> put;
+  std::vector<int64_t> drop;
+  struct Tracked {
+    size_t pos, start;
+    std::vector<int64_t> ids;
+  };
+  std::vector<Tracked> tracked;
+  std::vector<std::pair<size_t, std::vector<int64_t>>> keys;
+};
+
+const std::vector<Value>& pool_list(const Value& m, const char* key) {
+  static const std::vector<Value> none;
+  const Value* l = m.get(key);
+  if (l == nullptr || l->type == Value::Type::Nil) return none;
+  if (l->type != Value::Type::Arr) bad(std::string("delta.pool.") + key, "must be a list of integers");
+  return l->arr;
+}
+
+int64_t pool_int(const std::vector<Value>& l, const char* key, size_t k, int64_t lo, int64_t hi) {
+  if (k >= l.size()) bad(std::string("delta.pool.") + key, "a row runs past the end");
+  const Value& x = l[k];
+  if (x.type == Value::Type::Int && x.i >= lo && x.i <= hi) return x.i;
+  return as_int(x, std::string("delta.pool.") + key + "[" + std::to_string(k) + "]", lo, hi);
+}
+
+PoolChange pool_change(const Value& m, const Config& cfg, size_t n_running, size_t n_residents) {
+  if (m.type != Value::Type::Map) bad("delta.pool", "must be a map");
+  PoolChange c;
+  const int64_t top = cfg.num_gpu_blocks - 1;
+  const auto& put = pool_list(m, "put");
+  if (put.size() % 4 != 0) bad("delta.pool.put", "must hold rows of 4 integers");
+  c.put.reserve(put.size() / 4);
+  for (size_t k = 0; k < put.size(); k += 4) {
+    PoolEntry e;
+    const int64_t id = pool_int(put, "put", k, 0, top);
+    e.ticket = pool_int(put, "put", k + 1, -1, INT64_MAX);
+    e.key = pool_int(put, "put", k + 2, -1, INT64_MAX);
+    e.stamp = pool_int(put, "put", k + 3, -1, INT64_MAX);
+    c.put.emplace_back(id, e);
+  }
+  const auto& drop = pool_list(m, "drop");
+  c.drop.reserve(drop.size());
+  for (size_t k = 0; k < drop.size(); ++k) c.drop.push_back(pool_int(drop, "drop", k, 0, top));
+  const auto& tr = pool_list(m, "tracked");
+  for (size_t k = 0; k < tr.size();) {
+    PoolChange::Tracked t;
+    t.pos = static_cast<size_t>(pool_int(tr, "tracked", k, 0, static_cast<int64_t>(n_running) - 1));
+    t.start = static_cast<size_t>(pool_int(tr, "tracked", k + 1, 0, cfg.num_gpu_blocks));
+    const auto n = static_cast<size_t>(pool_int(tr, "tracked", k + 2, 0, cfg.num_gpu_blocks));
+    if (n > tr.size() - k - 3) bad("delta.pool.tracked", "a row runs past the end");
+    t.ids.reserve(n);
+    for (size_t j = 0; j < n; ++j) t.ids.push_back(pool_int(tr, "tracked", k + 3 + j, 0, top));
+    k += 3 + n;
+    c.tracked.push_back(std::move(t));
+  }
+  const auto& ks = pool_list(m, "keys");
+  for (size_t k = 0; k < ks.size();) {
+    const auto pos = static_cast<size_t>(pool_int(ks, "keys", k, 0, static_cast<int64_t>(n_residents) - 1));
+    const auto n = static_cast<size_t>(pool_int(ks, "keys", k + 1, 0, kMaxTokens));
+    if (n > ks.size() - k - 2) bad("delta.pool.keys", "a row runs past the end");
+    std::vector<int64_t> keys;
+    keys.reserve(n);
+    for (size_t j = 0; j < n; ++j) keys.push_back(pool_int(ks, "keys", k + 2 + j, 0, INT64_MAX));
+    k += 2 + n;
+    c.keys.emplace_back(pos, std::move(keys));
+  }
+  return c;
+}
+
+// Apply the table's change (the lists already changed): drops, puts, the running requests'
+// tracked blocks, keys. Throws (the state is then broken) on a change that does not fit it.
+void apply_pool(Snapshot& s, PoolChange& c, int64_t free_blocks) {
+  for (int64_t id : c.drop) {
+    auto it = s.pool.find(id);
+    if (it == s.pool.end()) refuse("pool.drop: block " + std::to_string(id) + " is not in the table");
+    s.pool_free -= it->second.ticket >= 0;
+    s.pool.erase(it);
+  }
+  for (const auto& [id, e] : c.put) {
+    auto [it, fresh] = s.pool.try_emplace(id, e);
+    if (!fresh) {
+      s.pool_free -= it->second.ticket >= 0;
+      it->second = e;
+    }
+    s.pool_free += e.ticket >= 0;
+  }
+  if (s.pool_free > free_blocks) refuse("pool: more free blocks in the table than free_blocks");
+  for (auto& t : c.tracked) {
+    if (t.pos >= s.running.size()) refuse("pool.tracked: not a running request");
+    Request& r = s.running[t.pos];
+    if (t.start > r.tracked_ids.size()) refuse("pool.tracked: a prefix starts past the blocks tracked");
+    r.tracked_ids.resize(t.start);
+    r.tracked_ids.insert(r.tracked_ids.end(), t.ids.begin(), t.ids.end());
+    if (static_cast<int64_t>(r.tracked_ids.size()) > r.blocks) refuse("pool.tracked: more blocks than it holds");
+  }
+  for (auto& [pos, keys] : c.keys) {
+    if (pos >= s.running.size() + s.waiting.size()) refuse("pool.keys: not a resident");
+    at(s, pos).block_keys = std::move(keys);
+  }
+}
+
 }  // namespace
 
 DeltaHeader delta_header(const Value& v) {
@@ -149,9 +254,10 @@ std::vector<std::string> apply_delta(Snapshot& s, ResidentIds& ids, const Value&
       if ((ids.count(r.id) != 0 && gone.count(r.id) == 0) || !fresh.insert(r.id).second)
         bad(path + ".id", "duplicate request id '" + r.id + "'");
       if (predicted) r.predicted_output = predicted(r.id);
-      r.tracked.clear();  // deltas do not carry the tracked-block table (a full snapshot does)
+      r.tracked.clear();  // the table's references come in the delta's `pool` (block_keys: its `keys`)
       r.hit_blocks.reset();
       r.block_keys.clear();
+      r.tracked_ids.clear();
       added_ids.push_back(r.id);
       added.push_back(std::move(r));
     }
@@ -201,6 +307,11 @@ std::vector<std::string> apply_delta(Snapshot& s, ResidentIds& ids, const Value&
     set_vals[k] = int_at(sets[k], "set", k, is_pos ? 0 : -kMaxTokens, is_pos ? static_cast<int64_t>(n_new) - 1 : kMaxTokens);
   }
   const int64_t free_blocks = int_field(v, "free_blocks", "delta.", 0, cfg.num_gpu_blocks);
+  std::optional<PoolChange> pool;
+  if (const Value* m = v.get("pool"); m != nullptr && m->type != Value::Type::Nil) {
+    PoolChange c = pool_change(*m, cfg, r_new, n_new);  // checked either way
+    if (s.has_pool) pool = std::move(c);  // else: the state has counts only until a full snapshot brings the table
+  }
 
   std::optional<Inflight> inflight;
   std::vector<std::pair<int64_t, std::pair<int64_t, int64_t>>> inflight_refs;
@@ -249,6 +360,7 @@ std::vector<std::string> apply_delta(Snapshot& s, ResidentIds& ids, const Value&
     std::vector<Request> front;
     front.reserve(preempted.size());
     erase_sorted(s.running, preempted, &front);
+    for (Request& r : front) r.tracked_ids.clear();  // a waiting request holds no blocks
     s.waiting.insert(s.waiting.begin(), std::make_move_iterator(front.begin()), std::make_move_iterator(front.end()));
   }
   for (auto& r : added) ids.insert(r.id);
@@ -298,7 +410,12 @@ std::vector<std::string> apply_delta(Snapshot& s, ResidentIds& ids, const Value&
     }
   }
   s.inflight = std::move(inflight);
-  if (s.has_tracked) {  // the free queue moved: the table no longer describes it
+  if (pool) {
+    apply_pool(s, *pool, free_blocks);
+  } else if (s.has_tracked) {  // the free queue moved: the table no longer describes it
+    s.pool.clear();
+    s.pool_free = 0;
+    s.has_pool = false;
     s.tracked_blocks.clear();
     s.tracked_keys.clear();
     for (auto* list : {&s.running, &s.waiting})
@@ -306,6 +423,7 @@ std::vector<std::string> apply_delta(Snapshot& s, ResidentIds& ids, const Value&
         r.tracked.clear();
         r.hit_blocks.reset();
         r.block_keys.clear();
+        r.tracked_ids.clear();
       }
     s.has_tracked = false;
   }
@@ -350,6 +468,25 @@ std::string snapshot_difference(const Snapshot& a, const Snapshot& b, bool compa
     if (differ(o, std::string(name) + " length", la->size(), lb->size())) return o.str();
     for (size_t k = 0; k < la->size(); ++k)
       if (request_differs(o, std::string(name) + "[" + std::to_string(k) + "]", (*la)[k], (*lb)[k])) return o.str();
+  }
+  if (a.has_pool || b.has_pool) {
+    if (differ(o, "pool_table given", a.has_pool, b.has_pool) || differ(o, "pool_table length", a.pool.size(), b.pool.size()))
+      return o.str();
+    for (const auto& [id, e] : a.pool) {
+      auto it = b.pool.find(id);
+      const std::string p = "pool_table block " + std::to_string(id);
+      if (it == b.pool.end()) return p + ": only in the first";
+      if (differ(o, p + " ticket", e.ticket, it->second.ticket) || differ(o, p + " key", e.key, it->second.key) ||
+          differ(o, p + " stamp", e.stamp, it->second.stamp))
+        return o.str();
+    }
+    for (const auto& [name, la, lb] : {std::tuple{"running", &a.running, &b.running},
+                                       std::tuple{"waiting", &a.waiting, &b.waiting}})
+      for (size_t k = 0; k < la->size(); ++k) {
+        const std::string p = std::string(name) + "[" + std::to_string(k) + "]";
+        if ((*la)[k].tracked_ids != (*lb)[k].tracked_ids) return p + ".tracked_ids differ";
+        if ((*la)[k].block_keys != (*lb)[k].block_keys) return p + ".block_keys differ";
+      }
   }
   if (differ(o, "inflight", a.inflight.has_value(), b.inflight.has_value())) return o.str();
   if (a.inflight) {

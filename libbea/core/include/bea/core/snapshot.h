@@ -60,6 +60,19 @@ struct Request {
   // place name the same tokens (vLLM's block hashes, renamed), so that blocks it computes during
   // the replay are cached under them and a later hit finds them.
   std::vector<int64_t> block_keys;
+  // With the table in stable form (Snapshot::pool): a running request's tracked blocks by block id.
+  std::vector<int64_t> tracked_ids;
+};
+
+// One block of the tracked-block table in stable form (contract.md §2, `pool_table`): its ticket
+// when free (sorting the free blocks by ticket gives the free queue's order; -1: held), the key of
+// its content (-1: none, not cached), and for a cached block its stamp (cached blocks are listed
+// in stamp order: the order a lookup of a key prefers; -1 otherwise).
+struct PoolEntry {
+  int64_t ticket = -1;
+  int64_t key = -1;
+  int64_t stamp = -1;
+  bool operator==(const PoolEntry& o) const { return ticket == o.ticket && key == o.key && stamp == o.stamp; }
 };
 
 struct InflightItem {
@@ -92,6 +105,12 @@ struct Snapshot {
   // need only their block_keys, no hit_blocks); without, only through the requests that list it.
   std::vector<int64_t> tracked_keys;
   bool has_tracked = false;  // a table or some request's hit_blocks / block_keys: the replay keeps a ledger
+  // The table in stable form (`pool_table`; instead of tracked_blocks / tracked_keys): block id ->
+  // entry, every cached or free block and every block a running request tracks. A delta changes
+  // it in place (`pool`); prepare() derives the indexed form (positions, indices) once per state.
+  std::unordered_map<int64_t, PoolEntry> pool;
+  int64_t pool_free = 0;  // entries with a ticket (at most free_blocks)
+  bool has_pool = false;
 
   // Attach predicted total output lengths (id -> tokens); unknown ids keep their previous value.
   void set_output_lengths(const std::unordered_map<std::string, int64_t>& lengths);
