@@ -16,6 +16,7 @@ import numpy as np
 from bear.prefix.pool_replica import OP_APPEND, OP_CACHE, OP_DUMP, OP_NAMES, OP_POP, OP_PREPEND, OP_TOUCH
 from bear.prefix.tracked_pool import PoolTable, TrackedPool, keys_of
 from bear.protocol.codec import pack
+from bear.protocol.schemas import SNAPSHOT
 
 
 def synthetic_pool(num_gpu_blocks: int, *, cached_frac: float = 0.8, free_frac: float = 0.6, running: int = 64,
@@ -75,7 +76,7 @@ class _States:
                     "max_tokens": 256, "blocks": held, "exclusive_blocks": held, "preemptions": 0,
                     "arrival": 0.0, "priority": 0}
 
-        return {"v": "bear.snapshot/1", "instance": "bench", "model": "m", "seq": seq, "time": float(seq),
+        return {"v": SNAPSHOT, "instance": "bench", "model": "m", "seq": seq, "time": float(seq),
                 "config": {"max_num_batched_tokens": 8192, "max_num_seqs": 256, "block_size": 16,
                            "num_gpu_blocks": self.n, "max_model_len": 16 * (self.n + 64),
                            "enable_prefix_caching": True},

@@ -50,6 +50,7 @@ class SnapshotRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False)
     tracked: list[int] | None = None  # indices into tracked_blocks
     hit_blocks: list[int] | None = None
     block_keys: list[int] | None = None
+    tracked_ids: list[int] | None = None  # the pool table's ids of the blocks it holds (--pool-deltas)
 
 
 class InflightItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
