@@ -159,3 +159,21 @@ class PoolSim:
 def snap_of(step: dict[str, Any]) -> dict[str, Any]:
     return {"running": [{"id": r[0], "preemptions": r[1]} for r in step["running"]],
             "waiting": [{"id": r[0], "preemptions": r[1]} for r in step["waiting"]]}
+
+
+def replay_state(sim: PoolSim, step: dict[str, Any]) -> dict[str, Any]:
+    """The step as a bear.snapshot/1 map (the fields a replay needs; static fields stay put)."""
+    def req(rid: str, bl: list[int] | None) -> dict[str, Any]:
+        p = 16 * len(sim.prompts[rid]) + 8
+        held = len(bl or ())
+        return {"id": rid, "prompt_tokens": p, "computed_tokens": min(p, 16 * held), "output_tokens": 0,
+                "max_tokens": 64, "blocks": held, "exclusive_blocks": held,
+                "preemptions": sim.preemptions.get(rid, 0), "arrival": 0.0, "priority": 0}
+
+    return {"v": "bear.snapshot/1", "instance": "i", "model": "m", "generation": 0, "seq": step["seq"],
+            "time": float(step["seq"]),
+            "config": {"max_num_batched_tokens": 256, "max_num_seqs": 16, "block_size": 16,
+                       "num_gpu_blocks": sim.n, "max_model_len": 4096, "enable_prefix_caching": True},
+            "free_blocks": step["free_blocks"],
+            "running": [req(r[0], step["block_ids"][r[0]]) for r in step["running"]],
+            "waiting": [req(r[0], None) for r in step["waiting"]]}

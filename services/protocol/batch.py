@@ -18,6 +18,7 @@ from msgspec import UNSET, Meta, UnsetType
 
 from bear.protocol import schemas
 from bear.protocol.by_name import ByName
+from bear.protocol.codec import STRUCT_ENCODER
 
 MAX_ITEMS = 8192  # requests in one step: more is no engine's batch
 TokenCount = Annotated[int, Meta(ge=0, lt=2**31)]
@@ -52,21 +53,12 @@ class BatchRecord(ByName, msgspec.Struct, tag_field="v", tag=schemas.BATCH, kw_o
 FIELDS: tuple[str, ...] = ("v", *BatchRecord.__struct_fields__)  # the keys of the map on the wire
 
 
-def _plain(obj: Any) -> Any:
-    """A numpy scalar (a producer's duration or count) as the Python number msgpack writes."""
-    item = getattr(obj, "item", None)
-    if callable(item):
-        return item()
-    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
-
-
-_ENCODER = msgspec.msgpack.Encoder(enc_hook=_plain)
 
 
 def encode_batches(records: list[BatchRecord | dict[str, Any]]) -> bytes:
     """A ``bear.batches.<id>`` group: records as structs or as the snapshotter's maps, the bytes
     ``bear.protocol.codec.pack`` gave the maps (numpy numbers too, as it took them)."""
-    return _ENCODER.encode(records)
+    return STRUCT_ENCODER.encode(records)
 
 
 def batch_record(obj: Any) -> BatchRecord | None:

@@ -7,11 +7,24 @@ import math
 from typing import Any
 
 import msgpack
+import msgspec
 
 from bear.protocol.errors import BearError, ErrorCode
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 MAX_DEPTH = 64  # nesting of maps and lists: far beyond any BEAR message, far below Python's recursion limit
+
+
+def plain_number(obj: Any) -> Any:
+    """msgspec's ``enc_hook``: a numpy scalar (a producer's duration, a policy's float) as the
+    Python number msgpack writes, as ``pack`` takes it."""
+    item = getattr(obj, "item", None)
+    if callable(item):
+        return item()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+STRUCT_ENCODER = msgspec.msgpack.Encoder(enc_hook=plain_number)  # typed messages that may hold numpy numbers
 
 
 def pack(obj: Any) -> bytes:

@@ -32,7 +32,23 @@ class ErrorBody(ByName, msgspec.Struct):
     message: str = ""
 
 
-class ErrorReply(ByName, msgspec.Struct, tag_field="v", tag=schemas.ERROR, forbid_unknown_fields=False):
+class ErrorFields:
+    """``code`` and ``message`` of an error message's ``error`` body (the service reply's and the
+    reply stream's)."""
+
+    __slots__ = ()
+    error: ErrorBody
+
+    @property
+    def code(self) -> str:
+        return self.error.code
+
+    @property
+    def message(self) -> str:
+        return self.error.message
+
+
+class ErrorReply(ErrorFields, ByName, msgspec.Struct, tag_field="v", tag=schemas.ERROR, forbid_unknown_fields=False):
     """A service's error reply (``bear.resync``, ``bear.predict``, ``bear.estimate``):
     ``{"v": "bear.error/1", "error": {code, message}}`` — the bytes of the map it replaced.
     The reply stream's ``Error`` carries the same body plus its query's fields."""
@@ -42,14 +58,6 @@ class ErrorReply(ByName, msgspec.Struct, tag_field="v", tag=schemas.ERROR, forbi
     @property
     def v(self) -> str:
         return schemas.ERROR
-
-    @property
-    def code(self) -> str:
-        return self.error.code
-
-    @property
-    def message(self) -> str:
-        return self.error.message
 
 
 class BearError(Exception):

@@ -22,8 +22,8 @@ from msgspec import UNSET, UnsetType
 
 from bear.protocol import schemas
 from bear.protocol.by_name import ByName
-from bear.protocol.codec import MAX_MESSAGE_BYTES
-from bear.protocol.errors import ErrorBody
+from bear.protocol.codec import MAX_MESSAGE_BYTES, STRUCT_ENCODER, plain_number
+from bear.protocol.errors import ErrorBody, ErrorFields
 
 
 class Reply(ByName, msgspec.Struct, kw_only=True, tag_field="v", forbid_unknown_fields=False):
@@ -40,7 +40,7 @@ class Reply(ByName, msgspec.Struct, kw_only=True, tag_field="v", forbid_unknown_
 
     def as_dict(self) -> dict[str, Any]:
         """The message as the map it is on the wire (``v`` included, unset fields left out)."""
-        return msgspec.to_builtins(self, enc_hook=_plain)
+        return msgspec.to_builtins(self, enc_hook=plain_number)
 
 
 class Routed(Reply, tag=schemas.ROUTED, kw_only=True):
@@ -96,7 +96,7 @@ class Done(Reply, tag=schemas.DONE, kw_only=True):
         return True
 
 
-class Error(Reply, tag=schemas.ERROR, kw_only=True):
+class Error(ErrorFields, Reply, tag=schemas.ERROR, kw_only=True):
     """The query failed (terminal): ``error.code`` one of ``ErrorCode``; ``instance`` where it
     failed, when an instance did; ``client``: made by the client library (no router answered,
     the stream went silent, the query was not sent)."""
@@ -111,14 +111,6 @@ class Error(Reply, tag=schemas.ERROR, kw_only=True):
     def terminal(self) -> bool:
         return True
 
-    @property
-    def code(self) -> str:
-        return self.error.code
-
-    @property
-    def message(self) -> str:
-        return self.error.message
-
 
 Event = Routed | Chunk | Done | Error
 TERMINAL_TYPES = (Done, Error)
@@ -129,20 +121,11 @@ def error_event(code: str, message: str, **fields: Any) -> Error:
     return Error(error=ErrorBody(code=str(code), message=message), **fields)
 
 
-def _plain(obj: Any) -> Any:
-    """numpy scalars (floats a policy computed) as the Python numbers msgpack writes them as."""
-    item = getattr(obj, "item", None)
-    if callable(item):
-        return item()
-    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
-
-
-_ENCODER = msgspec.msgpack.Encoder(enc_hook=_plain)
 _DECODER = msgspec.msgpack.Decoder(Event)
 
 
 def encode_reply(msg: Reply) -> bytes:
-    return _ENCODER.encode(msg)
+    return STRUCT_ENCODER.encode(msg)
 
 
 def decode_reply(data: bytes) -> Reply | None:

@@ -10,29 +10,12 @@ import random
 from typing import Any
 
 import pytest
-from pool_sim import PoolSim
+from pool_sim import PoolSim, replay_state
 
 from bear import libbea
 from bear.instance.delta import StateStream, encode_delta
 from bear.prefix.tracked_pool import PoolTable, TrackedPool
 from bear.protocol.codec import pack
-
-
-def _state(sim: PoolSim, step: dict[str, Any]) -> dict[str, Any]:
-    def req(rid: str, bl: list[int] | None) -> dict[str, Any]:
-        p = 16 * len(sim.prompts[rid]) + 8
-        held = len(bl or ())
-        return {"id": rid, "prompt_tokens": p, "computed_tokens": min(p, 16 * held), "output_tokens": 0,
-                "max_tokens": 64, "blocks": held, "exclusive_blocks": held,
-                "preemptions": sim.preemptions.get(rid, 0), "arrival": 0.0, "priority": 0}
-
-    return {"v": "bear.snapshot/1", "instance": "i", "model": "m", "generation": 0, "seq": step["seq"],
-            "time": float(step["seq"]),
-            "config": {"max_num_batched_tokens": 256, "max_num_seqs": 16, "block_size": 16,
-                       "num_gpu_blocks": sim.n, "max_model_len": 4096, "enable_prefix_caching": True},
-            "free_blocks": step["free_blocks"],
-            "running": [req(r[0], step["block_ids"][r[0]]) for r in step["running"]],
-            "waiting": [req(r[0], None) for r in step["waiting"]]}
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -47,7 +30,7 @@ def test_a_consumer_holds_the_publishers_table_or_counts_never_a_wrong_one(seed:
     for _ in range(200):
         step = sim.step()
         pool.step(step)
-        snap = _state(sim, step)
+        snap = replay_state(sim, step)
         last = stream.last
         change = encode_delta(last, snap) if last is not None and last["seq"] == snap["seq"] - 1 else None
         pc = table.update(snap)
@@ -56,7 +39,7 @@ def test_a_consumer_holds_the_publishers_table_or_counts_never_a_wrong_one(seed:
         resync = rng.random() < 0.05
         stream.with_table(snap, change, table.full)
         full, delta = stream.encode(snap, change)
-        want = _state(sim, step)
+        want = replay_state(sim, step)
         table.full(want)
         if delta is not None and held is not None and not held.broken:
             try:

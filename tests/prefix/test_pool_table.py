@@ -10,7 +10,7 @@ from itertools import chain
 from typing import Any
 
 import pytest
-from pool_sim import PoolSim, snap_of
+from pool_sim import PoolSim, replay_state, snap_of
 
 from bear.prefix.tracked_pool import PoolTable, TrackedPool
 
@@ -141,22 +141,6 @@ def test_a_step_changes_what_it_touched_not_the_pool() -> None:
         assert change is not None and 0 < len(change.get("put", ())) // 4 + len(change.get("drop", ())) < 64
 
 
-def _state(sim: PoolSim, step: dict[str, Any]) -> dict[str, Any]:
-    """The step as a bear.snapshot/1 map (the fields a replay needs; static fields stay put)."""
-    def req(rid: str, bl: list[int] | None) -> dict[str, Any]:
-        p = 16 * len(sim.prompts[rid]) + 8
-        held = len(bl or ())
-        return {"id": rid, "prompt_tokens": p, "computed_tokens": min(p, 16 * held), "output_tokens": 0,
-                "max_tokens": 64, "blocks": held, "exclusive_blocks": held, "preemptions": sim.preemptions.get(rid, 0),
-                "arrival": 0.0,
-                "priority": 0}
-
-    return {"v": "bear.snapshot/1", "instance": "i", "model": "m", "seq": step["seq"], "time": float(step["seq"]),
-            "config": {"max_num_batched_tokens": 256, "max_num_seqs": 16, "block_size": 16,
-                       "num_gpu_blocks": sim.n, "max_model_len": 4096, "enable_prefix_caching": True},
-            "free_blocks": step["free_blocks"],
-            "running": [req(r[0], step["block_ids"][r[0]]) for r in step["running"]],
-            "waiting": [req(r[0], None) for r in step["waiting"]]}
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -177,9 +161,9 @@ def test_libbea_applies_the_changes_to_the_full_table_and_estimates_as_from_it(s
     for _ in range(250):
         step = sim.step()
         assert pool.step(step)
-        cur = _state(sim, step)
+        cur = replay_state(sim, step)
         change = table.update(cur)
-        full = _state(sim, step)
+        full = replay_state(sim, step)
         table.full(full)
         if change is None:
             live = libbea.Snapshot.from_dict(full)
@@ -196,7 +180,7 @@ def test_libbea_applies_the_changes_to_the_full_table_and_estimates_as_from_it(s
         a = libbea.estimate(live, q, beta=[1e-3, 1e-5, 0.0, 0.0])
         b = libbea.estimate(want, q, beta=[1e-3, 1e-5, 0.0, 0.0])
         assert a == b
-        old = _state(sim, step)  # the same step described as before (positions, indices)
+        old = replay_state(sim, step)  # the same step described as before (positions, indices)
         assert pool.describe(old)
         assert libbea.estimate(libbea.Snapshot.from_dict(old), q, beta=[1e-3, 1e-5, 0.0, 0.0], trace=True) == \
             libbea.estimate(want, q, beta=[1e-3, 1e-5, 0.0, 0.0], trace=True)
@@ -217,13 +201,13 @@ def test_a_delta_without_the_table_drops_it_and_one_for_a_state_without_it_keeps
     table = PoolTable(pool)
     s0 = sim.step()
     pool.step(s0)
-    st0 = _state(sim, s0)
+    st0 = replay_state(sim, s0)
     assert table.update(st0) is None
-    full = _state(sim, s0)
+    full = replay_state(sim, s0)
     table.full(full)
     s1 = sim.step()
     pool.step(s1)
-    st1 = _state(sim, s1)
+    st1 = replay_state(sim, s1)
     change = table.update(st1)
     d = encode_delta(st0, st1)
     assert d is not None and change is not None
