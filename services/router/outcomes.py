@@ -44,7 +44,8 @@ def metrics() -> Any:
                                   "Registry and calibration entries not taken", ["reason"]),
         loop_lag=Gauge("bear_router_loop_lag_seconds", "Recent event-loop lag (what admission sheds on)"),
         primed=Counter("bear_router_answers_primed_total", "Answers encoded ahead of their next turn (queued), "
-                                                           "or not (skipped: the priming thread was busy)", ["outcome"]),
+                                                           "or not (skipped: the priming thread was busy; paused: "
+                                                           "recent primes were rarely used)", ["outcome"]),
         prompt_tokens=Counter("bear_router_prompt_tokens_total", "Queries done by how the chosen instance's prompt "
                                                                  "length was known: exact (its tokenizer) or estimated "
                                                                  "(none registered or fetched)", ["how"]),

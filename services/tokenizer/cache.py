@@ -87,11 +87,11 @@ class Loaded:
                               self.bundle.special_tokens, add_generation_prompt=False)
             except ChatError:
                 return False
-            ce.encode_packed(text, False, check=False)
+            ce.prime_packed(text, False)
             return True
         if not ce.caches(True):
             return False
-        ce.encode_packed((prompt or "") + answer, True, check=False)
+        ce.prime_packed((prompt or "") + answer, True)
         return True
 
     def _encode(self, text: str, specials: bool, verify: Any, max_new_chars: int | None) -> bytes:
@@ -121,7 +121,7 @@ class TokenizerCache:
         # worth less than a query's own encoding, which has the other pool)
         self._prime_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bear-prime")
         self._prime_slots = threading.BoundedSemaphore(PRIME_PENDING)
-        self.primed = {"queued": 0, "skipped": 0}
+        self.primed = {"queued": 0, "skipped": 0, "paused": 0}
 
     def add(self, bundle: TokenizerBundle) -> str:
         """Use a bundle held locally (tests, the evaluation)."""
@@ -194,11 +194,15 @@ class TokenizerCache:
 
     def prime(self, bid: str | None, prompt: str | None, messages: Sequence[Mapping[str, Any]] | None,
               answer: str) -> str | None:
-        """Queue ``Loaded.prime`` for a finished answer (returns at once): "queued", "skipped"
+        """Queue ``Loaded.prime`` for a finished answer (returns at once): "queued", "paused"
+        (``ChunkedEncoder.priming_pays``: recent primes were rarely used), "skipped"
         (``PRIME_PENDING`` already waiting), or None (no such tokenizer loaded with a chunk cache)."""
         tok = self.loaded.get(bid or "")
         if tok is None or tok.chunked is None or not answer:
             return None
+        if not tok.chunked.priming_pays():
+            self.primed["paused"] += 1
+            return "paused"
         if not self._prime_slots.acquire(blocking=False):
             self.primed["skipped"] += 1
             return "skipped"

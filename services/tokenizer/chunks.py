@@ -62,12 +62,21 @@ def encode_ids(tok: Any, texts: list[str], specials: bool) -> list[list[int]]:
 @dataclass(eq=False)
 class Seen:
     """A prompt encoded before: its text, its cuts, the number of its tokens before each cut,
-    its ids (packed)."""
+    its ids (packed); ``primed``: encoded ahead of a next turn (``prime``), ``used``: a later
+    prompt started from it."""
 
     text: str
     cuts: list[int]
     ends: list[int]
     ids: bytes
+    primed: bool = False
+    used: bool = False
+
+
+PRIME_DECAY = 0.97  # the weight of an earlier prime per answer since (a window of ≈ 30 answers)
+PRIME_JUDGED_AFTER = 32  # primes before the share used is read
+PRIME_MIN_USED = 0.1  # below this share of primes used, priming is paused …
+PRIME_SAMPLE_EVERY = 16  # … all but one answer in this many (to see the workload change)
 
 
 class Deferred(Exception):
@@ -89,6 +98,10 @@ class ChunkedEncoder:
         self.encodings = 0
         self.hit_chars = 0
         self.total_chars = 0
+        self.primes = 0  # encodings ahead of a next turn, all
+        self._primed_w = 0.0  # … decayed per answer (PRIME_DECAY)
+        self._used_w = 0.0  # … of those, later started from (decayed alike)
+        self._paused = 0  # answers not primed while priming does not pay
         self._specials_free = tokenizer.encode("a b", add_special_tokens=True).ids == \
             tokenizer.encode("a b", add_special_tokens=False).ids
         self._probe()
@@ -154,9 +167,31 @@ class ChunkedEncoder:
         """The token ids of ``text`` (``specials``: with the post-processor's special tokens)."""
         return list(unpack(self.encode_packed(text, specials, check=check, verify=verify)))
 
+    def priming_pays(self) -> bool:
+        """Whether to encode an answer ahead of its next turn. A prime saves the next turn's
+        latency, not CPU (the answer is encoded once either way) — and costs a whole encoding
+        when no next turn starts from it (documents asked once each, single-turn traffic). So
+        once ``PRIME_JUDGED_AFTER`` primes were made, priming goes on while at least
+        ``PRIME_MIN_USED`` of the recent ones were used, and is otherwise paused but for one
+        answer in ``PRIME_SAMPLE_EVERY`` (the samples show when conversations come back)."""
+        with self._lock:  # a window over answers, not primes: a pause lets the old primes age out
+            self._primed_w *= PRIME_DECAY
+            self._used_w *= PRIME_DECAY
+        if self.primes < PRIME_JUDGED_AFTER or self._used_w >= PRIME_MIN_USED * self._primed_w:
+            return True
+        self._paused += 1
+        return self._paused % PRIME_SAMPLE_EVERY == 0
+
+    def prime_packed(self, text: str, specials: bool) -> bytes:
+        """``encode_packed`` of a guess at a next turn's prompt, counted for ``priming_pays``."""
+        with self._lock:
+            self.primes += 1
+            self._primed_w += 1.0
+        return self.encode_packed(text, specials, check=False, primed=True)
+
     def encode_packed(self, text: str, specials: bool, *, check: bool = True,
                       verify: Callable[[Callable[[], None]], None] | None = None,
-                      max_new_chars: int | None = None) -> bytes:
+                      max_new_chars: int | None = None, primed: bool = False) -> bytes:
         """``encode``, packed as the estimate request carries token ids. ``max_new_chars``: raise
         ``Deferred`` (nothing changed) rather than encode more new text than this."""
         if not self.caches(specials) or len(text) < 2 * self.stride:
@@ -164,6 +199,10 @@ class ChunkedEncoder:
                 raise Deferred
             return self._full(text, specials)
         base, k = self._lookup(text)
+        if base is not None and base.primed and not base.used and not primed:
+            with self._lock:
+                base.used = True
+                self._used_w += 1.0
         start = base.cuts[k - 1] if base is not None else 0
         if max_new_chars is not None and len(text) - start > max_new_chars:
             raise Deferred
@@ -182,7 +221,7 @@ class ChunkedEncoder:
             n += len(part)
             ends.append(n)
         ids = head + b"".join(pack(part) for part in parts)
-        self._file(self._key(text, start), Seen(text, cuts + new, ends, ids))
+        self._file(self._key(text, start), Seen(text, cuts + new, ends, ids, primed=primed))
         self.encodings += 1
         if check and verify is not None and self.verify_every and self.encodings % self.verify_every == 0:
             verify(lambda: self._verify(text, specials, ids))

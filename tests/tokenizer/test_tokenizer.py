@@ -318,8 +318,55 @@ def test_tokenizer_cache_primes_in_the_background_and_skips_when_busy(tmp_path: 
     for _ in range(PRIME_PENDING):
         assert cache._prime_slots.acquire(blocking=False)
     assert cache.prime(bid, None, msgs, answer) == "skipped"
-    assert cache.primed == {"queued": 1, "skipped": 1}
+    assert cache.primed == {"queued": 1, "skipped": 1, "paused": 0}
     asyncio.run(cache.close())
+
+
+def test_priming_pauses_where_no_next_turn_starts_from_it_and_resumes_where_one_does(tmp_path: Path) -> None:
+    """``ChunkedEncoder.priming_pays``: a prime is a whole encoding that saves the next turn's
+    latency, not CPU. Queries asked once each (a document, a new question) never start from
+    their primed answer: after ``PRIME_JUDGED_AFTER`` primes priming pauses, but for one answer in
+    ``PRIME_SAMPLE_EVERY``. Conversations that come back use their primes: priming resumes and
+    stays on. The ids are the full encoding's throughout."""
+    import random
+
+    from bear.benchmarks.prefix import write_bench_tokenizer
+    from bear.tokenizer.chunks import PRIME_JUDGED_AFTER, PRIME_SAMPLE_EVERY
+
+    _, vocab = write_bench_tokenizer(tmp_path / "bpe")
+    bundle = from_model_dir(tmp_path / "bpe")
+    tok, full = load(bundle), load(bundle, chunked=False)
+    ce = tok.chunked
+    assert ce is not None
+    rng = random.Random(3)
+    doc = "Read this. " + " ".join(rng.choice(vocab) for _ in range(1500))
+    asked = []
+    for q in range(PRIME_JUDGED_AFTER + 3 * PRIME_SAMPLE_EVERY):  # one question each, never a next turn
+        prompt = doc + f" question {q}: " + " ".join(rng.choice(vocab) for _ in range(40))
+        assert tok.encode(prompt, None) == full.encode(prompt, None)
+        asked.append(ce.priming_pays())
+        if asked[-1]:
+            assert tok.prime(prompt, None, " the answer " + " ".join(rng.choice(vocab) for _ in range(50)))
+    assert all(asked[:PRIME_JUDGED_AFTER])  # judged only after enough primes
+    late = asked[PRIME_JUDGED_AFTER + PRIME_SAMPLE_EVERY:]
+    assert 1 <= sum(late) <= len(late) // PRIME_SAMPLE_EVERY + 1, asked  # paused but for the samples
+    # conversations: every turn starts from the last one's primed answer
+    convs = [(f"system {c}. " + doc, "") for c in range(4)]
+    resumed = None
+    for turn in range(4 * PRIME_SAMPLE_EVERY):
+        c = turn % len(convs)
+        head, answer = convs[c]
+        prompt = head + answer + f" turn {turn}: " + " ".join(rng.choice(vocab) for _ in range(30))
+        assert tok.encode(prompt, None) == full.encode(prompt, None)
+        answer = " reply " + " ".join(rng.choice(vocab) for _ in range(50))
+        if ce.priming_pays():
+            resumed = turn if resumed is None else resumed
+            tok.prime(prompt, None, answer)
+            convs[c] = (prompt, answer)
+        else:
+            convs[c] = (prompt, answer)
+    assert resumed is not None
+    assert all(ce.priming_pays() for _ in range(2 * PRIME_SAMPLE_EVERY))  # back on, not sampled
 
 
 class _RacedStore:
