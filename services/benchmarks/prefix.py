@@ -12,10 +12,13 @@ document's first query an instance holds almost the whole prompt — the worst c
 Besides wall time, each router process's CPU time during the load (user + system, all threads:
 the tokenizer's encoding runs in the router's thread pool) divided by the queries it answered:
 the difference between the two routers is the CPU that exact tokens add per decision (the
-relay of the answers is the same in both). What each router spends idle (KV watches, heartbeats)
-is measured over ``idle_s`` before the load and taken off at that rate: at a few queries per
-second it would otherwise be milliseconds per query. /proc counts CPU in clock ticks (10 ms):
-figures below a tick per query want a few hundred queries.
+relay of the answers is the same in both). What the routers spend idle (KV watches, heartbeats;
+the same work in both) is measured over ``idle_s`` before each window, from both together, and
+taken off at that rate: at a few queries per second it is milliseconds a query, and /proc counts
+CPU in clock ticks (10 ms) — a tick in a 5-s idle measure was ±1 ms a query. The main thread
+(the event loop) and the other threads (the tokenizer's pool, a native library's workers) are
+reported apart, idle included. ``repeat`` windows on the one stack, each with documents of its
+own, give the median.
 
 The tokenizer is a byte-level BPE trained here (``tokenizers``) on the same synthetic text, with
 a vocabulary like a production model's (32k), so that encoding costs what a real BPE costs per
@@ -36,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from bear.runtime import aio
-from bear.runtime.measure import cpu_seconds, latency_ms
+from bear.runtime.measure import cpu_seconds, latency_ms, main_thread_cpu_seconds
 
 WORDS = 20_000
 
@@ -110,31 +113,42 @@ def _summary(recs: list[dict[str, Any]]) -> dict[str, Any]:
             "queries": len(recs)}
 
 
-def run_prefix_bench(rate: float, duration: float, prompt_tokens: int = 8192, docs: int = 6, seed: int = 0,
-                     tokenize_ms_reps: int = 200, idle_s: float = 5.0) -> dict[str, Any]:
-
+def _queries(tok: Any, vocab: list[str], rate: float, duration: float, prompt_tokens: int, docs: int,
+             seed: int) -> tuple[list[Any], np.ndarray, list[str]]:
+    """One window's queries (documents and questions of their own: ``seed``) and arrival times."""
     from bear.load.generator import LoadQuery
     from bear.load.targets import ttft_target_s
-    from bear.stack.stack import Stack, StackConfig, wait_ready
 
-    work = Path(tempfile.mkdtemp(prefix="bear-prefix-bench-"))
-    tok, vocab = write_bench_tokenizer(work / "tokenizer", seed)
     n = max(2, round(rate * duration))
     prompts = _prompts(tok, vocab, n, prompt_tokens, docs, seed)
     rng = np.random.default_rng(seed + 2)
     queries = [LoadQuery(query_id=f"pb-{seed}-{i}-{time.time_ns() % 10**9}", task="doc-qa", prompt=p,
                          prompt_tokens=prompt_tokens, quality={}, target_s=float(ttft_target_s(prompt_tokens, rng)[0]))
                for i, p in enumerate(prompts)]
-    times = np.cumsum(rng.exponential(1.0 / rate, n))
+    return queries, np.cumsum(rng.exponential(1.0 / rate, n)), prompts
+
+
+def run_prefix_bench(rate: float, duration: float, prompt_tokens: int = 8192, docs: int = 6, seed: int = 0,
+                     tokenize_ms_reps: int = 200, idle_s: float = 15.0, repeat: int = 1) -> dict[str, Any]:
+    """``repeat`` load windows on one stack, each with documents of its own (a new seed): each
+    window's CPU per query on either router, and their median — one window's figure moves by
+    a few tenths of a millisecond from run to run (a full garbage collection, ticks)."""
+    from bear.stack.stack import Stack, StackConfig, wait_ready
+
+    work = Path(tempfile.mkdtemp(prefix="bear-prefix-bench-"))
+    tok, vocab = write_bench_tokenizer(work / "tokenizer", seed)
+    first = _prompts(tok, vocab, 1, prompt_tokens, docs, seed)
     # the encoding alone, in this process, for scale
     t_enc = []
     for _ in range(tokenize_ms_reps):
         t = time.perf_counter()
-        tok.encode(prompts[0])
+        tok.encode(first[0])
         t_enc.append(time.perf_counter() - t)
     stack = Stack(StackConfig(workdir=work, calibrator=False, log_level="warning",
                               sim_args=["--tokenizer", str(work / "tokenizer")]))
     off_log = work / "outcomes-no-tokenize.jsonl"
+    windows: list[dict[str, Any]] = []
+    sent, errors = 0, {}
     with stack:
         # the second router: router-0's command line (identity, engine keys) without tokenising
         r0 = stack.children["router-0"]
@@ -146,26 +160,48 @@ def run_prefix_bench(rate: float, duration: float, prompt_tokens: int = 8192, do
             aio.run(wait_ready(stack.url, list(stack.instances), "bear", 60.0, stack, creds=stack.creds("admin")))
             time.sleep(2.0)  # the second router subscribed; tokenizers fetched
             pids = {"tokenize": stack.children["router-0"].proc.pid, "no_tokenize": extra.pid}  # type: ignore[union-attr]
-            idle0 = {k: cpu_seconds(pid, children=False) for k, pid in pids.items()}
-            time.sleep(idle_s)
-            cpu0 = {k: cpu_seconds(pid, children=False) for k, pid in pids.items()}
-            idle_rate = {k: (cpu0[k] - idle0[k]) / idle_s for k in pids}
-            t0 = time.time()
-            res = stack.run_load(queries, times)
-            elapsed = time.time() - t0
-            cpu1 = {k: cpu_seconds(pid, children=False) for k, pid in pids.items()}
+            for r in range(repeat):
+                queries, times, _ = _queries(tok, vocab, rate, duration, prompt_tokens, docs, seed + 10 * r)
+                done0 = {"tokenize": len(_records(stack.outcome_log(0))), "no_tokenize": len(_records(off_log))}
+                idle0 = {k: cpu_seconds(pid, children=False) for k, pid in pids.items()}
+                time.sleep(idle_s)
+                cpu0 = {k: cpu_seconds(pid, children=False) for k, pid in pids.items()}
+                main0 = {k: main_thread_cpu_seconds(pid) for k, pid in pids.items()}
+                # one idle rate for both (the same idle work by construction), from both: a tick
+                # (10 ms) in a few seconds, times the window, would otherwise be ~1 ms a query
+                idle = sum(cpu0[k] - idle0[k] for k in pids) / (len(pids) * idle_s)
+                idle_rate = dict.fromkeys(pids, idle)
+                t0 = time.time()
+                res = stack.run_load(queries, times)
+                elapsed = time.time() - t0
+                cpu1 = {k: cpu_seconds(pid, children=False) for k, pid in pids.items()}
+                main1 = {k: main_thread_cpu_seconds(pid) for k, pid in pids.items()}
+                sent += res.sent
+                for k, v in res.errors.items():
+                    errors[k] = errors.get(k, 0) + v
+                recs = {"tokenize": _records(stack.outcome_log(0))[done0["tokenize"]:],
+                        "no_tokenize": _records(off_log)[done0["no_tokenize"]:]}
+                w: dict[str, Any] = {"wall_s": elapsed}
+                for k in pids:
+                    busy = cpu1[k] - cpu0[k] - idle_rate[k] * elapsed
+                    w[k] = {"queries": len(recs[k]), "cpu_ms_per_query": busy * 1e3 / max(1, len(recs[k])),
+                            # the event loop's thread and the rest (the tokenizer's pools and workers), idle included
+                            "main_thread_cpu_ms_per_query": (main1[k] - main0[k]) * 1e3 / max(1, len(recs[k])),
+                            "other_threads_cpu_ms_per_query": (cpu1[k] - cpu0[k] - main1[k] + main0[k]) * 1e3
+                            / max(1, len(recs[k])),
+                            "idle_cpu_share": idle_rate[k]}
+                w["cpu_ms_added_per_decision"] = w["tokenize"]["cpu_ms_per_query"] - w["no_tokenize"]["cpu_ms_per_query"]
+                windows.append(w)
         finally:
             extra.terminate()
             extra.wait(timeout=20)
     on, off = _summary(_records(stack.outcome_log(0))), _summary(_records(off_log))
     for k, summary in (("tokenize", on), ("no_tokenize", off)):
-        busy = cpu1[k] - cpu0[k] - idle_rate[k] * elapsed
-        summary["cpu_ms_per_query"] = busy * 1e3 / max(1, summary["queries"])
-        summary["idle_cpu_share"] = idle_rate[k]
+        summary["cpu_ms_per_query"] = float(np.median([w[k]["cpu_ms_per_query"] for w in windows]))
     ratio = {k: on["decision"][k] / off["decision"][k] - 1.0 for k in ("p50_ms", "p90_ms", "mean_ms")
              if on["decision"].get(k) and off["decision"].get(k)}
     return {"rate_qps": rate, "duration_s": duration, "prompt_tokens": prompt_tokens, "documents": docs,
-            "sent": res.sent, "errors": dict(res.errors), "wall_s": elapsed,
-            "tokenize": on, "no_tokenize": off, "decision_overhead": ratio,
-            "cpu_ms_added_per_decision": on["cpu_ms_per_query"] - off["cpu_ms_per_query"],
+            "sent": sent, "errors": errors, "windows": windows, "tokenize": on, "no_tokenize": off,
+            "decision_overhead": ratio,
+            "cpu_ms_added_per_decision": float(np.median([w["cpu_ms_added_per_decision"] for w in windows])),
             "encode_8k_in_process": latency_ms(t_enc), "cpus": os.cpu_count(), "host_load": os.getloadavg()}

@@ -133,6 +133,9 @@ def router(
     log_level: LogLevelOpt = LogLevel.info,
 ) -> None:
     """Route queries from bear.submit: predictor + estimator → policy → instance, streaming back."""
+    from bear.tokenizer.chunks import encode_on_calling_thread
+
+    encode_on_calling_thread()
     configure_logging(log_format, log_level)
     setup_tracing("bear-router", trace_exporter, otlp_endpoint)
     from bear.router.config import RouterConfig

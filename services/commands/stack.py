@@ -380,6 +380,8 @@ def bench_prefix(
     duration: float = typer.Option(60.0, "--duration", callback=positive, help="Seconds of load (> 0)"),
     prompt_tokens: int = typer.Option(8192, "--prompt-tokens", min=64, help="Tokens per prompt"),
     out: Path | None = typer.Option(None, "--out", help="Write the result JSON here"),
+    repeat: int = typer.Option(1, "--repeat", min=1, max=20, help="Load windows on the one stack, each with "
+                               "documents of its own (1–20); the CPU figures are their median"),
     micro: bool = typer.Option(False, "--micro", help="Only the in-process micro-benchmark (no stack): block "
                                "hashing Python vs libbea, token ids as ints vs packed, hit lookup, chunked encoding"),
 ) -> None:
@@ -391,7 +393,8 @@ def bench_prefix(
     from bear.benchmarks.prefix import run_prefix_bench
     from bear.benchmarks.prefix_micro import run_micro
 
-    res = run_micro(prompt_tokens) if micro else {**run_prefix_bench(rate, duration, prompt_tokens=prompt_tokens),
+    res = run_micro(prompt_tokens) if micro else {**run_prefix_bench(rate, duration, prompt_tokens=prompt_tokens,
+                                                                     repeat=repeat),
                                                   "micro": run_micro(prompt_tokens, tokenizer=False)}
     Console().print_json(json.dumps(json_safe(res)))
     if out is not None:

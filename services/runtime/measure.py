@@ -32,3 +32,14 @@ def cpu_seconds(pid: int, *, children: bool = True) -> float:
     except (OSError, IndexError):
         return float("nan")
     return sum(int(x) for x in fields[11:15 if children else 13]) / os.sysconf("SC_CLK_TCK")
+
+
+def main_thread_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid``'s main thread (its event loop, in a BEAR
+    service), from /proc/<pid>/task/<pid>/stat; the rest of ``cpu_seconds`` is its other threads'
+    (thread pools, a native library's workers). NaN where that cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return float("nan")
+    return sum(int(x) for x in fields[11:13]) / os.sysconf("SC_CLK_TCK")

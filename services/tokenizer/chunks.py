@@ -31,6 +31,7 @@ post-processor adds tokens (a BOS) are encoded in full when special tokens are w
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import threading
@@ -53,10 +54,26 @@ def encode_ids(tok: Any, texts: list[str], specials: bool) -> list[list[int]]:
     ``encode`` holds the GIL for the whole call (an 8k-token prompt encoded in the router's
     thread pool stalled the router's event loop for 17 ms), its batch calls release it, and
     ``encode_batch_fast`` (tokenizers ≥ 0.21) skips the offsets no caller here needs — 35 % less
-    time (docs/results/prefix-cost-2026-12-01c.md). A batch is encoded in parallel."""
+    time (docs/results/prefix-cost-2026-12-01c.md). A batch is encoded in parallel
+    unless ``encode_on_calling_thread`` turned that off (``bear router`` does)."""
     fast = getattr(tok, "encode_batch_fast", None)
     encs = (fast or tok.encode_batch)(texts, add_special_tokens=specials)
     return [e.ids for e in encs]
+
+
+PARALLELISM_ENV = "TOKENIZERS_PARALLELISM"
+
+
+def encode_on_calling_thread() -> bool:
+    """Have ``tokenizers`` encode a batch on the calling thread (the GIL still released) rather
+    than in its rayon pool — unless ``TOKENIZERS_PARALLELISM`` is set already (the user's
+    choice stands); returns whether it is now off. A router encodes a query's new text, a few
+    hundred tokens: handing that to rayon's workers, which spin awhile for more work, cost
+    ≈ 0.3 ms of CPU per decision more in the live side-by-side (docs/router.md, "Encoding on
+    the calling thread"); a cold 8k prompt takes 9.4 ms on one thread against 6.0 ms on two
+    cores. ``tokenizers`` reads the variable at every call."""
+    os.environ.setdefault(PARALLELISM_ENV, "false")
+    return os.environ[PARALLELISM_ENV].lower() in ("false", "0", "off", "no")
 
 
 @dataclass(eq=False)

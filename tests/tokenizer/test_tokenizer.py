@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import nats
@@ -367,6 +368,23 @@ def test_priming_pauses_where_no_next_turn_starts_from_it_and_resumes_where_one_
             convs[c] = (prompt, answer)
     assert resumed is not None
     assert all(ce.priming_pays() for _ in range(2 * PRIME_SAMPLE_EVERY))  # back on, not sampled
+
+
+def test_the_router_encodes_on_the_calling_thread_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """``encode_on_calling_thread``: TOKENIZERS_PARALLELISM set to false where unset, a value the
+    user set kept (and reported as it is); the ids are the same either way."""
+    from bear.benchmarks.prefix import write_bench_tokenizer
+    from bear.tokenizer.chunks import PARALLELISM_ENV, encode_ids, encode_on_calling_thread
+
+    tok, vocab = write_bench_tokenizer(tmp_path / "bpe")
+    texts = [" ".join(vocab[k:k + 300]) for k in range(0, 3000, 300)]
+    monkeypatch.setenv(PARALLELISM_ENV, "true")
+    parallel = encode_ids(tok, texts, False)
+    assert encode_on_calling_thread() is False and os.environ[PARALLELISM_ENV] == "true"
+    monkeypatch.delenv(PARALLELISM_ENV)
+    assert encode_on_calling_thread() is True and os.environ[PARALLELISM_ENV] == "false"
+    assert encode_ids(tok, texts, False) == parallel
 
 
 class _RacedStore:
