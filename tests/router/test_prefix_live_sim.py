@@ -121,4 +121,4 @@ async def test_router_sim_exact_tokens_and_mirrored_hits(nats_server, tmp_path: 
         assert recs[qid]["prefix_hit_tokens"] == d["usage"]["cached_tokens"], (qid, recs[qid], d["usage"])
     assert recs["t0"]["prefix_hit_tokens"] == 0 and all(recs[f"t{t}"]["prefix_hit_tokens"] > 0 for t in (1, 2, 3))
     # every answer was encoded ahead of its next turn, and the turns' ids stayed exact (above)
-    assert router.tokenizers.primed == {"queued": 4, "skipped": 0}
+    assert router.tokenizers.primed == {"queued": 4, "skipped": 0, "paused": 0}
