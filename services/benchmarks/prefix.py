@@ -114,7 +114,7 @@ def _summary(recs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _queries(tok: Any, vocab: list[str], rate: float, duration: float, prompt_tokens: int, docs: int,
-             seed: int) -> tuple[list[Any], np.ndarray, list[str]]:
+             seed: int) -> tuple[list[Any], np.ndarray]:
     """One window's queries (documents and questions of their own: ``seed``) and arrival times."""
     from bear.load.generator import LoadQuery
     from bear.load.targets import ttft_target_s
@@ -125,7 +125,7 @@ def _queries(tok: Any, vocab: list[str], rate: float, duration: float, prompt_to
     queries = [LoadQuery(query_id=f"pb-{seed}-{i}-{time.time_ns() % 10**9}", task="doc-qa", prompt=p,
                          prompt_tokens=prompt_tokens, quality={}, target_s=float(ttft_target_s(prompt_tokens, rng)[0]))
                for i, p in enumerate(prompts)]
-    return queries, np.cumsum(rng.exponential(1.0 / rate, n)), prompts
+    return queries, np.cumsum(rng.exponential(1.0 / rate, n))
 
 
 def run_prefix_bench(rate: float, duration: float, prompt_tokens: int = 8192, docs: int = 6, seed: int = 0,
@@ -161,7 +161,7 @@ def run_prefix_bench(rate: float, duration: float, prompt_tokens: int = 8192, do
             time.sleep(2.0)  # the second router subscribed; tokenizers fetched
             pids = {"tokenize": stack.children["router-0"].proc.pid, "no_tokenize": extra.pid}  # type: ignore[union-attr]
             for r in range(repeat):
-                queries, times, _ = _queries(tok, vocab, rate, duration, prompt_tokens, docs, seed + 10 * r)
+                queries, times = _queries(tok, vocab, rate, duration, prompt_tokens, docs, seed + 10 * r)
                 done0 = {"tokenize": len(_records(stack.outcome_log(0))), "no_tokenize": len(_records(off_log))}
                 idle0 = {k: cpu_seconds(pid, children=False) for k, pid in pids.items()}
                 time.sleep(idle_s)
@@ -169,8 +169,7 @@ def run_prefix_bench(rate: float, duration: float, prompt_tokens: int = 8192, do
                 main0 = {k: main_thread_cpu_seconds(pid) for k, pid in pids.items()}
                 # one idle rate for both (the same idle work by construction), from both: a tick
                 # (10 ms) in a few seconds, times the window, would otherwise be ~1 ms a query
-                idle = sum(cpu0[k] - idle0[k] for k in pids) / (len(pids) * idle_s)
-                idle_rate = dict.fromkeys(pids, idle)
+                idle_rate = sum(cpu0[k] - idle0[k] for k in pids) / (len(pids) * idle_s)
                 t0 = time.time()
                 res = stack.run_load(queries, times)
                 elapsed = time.time() - t0
@@ -183,13 +182,13 @@ def run_prefix_bench(rate: float, duration: float, prompt_tokens: int = 8192, do
                         "no_tokenize": _records(off_log)[done0["no_tokenize"]:]}
                 w: dict[str, Any] = {"wall_s": elapsed}
                 for k in pids:
-                    busy = cpu1[k] - cpu0[k] - idle_rate[k] * elapsed
+                    busy = cpu1[k] - cpu0[k] - idle_rate * elapsed
                     w[k] = {"queries": len(recs[k]), "cpu_ms_per_query": busy * 1e3 / max(1, len(recs[k])),
                             # the event loop's thread and the rest (the tokenizer's pools and workers), idle included
                             "main_thread_cpu_ms_per_query": (main1[k] - main0[k]) * 1e3 / max(1, len(recs[k])),
                             "other_threads_cpu_ms_per_query": (cpu1[k] - cpu0[k] - main1[k] + main0[k]) * 1e3
                             / max(1, len(recs[k])),
-                            "idle_cpu_share": idle_rate[k]}
+                            "idle_cpu_share": idle_rate}
                 w["cpu_ms_added_per_decision"] = w["tokenize"]["cpu_ms_per_query"] - w["no_tokenize"]["cpu_ms_per_query"]
                 windows.append(w)
         finally:

@@ -53,8 +53,6 @@ class BatchRecord(ByName, msgspec.Struct, tag_field="v", tag=schemas.BATCH, kw_o
 FIELDS: tuple[str, ...] = ("v", *BatchRecord.__struct_fields__)  # the keys of the map on the wire
 
 
-
-
 def encode_batches(records: list[BatchRecord | dict[str, Any]]) -> bytes:
     """A ``bear.batches.<id>`` group: records as structs or as the snapshotter's maps, the bytes
     ``bear.protocol.codec.pack`` gave the maps (numpy numbers too, as it took them)."""
