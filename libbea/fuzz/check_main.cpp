@@ -28,14 +28,15 @@ static int run_one(const std::vector<uint8_t>& buf) {
     bea::ReplayOptions opt;
     opt.beta = {0.001, 1e-5, 1e-7, 1e-9};
     opt.max_steps = 100000;
-    opt.length_sigma = buf.size() % 2 ? 0.8 : 0.0;  // half the inputs with conditioned lengths
+    opt.length_sigma = buf.size() % 2 ? 0.8 : 0.0;  // half the inputs with conditioned lengths,
+    opt.length_draws = buf.size() % 4 == 1 ? 3 : 0;  // a quarter of them also with lengths drawn
     bea::Prepared p = bea::prepare(s, opt);
     bea::Query q;
     q.prompt_tokens = 100;
     q.max_tokens = 16;
     const bea::Value* query = chain ? nullptr : v.get("query");  // a test's query (hit chain, keys)
     if (query != nullptr) q = bea::query_from_value(*query);
-    if (q.prompt_tokens < s.config.max_model_len) (void)bea::estimate(p, q, opt);
+    if (q.prompt_tokens < s.config.max_model_len) (void)bea::estimate_with_lengths(p, q, opt, 0.0);
   } catch (const std::invalid_argument&) {
     return 0;
   }

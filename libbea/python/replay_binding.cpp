@@ -42,8 +42,10 @@ const char* status_name(Status s) {
 
 ReplayOptions options(py::handle beta, bool trace, bool collapse, int64_t default_out, double overrun,
                       int64_t max_steps, double arrival_tokens_per_s = 0.0, double arrival_prompt_tokens = 0.0,
-                      double length_sigma = 0.0) {
+                      double length_sigma = 0.0, int64_t length_draws = 0) {
   ReplayOptions o;
+  if (length_draws < 0 || length_draws > 1025) throw std::invalid_argument("length_draws must be in [0, 1025]");
+  o.length_draws = length_draws;
   if (!std::isfinite(length_sigma) || length_sigma < 0.0 || length_sigma > 8.0)
     throw std::invalid_argument("length_sigma must be finite and in [0, 8]");
   o.length_sigma = length_sigma;
@@ -209,11 +211,11 @@ void bind_replay(py::module_& m) {
       "estimate",
       [](PySnapshot& s, py::handle request, py::handle beta, py::handle lengths, bool trace, bool collapse,
          int64_t default_output_tokens, double overrun_fraction, int64_t max_steps, double age_s, py::handle ahead,
-         double arrival_tokens_per_s, double arrival_prompt_tokens, double length_sigma) {
+         double arrival_tokens_per_s, double arrival_prompt_tokens, double length_sigma, int64_t length_draws) {
         if (!lengths.is_none()) s.set_lengths_from(lengths);
         const Query q = query_from(request);
         const ReplayOptions opt = options(beta, trace, collapse, default_output_tokens, overrun_fraction, max_steps,
-                                          arrival_tokens_per_s, arrival_prompt_tokens, length_sigma);
+                                          arrival_tokens_per_s, arrival_prompt_tokens, length_sigma, length_draws);
         const auto held = s.prepared_ptr(opt);  // kept alive while the GIL is released
         const Prepared& p = *held;
         if (!std::isfinite(age_s) || age_s < 0.0) throw std::invalid_argument("age_s must be finite and >= 0");
@@ -222,7 +224,7 @@ void bind_replay(py::module_& m) {
         Estimate e;
         {
           py::gil_scoped_release nogil;
-          e = age_s > 0.0 ? estimate_at_age(p, q, opt, age_s, before) : estimate(p, q, opt, before);
+          e = estimate_with_lengths(p, q, opt, age_s, before);
         }
         return result_dict(e, p, q, trace, before);
       },
@@ -230,10 +232,11 @@ void bind_replay(py::module_& m) {
       py::arg("trace") = false, py::arg("collapse") = true, py::arg("default_output_tokens") = -1,
       py::arg("overrun_fraction") = 0.5, py::arg("max_steps") = 2'000'000, py::arg("age_s") = 0.0,
       py::arg("ahead") = py::none(), py::arg("arrival_tokens_per_s") = 0.0, py::arg("arrival_prompt_tokens") = 0.0,
-      py::arg("length_sigma") = 0.0,
+      py::arg("length_sigma") = 0.0, py::arg("length_draws") = 0,
       "Replay the snapshot with the new request; returns {ttft_s, n_batches, status[, batches]}.\n"
       "`length_sigma` > 0: residents already generating run to their median length given what they\n"
-      "generated (σ of log(actual / predicted) of the instance's answers).\n"
+      "generated (σ of log(actual / predicted) of the instance's answers); with `length_draws` > 0 the\n"
+      "estimate is instead the median over that many replays with every resident's length drawn.\n"
       "`ahead`: requests dispatched to the instance after the capture (dicts like the request, with\n"
       "`predicted_output`); they queue in front of the new request. `arrival_tokens_per_s`: expected\n"
       "prompt tokens/s that others will send after it (they fill the leftover budget of its steps);\n"
@@ -246,7 +249,7 @@ void bind_replay(py::module_& m) {
       [](std::vector<std::shared_ptr<PySnapshot>> snaps, py::handle request, std::vector<py::object> betas,
          int64_t default_output_tokens, double overrun_fraction, std::vector<double> ages, py::handle aheads,
          std::vector<double> arrival_rates, py::handle laters, std::vector<double> arrival_prompts,
-         std::vector<double> length_sigmas) {
+         std::vector<double> length_sigmas, int64_t length_draws) {
         if (!arrival_rates.empty() && arrival_rates.size() != snaps.size())
           throw std::invalid_argument("one arrival rate per snapshot");
         if (!length_sigmas.empty() && length_sigmas.size() != snaps.size())
@@ -272,7 +275,7 @@ void bind_replay(py::module_& m) {
           opts.push_back(options(betas[k], false, true, default_output_tokens, overrun_fraction, 2'000'000,
                                  arrival_rates.empty() ? 0.0 : arrival_rates[k],
                                  arrival_prompts.empty() ? 0.0 : arrival_prompts[k],
-                                 length_sigmas.empty() ? 0.0 : length_sigmas[k]));
+                                 length_sigmas.empty() ? 0.0 : length_sigmas[k], length_draws));
         }
         if (!laters.is_none()) {
           auto seq = py::reinterpret_borrow<py::sequence>(laters);
@@ -293,8 +296,7 @@ void bind_replay(py::module_& m) {
           for (size_t k = 0; k < snaps.size(); ++k) {
             try {
               const double age = ages.empty() ? 0.0 : ages[k];
-              out[k] = age > 0.0 ? estimate_at_age(*preps[k], qs[k], opts[k], age, before[k])
-                                 : estimate(*preps[k], qs[k], opts[k], before[k]);
+              out[k] = estimate_with_lengths(*preps[k], qs[k], opts[k], age, before[k]);
             } catch (const std::exception& ex) {
               errors[k] = ex.what();
             }
@@ -311,9 +313,11 @@ void bind_replay(py::module_& m) {
       py::arg("overrun_fraction") = 0.5, py::arg("ages") = std::vector<double>{}, py::arg("aheads") = py::none(),
       py::arg("arrival_rates") = std::vector<double>{}, py::arg("laters") = py::none(),
       py::arg("arrival_prompts") = std::vector<double>{}, py::arg("length_sigmas") = std::vector<double>{},
+      py::arg("length_draws") = 0,
       "Estimate one request against several instances in one call: [(ttft_s, n_batches, status), ...].\n"
       "`length_sigmas`: per snapshot, σ of log(actual / predicted) of its answers (0: residents run to\n"
-      "their predictions; > 0: a resident k tokens in runs to its conditional median length).\n"
+      "their predictions; > 0: a resident k tokens in runs to its conditional median length, or, with\n"
+      "`length_draws` > 0, the estimate is the median over that many replays with lengths drawn).\n"
       "`laters` (the error decomposition's oracle): per snapshot, the later arrivals known exactly, as\n"
       "request dicts with `after_s` (seconds after the query's arrival, ordered).\n"
       "`request`: one request for every snapshot, or a list with one per snapshot (a prompt length and\n"

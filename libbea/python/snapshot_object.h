@@ -33,11 +33,12 @@ class PySnapshot {
   std::shared_ptr<const bea::Prepared> prepared_ptr(const bea::ReplayOptions& opt) {
     if (broken_) throw std::invalid_argument("snapshot: a delta failed to apply to it; its state is unknown");
     if (!prep_ || opt.default_output_tokens != prep_default_ || opt.overrun_fraction != prep_overrun_ ||
-        opt.length_sigma != prep_sigma_) {
+        opt.length_sigma != prep_sigma_ || opt.length_draws != prep_draws_) {
       prep_ = std::make_shared<const bea::Prepared>(bea::prepare(snap_, opt));
       prep_default_ = opt.default_output_tokens;
       prep_overrun_ = opt.overrun_fraction;
       prep_sigma_ = opt.length_sigma;
+      prep_draws_ = opt.length_draws;
     }
     return prep_;
   }
@@ -127,6 +128,7 @@ class PySnapshot {
   int64_t prep_default_ = -1;
   double prep_overrun_ = 0.5;
   double prep_sigma_ = 0.0;
+  int64_t prep_draws_ = 0;
   std::unordered_map<std::string_view, int32_t> ids_;  // views of snap_'s own ids (cleared when a delta moves them)
   bea::ResidentIds resident_ids_;  // the residents' ids while deltas apply (built on the first)
   bool have_ids_ = false;

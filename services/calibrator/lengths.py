@@ -10,9 +10,8 @@ they turn out"). The factor is the ratio of sums: the replay sums the residents'
 blocks held, steps until they leave), and that sum is what must come out right (on ``bear
 eval``'s seed 7301 in the pool it did marginally better than the geometric mean, 10.0 % against
 10.6 % mean chosen-instance MAPE over the paper rates). σ of log(actual / predicted) is published
-too: with it the replay can run a resident that has generated k tokens to its median length
-given that it is longer than k (libbea's ``length_sigma``; ``EstimatorConfig.condition_lengths``,
-off: on seed 7301 it raised that MAPE at 5 q/s from 9.8 to 20.4 %). Both are measured where they
+too: the replay draws the residents' lengths with it and takes the median TTFT over the draws
+(libbea's ``length_sigma`` and ``length_draws``, ``EstimatorConfig.length_draws``). Both are measured where they
 are applied, per instance, from the outcomes routers publish, by ``bear calibrator`` (published
 with the instance's calibration) and by ``bear eval``'s simulated calibrator alike.
 """

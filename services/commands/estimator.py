@@ -158,6 +158,11 @@ def estimator(
         help="Run residents through each snapshot's age before inserting the query (assumes NTP-synchronised "
              "clocks between instances and workers)"
     ),
+    length_draws: int = typer.Option(
+        15, "--length-draws", min=0, max=1025,
+        help="Replays per estimate with the residents' output lengths drawn around their predictions (the "
+             "calibration's spread); the estimate is their median TTFT. 0: one replay with the predicted lengths "
+             "(cheaper: docs/estimator.md, \"Output lengths drawn\", has the cost)"),
     prefix_hits: bool = typer.Option(
         True, "--prefix-hits/--no-prefix-hits",
         help="Mirror the instances' prefix caches (bear.kv.*) and give each query's hit to the replay; "
@@ -185,7 +190,8 @@ def estimator(
         argv = ["--nats", nats_url, "--max-age", str(max_age_s), "--down-after", str(down_after_s),
                 "--default-output-tokens", str(default_output_tokens), "--overrun-fraction", str(overrun_fraction),
                 "--prefix", prefix, "--log-format", str(log_format), "--log-level", log_level,
-                "--shards", str(shards), "--shard", str(shard), "--metrics-host", metrics_host]
+                "--shards", str(shards), "--shard", str(shard), "--metrics-host", metrics_host,
+                "--length-draws", str(length_draws)]
         argv.append("--compensate-staleness" if compensate_staleness else "--no-compensate-staleness")
         argv.append("--prefix-hits" if prefix_hits else "--no-prefix-hits")
         raise typer.Exit(run_forked(argv, workers, metrics_port or None))
@@ -197,7 +203,7 @@ def estimator(
     start_metrics_server(metrics_port, metrics_host)
     cfg = EstimatorConfig(max_age_s=max_age_s, down_after_s=down_after_s, default_output_tokens=default_output_tokens,
                           overrun_fraction=overrun_fraction, compensate_staleness=compensate_staleness,
-                          use_prefix_hits=prefix_hits,
+                          use_prefix_hits=prefix_hits, length_draws=length_draws,
                           shards=shards, shard=shard)
     aio.run(run_worker(nats_url, cfg, prefix, with_calibrator))
 

@@ -59,6 +59,9 @@ class EstimatorConfig:
     # residents run to their median length given what they generated (the calibration's
     # length_sigma); off: on bear eval's seed 7301 it doubled the chosen instance's MAPE at 5 q/s
     condition_lengths: bool = False
+    # > 0: the estimate is the median over this many replays, the residents' lengths drawn around
+    # their predictions with the calibration's length_sigma (docs/estimator.md, "Output lengths drawn")
+    length_draws: int = 15
     # a sync engine still in the step it ran from the held state past that step's eq. 12 end (by
     # at most this share of it): the query joins the next step, not the one after a phantom one
     step_overrun: float = 0.25
@@ -104,7 +107,7 @@ def replay_inputs(st: InstanceState, now: float, cfg: EstimatorConfig,
         beta=st.calibration.coefficients,
         later=later,
         arrival_prompt_tokens=tokens_per_s / per_s if cfg.arrival_median and per_s > 0 else 0.0,
-        length_sigma=(st.calibration.length_sigma or 0.0) if cfg.condition_lengths else 0.0,
+        length_sigma=(st.calibration.length_sigma or 0.0) if cfg.condition_lengths or cfg.length_draws > 0 else 0.0,
     )
 
 
@@ -270,7 +273,7 @@ def run_jobs(p: Plan, cfg: EstimatorConfig) -> list[tuple[float, int, str]]:
             ages=[j.inputs.age_s for j in p.jobs], aheads=[j.inputs.ahead for j in p.jobs],
             arrival_rates=[j.inputs.arrival_tokens_per_s for j in p.jobs], laters=laters,
             arrival_prompts=[j.inputs.arrival_prompt_tokens for j in p.jobs],
-            length_sigmas=[j.inputs.length_sigma for j in p.jobs])
+            length_sigmas=[j.inputs.length_sigma for j in p.jobs], length_draws=cfg.length_draws)
     except ValueError:  # one bad instance must not sink the others: one at a time
         res = [_one(j, qd, cfg) for j, qd in zip(p.jobs, qds, strict=True)]
     return list(res)
@@ -282,7 +285,7 @@ def _one(j: Job, qd: dict[str, Any], cfg: EstimatorConfig) -> tuple[float, int, 
                             overrun_fraction=cfg.overrun_fraction, age_s=j.inputs.age_s, ahead=j.inputs.ahead,
                             arrival_tokens_per_s=j.inputs.arrival_tokens_per_s,
                             arrival_prompt_tokens=j.inputs.arrival_prompt_tokens,
-                            length_sigma=j.inputs.length_sigma)
+                            length_sigma=j.inputs.length_sigma, length_draws=cfg.length_draws)
         return float(r["ttft_s"]), int(r["n_batches"]), str(r["status"])
     except ValueError:
         return math.inf, 0, "error"

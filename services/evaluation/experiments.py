@@ -54,7 +54,7 @@ class Entry:
     role: str  # ours | baseline | ablation
     label: str = ""
     params: tuple[tuple[str, float], ...] = ()
-    estimator: tuple[tuple[str, bool], ...] = ()
+    estimator: tuple[tuple[str, bool | int], ...] = ()
 
 
 @functools.lru_cache(maxsize=4)
@@ -184,7 +184,7 @@ class Cell:
     rate: float
     seed: int
     params: tuple[tuple[str, float], ...] = ()
-    estimator: tuple[tuple[str, bool], ...] = ()
+    estimator: tuple[tuple[str, bool | int], ...] = ()
     arrivals: str = "poisson"
     ratio: float = 1.0
     delay_s: float = 0.0

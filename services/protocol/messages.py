@@ -116,8 +116,8 @@ class Calibration(Message, tag=schemas.CALIBRATION, kw_only=True):
     # turned out to be (Σ actual / Σ predicted over its recent outcomes: bear.calibrator.lengths);
     # the replay scales the residents' and the dispatches' lengths by it. None: not measured
     length_scale: Annotated[float, msgspec.Meta(gt=0)] | None = None
-    # … and σ of log(actual / predicted) around it: a resident that has generated k tokens is
-    # replayed to its median length given that it is longer than k (None: to its prediction)
+    # … and σ of log(actual / predicted) around it: the spread the replay draws the residents'
+    # lengths with (EstimatorConfig.length_draws; None: to their predictions)
     length_sigma: Annotated[float, msgspec.Meta(ge=0, le=8)] | None = None
     # the instance's recent BEA estimates' error as a distribution: observed / predicted TTFT at
     # each level of TTFT_RATIO_LEVELS (bear.calibrator.ttft_error); what P(on time) is read from

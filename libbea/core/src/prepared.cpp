@@ -101,11 +101,61 @@ void indexed_table(const Snapshot& s, Prepared& p) {
 
 }  // namespace
 
+namespace {
+
+// The prediction the replay takes for `r`: its own, else the default, else max_tokens; in [1, max_tokens].
+int64_t predicted_length(const Request& r, const ReplayOptions& opt) {
+  const int64_t pred = r.predicted_output >= 0 ? r.predicted_output
+                       : opt.default_output_tokens >= 0 ? opt.default_output_tokens
+                                                        : r.max_tokens;
+  return std::clamp<int64_t>(pred, 1, std::max<int64_t>(1, r.max_tokens));
+}
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (const char c : s) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 0x100000001b3ULL;
+  }
+  return h;
+}
+
+// A uniform number in (0, 1) for (request, draw): splitmix64 of the id's hash and the draw number.
+double uniform_of(uint64_t id_hash, int64_t draw) {
+  uint64_t z = id_hash + 0x9E3779B97F4A7C15ULL * static_cast<uint64_t>(draw);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  z ^= z >> 31;
+  return (static_cast<double>(z >> 11) + 0.5) * 0x1.0p-53;
+}
+
+// The standard normal quantile on all of (0, 1).
+double normal_quantile(double p) { return p >= 0.5 ? normal_quantile_upper(p) : -normal_quantile_upper(1.0 - p); }
+
+// Request `r`'s length in each of `draws` draws (appended to `out`; `point`: its point target,
+// kept where nothing can be drawn): a log-normal with mean `pred` (the calibrated prediction is a
+// mean: the location is ln(pred) − σ²/2) and spread `sigma`, given that it exceeds the `O`
+// tokens generated, within [O + 1, max_tokens].
+void draw_targets(const Request& r, int64_t pred, int64_t point, double sigma, int64_t draws, uint64_t id_hash,
+                  std::vector<int64_t>& out) {
+  const int64_t O = r.output_tokens;
+  const double mu = std::log(static_cast<double>(pred)) - 0.5 * sigma * sigma;
+  const double below = O > 0 ? 0.5 * std::erfc(-(std::log(static_cast<double>(O)) - mu) / (sigma * std::sqrt(2.0))) : 0.0;
+  for (int64_t d = 1; d <= draws; ++d) {
+    int64_t t = point;
+    const double u = below + uniform_of(id_hash, d) * (1.0 - below);
+    if (O < r.max_tokens && u > 0.0 && u < 1.0) {  // else done, or a tail too thin to draw from
+      const double l = std::exp(mu + sigma * normal_quantile(u));
+      if (std::isfinite(l)) t = std::max<int64_t>(O + 1, static_cast<int64_t>(std::min(std::ceil(l), static_cast<double>(r.max_tokens))));
+    }
+    out.push_back(t);
+  }
+}
+
+}  // namespace
+
 int64_t target_output(const Request& r, const ReplayOptions& opt) {
-  int64_t pred = r.predicted_output >= 0 ? r.predicted_output
-                 : opt.default_output_tokens >= 0 ? opt.default_output_tokens
-                                                  : r.max_tokens;
-  pred = std::clamp<int64_t>(pred, 1, r.max_tokens);
+  const int64_t pred = predicted_length(r, opt);
   const double sigma = opt.length_sigma;
   if (r.output_tokens > 0 && std::isfinite(sigma) && sigma > 0.0 && r.output_tokens < r.max_tokens) {
     const double l = conditional_median(static_cast<double>(pred), static_cast<double>(r.output_tokens),
@@ -140,6 +190,23 @@ Prepared prepare(const Snapshot& s, const ReplayOptions& opt) {
       p.names.push_back(r.id);
     }
   p.decode_start = decode_group_start(p.reqs, p.n_running, p.cfg);
+  if (opt.length_draws > 0 && opt.length_sigma > 0.0 && std::isfinite(opt.length_sigma)) {
+    // draw-major: draw d's lengths are drawn_targets[(d − 1)·n, d·n)
+    const size_t n = p.reqs.size();
+    const double sigma = std::min(opt.length_sigma, 8.0);
+    p.length_draws = opt.length_draws;
+    std::vector<int64_t> per;  // one request's draws
+    per.reserve(static_cast<size_t>(opt.length_draws));
+    p.drawn_targets.assign(n * static_cast<size_t>(opt.length_draws), 0);
+    size_t i = 0;
+    for (const auto* list : {&s.running, &s.waiting})
+      for (const auto& r : *list) {
+        per.clear();
+        draw_targets(r, predicted_length(r, opt), p.reqs[i].target_out, sigma, opt.length_draws, fnv1a(r.id), per);
+        for (size_t d = 0; d < per.size(); ++d) p.drawn_targets[d * n + i] = per[d];
+        ++i;
+      }
+  }
   if (s.has_pool) {
     p.tracked = true;
     indexed_table(s, p);
@@ -171,6 +238,13 @@ Prepared prepare(const Snapshot& s, const ReplayOptions& opt) {
     }
   }
   return p;
+}
+
+void use_drawn_lengths(Prepared& d, const Prepared& p, int64_t draw) {
+  const size_t n = p.reqs.size();
+  const size_t from = static_cast<size_t>(draw - 1) * n;
+  for (size_t i = 0; i < n; ++i) d.reqs[i].target_out = p.drawn_targets[from + i];
+  d.decode_start = decode_group_start(d.reqs, d.n_running, d.cfg);
 }
 
 }  // namespace bea

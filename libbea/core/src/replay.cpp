@@ -352,4 +352,26 @@ Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions&
   return e;
 }
 
+Estimate estimate_with_lengths(const Prepared& p, const Query& q, const ReplayOptions& opt, double age_s,
+                               const std::vector<Query>& ahead) {
+  auto one = [&](const Prepared& from) {
+    return age_s > 0.0 ? estimate_at_age(from, q, opt, age_s, ahead) : estimate(from, q, opt, ahead);
+  };
+  if (p.length_draws <= 0 || p.reqs.empty()) return one(p);
+  std::vector<Estimate> draws;
+  draws.reserve(static_cast<size_t>(p.length_draws));
+  Prepared drawn = p;  // one copy; each draw rewrites its lengths
+  for (int64_t d = 1; d <= p.length_draws; ++d) {
+    use_drawn_lengths(drawn, p, d);
+    draws.push_back(one(drawn));
+  }
+  std::vector<size_t> order(draws.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  const auto mid = order.begin() + static_cast<std::ptrdiff_t>(order.size() / 2);
+  // the upper median of the TTFTs (unschedulable and step-limited draws are +inf: they sort last)
+  std::nth_element(order.begin(), mid, order.end(),
+                   [&](size_t a, size_t b) { return draws[a].ttft_s < draws[b].ttft_s; });
+  return std::move(draws[*mid]);
+}
+
 }  // namespace bea

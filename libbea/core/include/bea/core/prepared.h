@@ -38,11 +38,21 @@ struct Prepared {
   std::vector<std::vector<int32_t>> chains;
   std::vector<uint8_t> has_chain;
   std::vector<std::vector<int64_t>> keys;  // per request: its block keys
+  // The residents' lengths drawn (ReplayOptions::length_draws > 0 with length_sigma > 0; else
+  // empty): draw d's target per request at [(d − 1)·n, d·n), n = reqs.size().
+  int64_t length_draws = 0;
+  std::vector<int64_t> drawn_targets;
 };
 
 Prepared prepare(const Snapshot& s, const ReplayOptions& opt);
 
 // The output length the replay lets resident `r` run to (docs/libbea.md, "Output lengths").
 int64_t target_output(const Request& r, const ReplayOptions& opt);
+
+// `d` (a copy of `p`) with the residents' lengths of draw `draw` (1 … p.length_draws) in place,
+// so that one copy serves every draw: each a log-normal with mean the prediction and the
+// options' σ, given that it exceeds what the resident has generated (docs/libbea.md, "Output
+// lengths drawn"; drawn once per state, in prepare, the same for every estimate against it).
+void use_drawn_lengths(Prepared& d, const Prepared& p, int64_t draw);
 
 }  // namespace bea

@@ -40,6 +40,13 @@ Estimate estimate(const Prepared& p, const Query& q, const ReplayOptions& opt, c
 Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions& opt, double age_s,
                          const std::vector<Query>& ahead = {});
 
+// The estimate as the options ask for it: where `p` was prepared with length draws (the options'
+// length_draws > 0 and length_sigma > 0), the draw whose TTFT is the (upper) median over that many
+// replays, each with the residents' lengths drawn (Prepared::drawn_targets); else the one replay
+// (estimate_at_age when `age_s` > 0, else estimate).
+Estimate estimate_with_lengths(const Prepared& p, const Query& q, const ReplayOptions& opt, double age_s,
+                               const std::vector<Query>& ahead = {});
+
 // The names of the requests an estimate queues after the residents, in its order: each request
 // ahead, then the query; one with sequences = n > 1 as vLLM's children "0_<id>" … "<n-1>_<id>".
 std::vector<std::string> arrival_names(const std::vector<Query>& ahead, const Query& q);

@@ -25,6 +25,12 @@ struct ReplayOptions {
   // with this σ has, conditioned on what the snapshot shows — instead of the prediction (or, past
   // it, the overrun rule). At k = 0 that median is the prediction itself.
   double length_sigma = 0.0;
+  // With length_sigma > 0, > 0: the estimate is the median TTFT over this many replays, each
+  // resident's length drawn from a log-normal with the prediction as its mean and this σ, given
+  // that it is longer than what it generated (docs/libbea.md, "Output lengths drawn"). Each
+  // draw is a function of the request's id and the draw's number: the same inputs, the same
+  // estimate. 0: one replay with the point lengths above.
+  int64_t length_draws = 0;
   int64_t max_steps = 2'000'000;  // a guard: no valid state needs this many steps
   // Expected prompt tokens per second that other clients will send to this instance after the
   // query (0: ignore). They queue behind the query, so they never change its schedule, but they
