@@ -211,7 +211,8 @@ void bind_replay(py::module_& m) {
       "estimate",
       [](PySnapshot& s, py::handle request, py::handle beta, py::handle lengths, bool trace, bool collapse,
          int64_t default_output_tokens, double overrun_fraction, int64_t max_steps, double age_s, py::handle ahead,
-         double arrival_tokens_per_s, double arrival_prompt_tokens, double length_sigma, int64_t length_draws) {
+         double arrival_tokens_per_s, double arrival_prompt_tokens, double length_sigma, int64_t length_draws,
+         bool draw_shortcut) {
         if (!lengths.is_none()) s.set_lengths_from(lengths);
         const Query q = query_from(request);
         const ReplayOptions opt = options(beta, trace, collapse, default_output_tokens, overrun_fraction, max_steps,
@@ -224,7 +225,7 @@ void bind_replay(py::module_& m) {
         Estimate e;
         {
           py::gil_scoped_release nogil;
-          e = estimate_with_lengths(p, q, opt, age_s, before);
+          e = estimate_with_lengths(p, q, opt, age_s, before, draw_shortcut);
         }
         return result_dict(e, p, q, trace, before);
       },
@@ -232,11 +233,12 @@ void bind_replay(py::module_& m) {
       py::arg("trace") = false, py::arg("collapse") = true, py::arg("default_output_tokens") = -1,
       py::arg("overrun_fraction") = 0.5, py::arg("max_steps") = 2'000'000, py::arg("age_s") = 0.0,
       py::arg("ahead") = py::none(), py::arg("arrival_tokens_per_s") = 0.0, py::arg("arrival_prompt_tokens") = 0.0,
-      py::arg("length_sigma") = 0.0, py::arg("length_draws") = 0,
+      py::arg("length_sigma") = 0.0, py::arg("length_draws") = 0, py::arg("draw_shortcut") = true,
       "Replay the snapshot with the new request; returns {ttft_s, n_batches, status[, batches]}.\n"
       "`length_sigma` > 0: residents already generating run to their median length given what they\n"
       "generated (σ of log(actual / predicted) of the instance's answers); with `length_draws` > 0 the\n"
-      "estimate is instead the median over that many replays with every resident's length drawn.\n"
+      "estimate is instead the median over that many replays with every resident's length drawn\n"
+      "(`draw_shortcut` false: every draw replayed even where none can differ from the point replay).\n"
       "`ahead`: requests dispatched to the instance after the capture (dicts like the request, with\n"
       "`predicted_output`); they queue in front of the new request. `arrival_tokens_per_s`: expected\n"
       "prompt tokens/s that others will send after it (they fill the leftover budget of its steps);\n"
@@ -360,12 +362,21 @@ void bind_replay(py::module_& m) {
         py::arg("ca2"), py::arg("cs2"), "Paper eq. 15.");
   m.def(
       "time_estimates",
-      [](PySnapshot& s, py::handle request, py::handle beta, int64_t reps, bool per_call) {
+      [](PySnapshot& s, py::handle request, py::handle beta, int64_t reps, bool per_call, double length_sigma,
+         int64_t length_draws, bool fresh) {
         if (reps < 1) throw std::invalid_argument("reps must be >= 1");
         const Query q = query_from(request);
-        const ReplayOptions opt = options(beta, false, true, -1, 0.5, 2'000'000);
+        const ReplayOptions opt = options(beta, false, true, -1, 0.5, 2'000'000, 0.0, 0.0, length_sigma, length_draws);
         const auto held = s.prepared_ptr(opt);
         const Prepared& p = *held;
+        const Snapshot& snap = s.snap();
+        // one estimate as the worker makes it: against the prepared state, or (fresh) preparing it
+        // first, as the first estimate after each engine step does
+        auto one = [&]() {
+          if (!fresh) return estimate_with_lengths(p, q, opt, 0.0);
+          const Prepared pp = prepare(snap, opt);
+          return estimate_with_lengths(pp, q, opt, 0.0);
+        };
         std::vector<double> out;
         {
           py::gil_scoped_release nogil;
@@ -375,21 +386,24 @@ void bind_replay(py::module_& m) {
             out.reserve(static_cast<size_t>(reps));
             for (int64_t k = 0; k < reps; ++k) {
               const auto t0 = clock::now();
-              const Estimate e = estimate(p, q, opt);
+              const Estimate e = one();
               const auto t1 = clock::now();
               sink = sink + e.ttft_s;
               out.push_back(std::chrono::duration<double>(t1 - t0).count());
             }
           } else {
             const auto t0 = clock::now();
-            for (int64_t k = 0; k < reps; ++k) sink = sink + estimate(p, q, opt).ttft_s;
+            for (int64_t k = 0; k < reps; ++k) sink = sink + one().ttft_s;
             out.push_back(std::chrono::duration<double>(clock::now() - t0).count());
           }
         }
         return out;
       },
       py::arg("snapshot"), py::arg("request"), py::arg("beta"), py::arg("reps"), py::arg("per_call") = true,
-      "Benchmark helper: run the same estimate `reps` times in C++ (GIL released); per-call seconds, or [total].");
+      py::arg("length_sigma") = 0.0, py::arg("length_draws") = 0, py::arg("fresh") = false,
+      "Benchmark helper: run the same estimate `reps` times in C++ (GIL released); per-call seconds, or [total].\n"
+      "`length_sigma`, `length_draws`: as estimate's; `fresh`: prepare the state before each estimate (the\n"
+      "first estimate after an engine step does; else the prepared state is shared).");
 
   m.def(
       "parse_msgpack_check",

@@ -197,16 +197,30 @@ def population_grid(
     return out
 
 
+DRAW_SIGMA = 0.6  # σ of log(actual / predicted) the draws use here: the 8B's and 32B's on bear eval's workload
+
+
 def run_population(reps: int, as_json: bool = False, print_table: bool = True) -> list[dict[str, Any]]:
-    """Median and p99 µs per estimate (timed in C++, one call at a time) over the population grid."""
+    """Median and p99 µs per estimate (timed in C++, one call at a time) over the population grid:
+    against a prepared state with the point lengths, and — as the first estimate after each engine
+    step, the state prepared in the call — with the point lengths and with the shipped length
+    draws (``EstimatorConfig.length_draws``, σ = DRAW_SIGMA)."""
+    from bear.estimator.estimate import EstimatorConfig
+
+    draws = EstimatorConfig().length_draws
     rows: list[dict[str, Any]] = []
     for n_running, n_waiting, snap_d, lengths, query in population_grid():
         snap = libbea.Snapshot.from_dict(snap_d)
         snap.set_output_lengths(lengths)
         ref = libbea.estimate(snap, query, beta=BETA)
         samples = np.asarray(libbea.time_estimates(snap, query, BETA, reps, True))
+        fresh = np.asarray(libbea.time_estimates(snap, query, BETA, reps, True, fresh=True))
+        drawn = np.asarray(libbea.time_estimates(snap, query, BETA, reps, True, length_sigma=DRAW_SIGMA,
+                                                 length_draws=draws, fresh=True))
         rows.append({"running": n_running, "waiting": n_waiting, "n_batches": ref["n_batches"], **_stats(samples),
-                     "reps": reps})
+                     "reps": reps, "length_draws": draws,
+                     **{f"fresh_{k}": v for k, v in _stats(fresh).items()},
+                     **{f"drawn_{k}": v for k, v in _stats(drawn).items()}})
     if print_table and not as_json:
         _print_population(rows)
     return rows
@@ -216,16 +230,21 @@ def _print_population(rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="BEA estimate time vs population (C++, µs per estimate: median / p99)",
-                  caption="1k-token prompts, budget 2048, block size 16, max_num_seqs max(256, running)")
-    table.add_column("running \\ waiting")
-    for w in POPULATION_WAITING:
-        table.add_column(str(w), justify="right")
-    for n_running in POPULATION_RUNNING:
-        cells = {r["waiting"]: r for r in rows if r["running"] == n_running}
-        table.add_row(str(n_running), *(f"{cells[w]['median_us']:.1f} / {cells[w]['p99_us']:.1f}"
-                                        if w in cells else "-" for w in POPULATION_WAITING))
-    Console().print(table)
+    caption = "1k-token prompts, budget 2048, block size 16, max_num_seqs max(256, running)"
+    for title, key in (("BEA estimate time vs population (C++, µs per estimate: median / p99)", ""),
+                       ("… the state prepared in the call (the first estimate after an engine step), "
+                        "point lengths", "fresh_"),
+                       (f"… the state prepared in the call, {rows[0]['length_draws'] if rows else 0} length draws "
+                        f"(σ {DRAW_SIGMA}, bear estimator's default)", "drawn_")):
+        table = Table(title=title, caption=caption)
+        table.add_column("running \\ waiting")
+        for w in POPULATION_WAITING:
+            table.add_column(str(w), justify="right")
+        for n_running in POPULATION_RUNNING:
+            cells = {r["waiting"]: r for r in rows if r["running"] == n_running}
+            table.add_row(str(n_running), *(f"{cells[w][key + 'median_us']:.1f} / {cells[w][key + 'p99_us']:.1f}"
+                                            if w in cells else "-" for w in POPULATION_WAITING))
+        Console().print(table)
 
 
 def _py_call(snap: Any, query: dict[str, Any]) -> float:

@@ -266,3 +266,31 @@ def test_output_lengths_by_index_equal_validating_path(case) -> None:
     assert ra == libbea.estimate(b, query, beta=BETA, max_steps=300_000)
     a.set_output_lengths(lengths)  # unchanged predictions: the prepared form is kept
     assert libbea.estimate(a, query, beta=BETA, max_steps=300_000) == ra
+
+
+@SETTINGS
+@given(states(), st.sampled_from([0.05, 0.3, 0.8]), st.integers(0, 60))
+def test_length_draws_shortcut_is_exact(case, sigma, age_units) -> None:
+    # Where no resident can reach its end (point or drawn) before the query's first token, the
+    # draws are skipped for the point replay: the same estimate as replaying every draw.
+    snap_d, query, lengths = case
+    s = libbea.Snapshot.from_dict(snap_d)
+    age = 0.0 if snap_d["config"]["async_scheduling"] else age_units * 1.37e-3
+    kw = {"beta": BETA, "lengths": lengths, "length_sigma": sigma, "length_draws": 7, "age_s": age,
+          "max_steps": 20000}
+    short = libbea.estimate(s, query, **kw)
+    full = libbea.estimate(s, query, draw_shortcut=False, **kw)
+    assert short["status"] == full["status"] and short["n_batches"] == full["n_batches"]
+    if full["status"] == "ok":
+        assert abs(short["ttft_s"] - full["ttft_s"]) <= 1e-9 * max(1.0, full["ttft_s"])
+    assert short == libbea.estimate(libbea.Snapshot.from_dict(snap_d), query, **kw)  # deterministic
+
+
+@BETAS
+@LARGE
+@given(large_states(), st.sampled_from([0.05, 0.6]))
+def test_length_draws_shortcut_is_exact_at_large_populations(beta, case, sigma) -> None:
+    snap_d, query, lengths = case
+    s = libbea.Snapshot.from_dict(snap_d)
+    kw = {"beta": beta, "lengths": lengths, "length_sigma": sigma, "length_draws": 5, "max_steps": 300_000}
+    _assert_same(libbea.estimate(s, query, **kw), libbea.estimate(s, query, draw_shortcut=False, **kw))

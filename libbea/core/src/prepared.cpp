@@ -203,7 +203,12 @@ Prepared prepare(const Snapshot& s, const ReplayOptions& opt) {
       for (const auto& r : *list) {
         per.clear();
         draw_targets(r, predicted_length(r, opt), p.reqs[i].target_out, sigma, opt.length_draws, fnv1a(r.id), per);
-        for (size_t d = 0; d < per.size(); ++d) p.drawn_targets[d * n + i] = per[d];
+        int64_t least = p.reqs[i].target_out;
+        for (size_t d = 0; d < per.size(); ++d) {
+          p.drawn_targets[d * n + i] = per[d];
+          least = std::min(least, per[d]);
+        }
+        if (r.output_tokens < r.max_tokens) p.draw_margin = std::min(p.draw_margin, least - r.output_tokens);
         ++i;
       }
   }

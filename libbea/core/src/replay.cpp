@@ -342,22 +342,31 @@ Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions&
     const AgeWindow w = advance_fast(fast, opt.beta, age_s);
     const int32_t query = enqueue(sched, q, ahead, p.time + age_s, opt, p.cfg.max_model_len, nullptr);
     e = run_sync(sched, &fast, query, opt, w.join_s, age_s, p.time);
+    e.aged_steps = w.steps;
   } else {
     Advanced a = advance(p, opt.beta, age_s);
     const int32_t query = enqueue(a.sched, q, ahead, p.time + age_s, opt, p.cfg.max_model_len, a.ledger.get());
     e = a.ledger ? run_sync(a.sched, nullptr, query, tracked_options(opt), a.join_s, age_s, p.time)
                  : run_sync(a.sched, nullptr, query, opt, a.join_s, age_s, p.time);
+    e.aged_steps = a.steps;
   }
   e.ttft_s = e.status == Status::Ok ? e.ttft_s - age_s : std::numeric_limits<double>::infinity();
   return e;
 }
 
 Estimate estimate_with_lengths(const Prepared& p, const Query& q, const ReplayOptions& opt, double age_s,
-                               const std::vector<Query>& ahead) {
+                               const std::vector<Query>& ahead, bool shortcut) {
   auto one = [&](const Prepared& from) {
     return age_s > 0.0 ? estimate_at_age(from, q, opt, age_s, ahead) : estimate(from, q, opt, ahead);
   };
   if (p.length_draws <= 0 || p.reqs.empty()) return one(p);
+  if (shortcut) {
+    // A resident gains at most one token a step (two with async scheduling's placeholder): if
+    // none can reach its end, point or drawn, within the steps the point replay ran to the
+    // query's first token, the draws run exactly these steps.
+    Estimate point = one(p);
+    if (point.status == Status::Ok && point.aged_steps + point.n_batches + 2 < p.draw_margin) return point;
+  }
   std::vector<Estimate> draws;
   draws.reserve(static_cast<size_t>(p.length_draws));
   Prepared drawn = p;  // one copy; each draw rewrites its lengths

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -42,6 +43,9 @@ struct Prepared {
   // empty): draw d's target per request at [(d − 1)·n, d·n), n = reqs.size().
   int64_t length_draws = 0;
   std::vector<int64_t> drawn_targets;
+  // The fewest tokens any request still has to generate before its end, point or drawn (the
+  // shortcut of estimate_with_lengths); int64 max when nothing is drawn.
+  int64_t draw_margin = std::numeric_limits<int64_t>::max();
 };
 
 Prepared prepare(const Snapshot& s, const ReplayOptions& opt);

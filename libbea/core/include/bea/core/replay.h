@@ -23,6 +23,7 @@ struct TraceItem {
 struct Estimate {
   double ttft_s = std::numeric_limits<double>::infinity();  // from the snapshot's capture time
   int64_t n_batches = 0;
+  int64_t aged_steps = 0;  // estimate_at_age: the steps the residents ran alone before the query joined
   Status status = Status::Ok;
   std::vector<std::vector<TraceItem>> trace;
   struct StepState { int64_t running, free_blocks, tokens; };
@@ -43,9 +44,12 @@ Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions&
 // The estimate as the options ask for it: where `p` was prepared with length draws (the options'
 // length_draws > 0 and length_sigma > 0), the draw whose TTFT is the (upper) median over that many
 // replays, each with the residents' lengths drawn (Prepared::drawn_targets); else the one replay
-// (estimate_at_age when `age_s` > 0, else estimate).
+// (estimate_at_age when `age_s` > 0, else estimate). The point replay runs first: when no
+// resident comes within Prepared::draw_margin tokens of its end in any draw before the query's
+// first token, every draw runs the same steps and the point estimate is returned (exact; off with
+// `shortcut` = false, for the tests that check it).
 Estimate estimate_with_lengths(const Prepared& p, const Query& q, const ReplayOptions& opt, double age_s,
-                               const std::vector<Query>& ahead = {});
+                               const std::vector<Query>& ahead = {}, bool shortcut = true);
 
 // The names of the requests an estimate queues after the residents, in its order: each request
 // ahead, then the query; one with sequences = n > 1 as vLLM's children "0_<id>" … "<n-1>_<id>".
