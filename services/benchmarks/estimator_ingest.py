@@ -195,7 +195,9 @@ def capacity(row: dict[str, Any], instances: int = 100) -> dict[str, Any]:
         busy = instances * STEPS_PER_S * ing_s
         out[mode] = {
             "per_step_us": ing,
-            "instances_at_30_steps_s": 1.0 / (STEPS_PER_S * ing_s),
+            # None: the ingest took less than the CPU clock resolves over a brief run (a worker's
+            # CPU is read in 10-ms ticks; over half a second of deltas it can read 0)
+            "instances_at_30_steps_s": 1.0 / (STEPS_PER_S * ing_s) if ing_s > 0 else None,
             f"ingest_core_share_at_{instances}": busy,
             f"estimates_per_s_at_{instances}": max(0.0, (1.0 - busy) / est_s),
             f"mb_per_s_at_{instances}": instances * STEPS_PER_S * row[f"{mode}_bytes_per_step"] / 1e6,
@@ -246,7 +248,8 @@ def print_ingest(rows: list[dict[str, Any]]) -> None:
             x = r["capacity"][mode]
             rx = r["nats"][mode]["cpu_us_per_message"] if "nats" in r else float("nan")
             c.add_row(str(r["residents"]), mode, f"{rx:.0f}", f"{x['per_step_us']:.0f}",
-                      f"{x['instances_at_30_steps_s']:,.0f}",
+                      "below resolution" if x["instances_at_30_steps_s"] is None
+                      else f"{x['instances_at_30_steps_s']:,.0f}",
                       f"{100 * x['ingest_core_share_at_100']:.0f} %", f"{x['estimates_per_s_at_100']:,.0f}",
                       f"{x['mb_per_s_at_100']:.2f}")
     Console().print(c)
