@@ -4,6 +4,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <array>
 #include <cstdint>
 #include <stdexcept>
 #include <memory>
@@ -29,18 +30,21 @@ class PySnapshot {
 
   const bea::Prepared& prepared(const bea::ReplayOptions& opt) { return *prepared_ptr(opt); }
   // Shared, so that a replay running without the GIL keeps its prepared form alive while the
-  // event loop applies the next delta (which replaces it).
+  // event loop applies the next delta (which replaces it). Two forms are kept per state, the two
+  // length policies last asked for: the estimate's (lengths drawn) and the load counters' and the
+  // step in flight's (point lengths) alternate on every estimate, and one slot rebuilt both each time.
   std::shared_ptr<const bea::Prepared> prepared_ptr(const bea::ReplayOptions& opt) {
     if (broken_) throw std::invalid_argument("snapshot: a delta failed to apply to it; its state is unknown");
-    if (!prep_ || opt.default_output_tokens != prep_default_ || opt.overrun_fraction != prep_overrun_ ||
-        opt.length_sigma != prep_sigma_ || opt.length_draws != prep_draws_) {
-      prep_ = std::make_shared<const bea::Prepared>(bea::prepare(snap_, opt));
-      prep_default_ = opt.default_output_tokens;
-      prep_overrun_ = opt.overrun_fraction;
-      prep_sigma_ = opt.length_sigma;
-      prep_draws_ = opt.length_draws;
-    }
-    return prep_;
+    for (const auto& slot : prep_)
+      if (slot.matches(opt)) return slot.prep;
+    PrepSlot& slot = prep_[prep_next_];
+    prep_next_ ^= 1;
+    slot.prep = std::make_shared<const bea::Prepared>(bea::prepare(snap_, opt));
+    slot.default_out = opt.default_output_tokens;
+    slot.overrun = opt.overrun_fraction;
+    slot.sigma = opt.length_sigma;
+    slot.draws = opt.length_draws;
+    return slot.prep;
   }
   // Apply a bear.delta/1 in place (bea/core/snapshot_delta.h): the arrivals' ids. A delta for
   // another state (generation, seq, time) throws and changes nothing; a malformed one throws and leaves the snapshot
@@ -54,7 +58,7 @@ class PySnapshot {
       have_ids_ = true;
     }
     ids_.clear();  // views into requests that move
-    prep_.reset();
+    clear_prepared();
     try {
       return bea::apply_delta(snap_, resident_ids_, v, h, lookup);
     } catch (...) {
@@ -65,7 +69,7 @@ class PySnapshot {
   bool broken() const { return broken_; }
   void set_lengths(const std::unordered_map<std::string, int64_t>& l) {
     snap_.set_output_lengths(l);
-    prep_.reset();
+    clear_prepared();
   }
   // Predicted lengths from a Python dict {id: tokens}. The usual dict (str ids, int tokens in
   // range) is applied through an index of the residents' ids, without an intermediate map; any
@@ -83,7 +87,7 @@ class PySnapshot {
       changed |= r.predicted_output != tokens;
       r.predicted_output = tokens;
     }
-    if (changed) prep_.reset();
+    if (changed) clear_prepared();
   }
   const bea::Snapshot& snap() const { return snap_; }
 
@@ -124,11 +128,23 @@ class PySnapshot {
   }
 
   bea::Snapshot snap_;
-  std::shared_ptr<const bea::Prepared> prep_;
-  int64_t prep_default_ = -1;
-  double prep_overrun_ = 0.5;
-  double prep_sigma_ = 0.0;
-  int64_t prep_draws_ = 0;
+  // A prepared form and the length policy it was prepared with.
+  struct PrepSlot {
+    std::shared_ptr<const bea::Prepared> prep;
+    int64_t default_out = -1;
+    double overrun = 0.5;
+    double sigma = 0.0;
+    int64_t draws = 0;
+    bool matches(const bea::ReplayOptions& o) const {
+      return prep && o.default_output_tokens == default_out && o.overrun_fraction == overrun &&
+             o.length_sigma == sigma && o.length_draws == draws;
+    }
+  };
+  void clear_prepared() {
+    for (auto& slot : prep_) slot.prep.reset();
+  }
+  std::array<PrepSlot, 2> prep_;
+  size_t prep_next_ = 0;
   std::unordered_map<std::string_view, int32_t> ids_;  // views of snap_'s own ids (cleared when a delta moves them)
   bea::ResidentIds resident_ids_;  // the residents' ids while deltas apply (built on the first)
   bool have_ids_ = false;
