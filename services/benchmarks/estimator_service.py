@@ -99,7 +99,10 @@ async def _publisher(url: str, snaps: list[dict[str, Any]], stop: asyncio.Event)
 
 
 def run_bench(nats_url: str | None, *, seconds: float = 5.0, concurrency: int = 32, n_instances: int = 3,
-              residents: int = 64, clients: int = 2, latency_seconds: float = 2.0) -> dict[str, Any]:
+              residents: int = 64, clients: int = 2, latency_seconds: float = 2.0,
+              length_draws: int | None = None) -> dict[str, Any]:
+    """``length_draws``: the started worker's ``--length-draws`` (None: its default); not
+    applied to the workers of a given ``nats_url``."""
     from bear.runtime.nats_server import LocalNatsServer
 
     server = None
@@ -107,7 +110,9 @@ def run_bench(nats_url: str | None, *, seconds: float = 5.0, concurrency: int = 
     if nats_url is None:
         server = LocalNatsServer().start()
         nats_url = server.url
-        worker = subprocess.Popen([sys.executable, "-m", "bear", "estimator", "--nats", nats_url, "--log-level", "warning"])
+        draws = [] if length_draws is None else ["--length-draws", str(length_draws)]
+        worker = subprocess.Popen([sys.executable, "-m", "bear", "estimator", "--nats", nats_url, "--log-level",
+                                   "warning", *draws])
     try:
         pid = worker.pid if worker is not None else None
         return aio.run(_run(nats_url, seconds, concurrency, n_instances, residents, clients, latency_seconds, pid))

@@ -218,15 +218,21 @@ def bench_estimator_service(
     residents: int = typer.Option(64, "--residents", min=0, help="Resident requests per instance snapshot"),
     clients: int = typer.Option(2, "--clients", min=1, help="Client processes generating load"),
     latency_seconds: float = typer.Option(2.0, "--latency-seconds", help="Unloaded-latency phase (one in flight)"),
+    length_draws: int | None = typer.Option(None, "--length-draws", min=0, max=1025,
+                                            help="The started worker's --length-draws (0: point lengths only; "
+                                                 "default: the worker's own); not with --nats"),
     log_format: LogFormatOpt = LogFormat.console,
 ) -> None:
     """Measure estimate throughput and service time of one worker process over NATS."""
+    if nats_url and length_draws is not None:
+        raise typer.BadParameter("--length-draws applies to the worker this command starts, not to those of --nats",
+                                 param_hint="--length-draws")
     configure_logging(log_format, "warning")
     from bear.benchmarks.estimator_service import run_bench
 
     res = run_bench(nats_url or None, seconds=seconds, concurrency=concurrency, n_instances=instances,
                     residents=residents, clients=clients,
-                    latency_seconds=latency_seconds)
+                    latency_seconds=latency_seconds, length_draws=length_draws)
     from rich import print as rprint
 
     rprint(res)

@@ -433,6 +433,27 @@ def bench_pool(
         out.write_text(json.dumps(json_safe(res), indent=2))
 
 
+def bench_relay(
+    tokens: int = typer.Option(256, "--tokens", min=1, max=65_536, help="Tokens every answer streams (1–65536)"),
+    answers: int = typer.Option(64, "--answers", min=1, max=100_000, help="Answers relayed per run (1–100000)"),
+    concurrency: int = typer.Option(16, "--concurrency", min=1, max=4096, help="Answers streaming at once (1–4096)"),
+    step_ms: float = typer.Option(20.0, "--step-ms", callback=positive,
+                                  help="The engine's time between two tokens of an answer (ms, > 0)"),
+    repeat: int = typer.Option(2, "--repeat", min=1, max=20, help="Runs per relay, interleaved (1–20); the figure "
+                               "is their median"),
+    out: Path | None = typer.Option(None, "--out", help="Write the result JSON here"),
+) -> None:
+    """CPU per relayed token of three relays on one engine and bus, each in a process of its
+    own: the router's (bear), aiohttp + nats-py forwarding events unparsed (minimal), asyncio
+    protocols on both sockets (raw: the floor of a Python relay); and what reached the bus."""
+    from bear.benchmarks.relay import relay_table, run_relay_bench
+
+    res = run_relay_bench(tokens, answers, concurrency, step_ms / 1e3, repeat)
+    print(relay_table(res))
+    if out is not None:
+        out.write_text(json.dumps(json_safe(res), indent=2))
+
+
 def register(app: typer.Typer) -> None:
     app.command("up")(up_cmd)
 
@@ -442,3 +463,4 @@ def register_bench(bench: typer.Typer) -> None:
     bench.command("faults")(bench_faults)
     bench.command("prefix")(bench_prefix)
     bench.command("pool")(bench_pool)
+    bench.command("relay")(bench_relay)

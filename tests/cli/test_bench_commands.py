@@ -33,6 +33,7 @@ BENCHES = [
     ("prefix", ["--rate", "2", "--duration", "2"], True),
     ("router", ["--rate", "5", "--duration", "2"], True),
     ("gateway", ["--rates", "5", "--duration", "1", "--max-tokens", "4"], True),
+    ("relay", ["--tokens", "8", "--answers", "4", "--concurrency", "2", "--step-ms", "5", "--repeat", "1"], True),
     ("faults", ["--faults", "worker-kill", "--rate", "5", "--duration", "3", "--at", "1"], True),
 ]
 
@@ -70,3 +71,17 @@ def test_bench_command_runs_and_reports_physical_figures(name: str, args: list[s
     assert not [(k, v) for k, v in bounded if v < 0], [(k, v) for k, v in bounded if v < 0][:5]
     timed = [v for k, v in figures if any(p.endswith(("_ms", "_s", "_us")) for p in k.split("."))]
     assert any(v > 0 for v in timed), figures[:10]
+
+
+def test_bench_relay_relays_every_token_of_every_answer(tmp_path: Path) -> None:
+    """Each relay's CPU figure is over the answers it relayed whole: every token of every
+    answer reached the bus, through each of the three relays (the raw one included)."""
+    out = tmp_path / "relay.json"
+    cmd = [sys.executable, "-m", "bear", "bench", "relay", "--tokens", "12", "--answers", "6", "--concurrency", "3",
+           "--step-ms", "2", "--repeat", "1", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert sorted(r["variant"] for r in result["runs"]) == ["bear", "minimal", "raw"]
+    for run in result["runs"]:
+        assert run["tokens_relayed"] == 6 * 12 and run["lost"] == 0, run
