@@ -27,6 +27,9 @@ import sys
 import time
 from typing import Any
 
+from bear.protocol.errors import BearError, ErrorCode
+from bear.runtime.children import die_with_parent
+
 VARIANTS = ("raw", "minimal", "bear")
 SINK = "bench.relay"
 TOKEN = b" tok"  # every streamed token's text
@@ -217,10 +220,12 @@ def run_relay_bench(tokens: int = 256, answers: int = 64, concurrency: int = 16,
     try:
         assert engine.stdout is not None
         if engine.stdout.readline().strip() != b"ready":
-            raise RuntimeError("the bench engine did not start")
+            raise BearError(ErrorCode.UNAVAILABLE, "the bench's engine process did not start: its error is above")
         with LocalNatsServer() as srv:
-            for _ in range(repeat):
+            for k in range(repeat):
                 for variant in variants:
+                    print(f"run {k + 1}/{repeat}: the {variant} relay, {answers} answers of {tokens} tokens …",
+                          file=sys.stderr, flush=True)
                     counted = aio.run(_count_while(srv.url, nats, tokens, [
                         "relay", variant, f"http://127.0.0.1:{port}/v1", srv.url, str(answers), str(concurrency)]))
                     runs.append(counted)
@@ -251,10 +256,11 @@ async def _count_while(url: str, nats: Any, tokens: int, args: list[str]) -> dic
     await nc.subscribe(f"{SINK}.>", cb=count)
     await nc.flush()
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "bear.benchmarks.relay", *args,
-                                                stdout=asyncio.subprocess.PIPE)
+                                                stdout=asyncio.subprocess.PIPE, start_new_session=True,
+                                                preexec_fn=die_with_parent())
     stdout, _ = await proc.communicate()
     if proc.returncode != 0:
-        raise RuntimeError(f"relay {args[1]} exited {proc.returncode}")
+        raise BearError(ErrorCode.UNAVAILABLE, f"the {args[1]} relay exited with {proc.returncode}: its error is above")
     res = json.loads(stdout.decode().strip().splitlines()[-1])
     await nc.flush()  # the relay flushed before it exited: every message is on its way here
     await nc.drain()  # … and drain hands each to ``count`` before it returns
