@@ -62,6 +62,10 @@ def _us(xs: list[float]) -> dict[str, float]:
     return {"p50_us": float(np.median(a)), "p99_us": float(np.percentile(a, 99)), "n": len(xs)}
 
 
+BETA = [1e-3, 1e-5, 0.0, 0.0]
+DRAWS = {"length_sigma": 0.5, "length_draws": 15, "draw_shortcut": False}
+
+
 class _States:
     """bear.snapshot/1 maps of the synthetic steps (static fields fixed per request), for libbea."""
 
@@ -91,9 +95,10 @@ def run_delta_bench(num_gpu_blocks: int, steps: int = 200, seed: int = 0) -> dic
     (``TrackedPool.step``, paid by the full description too) and the table's change
     (``PoolTable.update``) —, the change's msgpack bytes, and the worker's ingest of the step's
     ``bear.delta/1`` with the change (``libbea.Delta.from_msgpack`` + ``Snapshot.apply_delta``);
-    then the full table's cost (a full snapshot) and what the first estimate of a state pays for
-    deriving positions from tickets (``prepare``, once per state: the first estimate's time less
-    the second's)."""
+    then the full table's cost (a full snapshot), what the first estimate of a state pays for
+    deriving positions from tickets and the ledger's start (``prepare``, once per state: the first
+    estimate's time less the second's), and an estimate from the prepared state — point lengths,
+    and the estimator's 15 lengths drawn without the shortcut (every draw replayed)."""
     from bear import libbea
     from bear.instance.delta import encode_delta
 
@@ -109,7 +114,8 @@ def run_delta_bench(num_gpu_blocks: int, steps: int = 200, seed: int = 0) -> dic
     full_s = time.perf_counter() - t
     full_bytes = pack(first)
     live = libbea.Snapshot.from_dict(first)
-    ops_t, upd_t, step_t, ingest_t, change_bytes, delta_bytes, est_t = [], [], [], [], [], [], []
+    ops_t, upd_t, step_t, ingest_t, change_bytes, delta_bytes = [], [], [], [], [], []
+    est_t, again_t, drawn_t = [], [], []
     q = {"id": "Q", "prompt_tokens": 256, "max_tokens": 2, "block_keys": keys_of(pool.names.get("w0", [])[:4])}
     for k, (step, snap) in enumerate(zip(st, snaps[1:], strict=True)):
         t0 = time.perf_counter()
@@ -134,12 +140,18 @@ def run_delta_bench(num_gpu_blocks: int, steps: int = 200, seed: int = 0) -> dic
         t = time.perf_counter()
         live.apply_delta(libbea.Delta.from_msgpack(body))
         ingest_t.append(time.perf_counter() - t)
-        if k % 10 == 0:  # the first estimate of a state prepares it; the second finds it prepared
+        if k % 10 == 0:  # the first estimate of a state prepares it; the later ones find it prepared
             t = time.perf_counter()
-            libbea.estimate(live, q, beta=[1e-3, 1e-5, 0.0, 0.0])
+            libbea.estimate(live, q, beta=BETA)
             t1 = time.perf_counter()
-            libbea.estimate(live, q, beta=[1e-3, 1e-5, 0.0, 0.0])
-            est_t.append(max(0.0, 2 * t1 - t - time.perf_counter()))
+            libbea.estimate(live, q, beta=BETA)
+            t2 = time.perf_counter()
+            est_t.append(max(0.0, 2 * t1 - t - t2))
+            again_t.append(t2 - t1)
+            libbea.estimate(live, q, beta=BETA, **DRAWS)  # its prepared form with lengths drawn
+            t = time.perf_counter()
+            libbea.estimate(live, q, beta=BETA, **DRAWS)
+            drawn_t.append(time.perf_counter() - t)
         prev = cur
     last = states.state(st[-1]["seq"], snaps[-1], pool.holders, st[-1]["free_blocks"])
     table.full(last)
@@ -150,6 +162,7 @@ def run_delta_bench(num_gpu_blocks: int, steps: int = 200, seed: int = 0) -> dic
             "snapshotter_step": _us(step_t), "apply_ops": _us(ops_t), "table_change": _us(upd_t),
             "change_bytes_p50": float(np.median(change_bytes)), "delta_bytes_p50": float(np.median(delta_bytes)),
             "worker_ingest": _us(ingest_t), "prepare_per_state": _us(est_t),
+            "estimate_prepared": _us(again_t), "estimate_drawn_prepared": _us(drawn_t),
             "full_table": {"ms": full_s * 1e3, "bytes": len(full_bytes)}}
 
 

@@ -203,3 +203,38 @@ if __name__ == "__main__":
     seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     for k, v in summary(n, seed).items():
         print(f"{k:32s} {v:.4f}" if isinstance(v, float) else f"{k:32s} {v}")
+
+
+def test_replays_share_the_state_start_and_change_none_of_it() -> None:
+    """Every replay against a state starts from the ledger start built once for it (prepare) and
+    keeps its changes to itself: on one snapshot object, the query's replay after other replays
+    (another query that hits, evicts and preempts on its own; the same query with a dispatch
+    ahead) is the one a fresh snapshot of the same state gives — batches and free blocks."""
+    checked = 0
+    for case in range(120):
+        e, w, lengths = loaded_engine(random.Random(70_000 + case))
+        if not e.has_work:
+            continue
+        _, prompt, answer = w.request()
+        _, other, other_answer = w.request()
+        qh, oh = H.hashes(prompt + answer), H.hashes(other + other_answer)
+        snap, qtab = e.tracked_snapshot("i", "m", 0.0, qh)
+        _, otab = e.tracked_snapshot("i", "m", 0.0, oh)
+        query = {"id": "Q", "prompt_tokens": len(prompt), "max_tokens": 64, "predicted_output": len(answer), **qtab}
+        rival = {"id": "O", "prompt_tokens": len(other), "max_tokens": 64, "predicted_output": len(other_answer),
+                 **{k: v for k, v in otab.items() if k != "hit_blocks"}}  # its chain indexes another table
+
+        def replay(s: libbea.Snapshot, ahead: list[dict] | None = None, q: dict = query,
+                   lengths: dict[str, int] = lengths) -> tuple:
+            r = libbea.estimate(s, q, beta=BETA, lengths=lengths, trace=True, ahead=ahead or [])
+            return r["batches"], [st["free_blocks"] for st in r["steps"]]
+
+        fresh = replay(libbea.Snapshot.from_dict(snap))
+        fresh_behind = replay(libbea.Snapshot.from_dict(snap), ahead=[rival])
+        shared = libbea.Snapshot.from_dict(snap)
+        assert replay(shared) == fresh, case
+        replay(shared, q=rival)
+        assert replay(shared, ahead=[rival]) == fresh_behind, case
+        assert replay(shared) == fresh, case
+        checked += 1
+    assert checked > 80

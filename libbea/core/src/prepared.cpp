@@ -4,9 +4,11 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 
 #include "bea/core/request_fields.h"
+#include "bea/core/tracked_ledger.h"
 
 namespace bea {
 
@@ -47,14 +49,15 @@ double conditional_median(double pred, double k, double sigma) {
 // ticket (a block's rank is its place in the free queue), the free blocks nobody named left out
 // (they only take places), the cached ones first in stamp order, then the held ones nobody named;
 // each running request's tracked blocks as indices. Once per state (Prepared is kept per state).
-void indexed_table(const Snapshot& s, Prepared& p) {
+void indexed_table(const Snapshot& s, const Prepared& p, TrackedTable& t) {
   const auto nb = static_cast<size_t>(std::max<int64_t>(s.config.num_gpu_blocks, 0));
-  std::vector<std::pair<int64_t, int64_t>> free, cached;  // (ticket, id), (stamp, id)
+  std::vector<std::pair<int64_t, int64_t>> free;  // (ticket, id)
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> cached;  // (stamp, id, key)
   std::vector<int64_t> held;
   free.reserve(static_cast<size_t>(s.pool_free));
   for (const auto& [id, e] : s.pool) {
     if (e.ticket >= 0) free.emplace_back(e.ticket, id);
-    if (e.key >= 0) cached.emplace_back(e.stamp, id);
+    if (e.key >= 0) cached.emplace_back(e.stamp, id, e.key);
     else if (e.ticket < 0) held.push_back(id);
   }
   std::sort(free.begin(), free.end());
@@ -63,21 +66,21 @@ void indexed_table(const Snapshot& s, Prepared& p) {
   std::vector<int64_t> pos(nb, -1);
   for (size_t k = 0; k < free.size(); ++k) pos[static_cast<size_t>(free[k].second)] = static_cast<int64_t>(k);
   std::vector<int32_t> index(nb, -1);
-  p.tracked_pos.reserve(cached.size() + held.size());
-  p.tracked_keys.reserve(cached.size() + held.size());
-  for (const auto& [stamp, id] : cached) {
-    index[static_cast<size_t>(id)] = static_cast<int32_t>(p.tracked_pos.size());
-    p.tracked_pos.push_back(pos[static_cast<size_t>(id)]);
-    p.tracked_keys.push_back(s.pool.at(id).key);
+  t.pos.reserve(cached.size() + held.size());
+  t.keys.reserve(cached.size() + held.size());
+  for (const auto& [stamp, id, key] : cached) {
+    index[static_cast<size_t>(id)] = static_cast<int32_t>(t.pos.size());
+    t.pos.push_back(pos[static_cast<size_t>(id)]);
+    t.keys.push_back(key);
   }
   for (int64_t id : held) {
-    index[static_cast<size_t>(id)] = static_cast<int32_t>(p.tracked_pos.size());
-    p.tracked_pos.push_back(-1);
-    p.tracked_keys.push_back(-1);
+    index[static_cast<size_t>(id)] = static_cast<int32_t>(t.pos.size());
+    t.pos.push_back(-1);
+    t.keys.push_back(-1);
   }
-  p.chains.reserve(p.reqs.size());
-  p.has_chain.reserve(p.reqs.size());
-  p.keys.reserve(p.reqs.size());
+  t.chains.reserve(p.reqs.size());
+  t.has_chain.reserve(p.reqs.size());
+  t.req_keys.reserve(p.reqs.size());
   for (const auto* list : {&s.running, &s.waiting})
     for (size_t k = 0; k < list->size(); ++k) {
       const Request& r = (*list)[k];
@@ -87,15 +90,15 @@ void indexed_table(const Snapshot& s, Prepared& p) {
         if (static_cast<int64_t>(r.tracked_ids.size()) > r.blocks) throw std::invalid_argument(f + ": more blocks than it holds");
         chain.reserve(r.tracked_ids.size());
         for (int64_t id : r.tracked_ids) {
-          const int32_t t = id >= 0 && static_cast<size_t>(id) < nb ? index[static_cast<size_t>(id)] : -1;
-          if (t < 0 || p.tracked_pos[static_cast<size_t>(t)] >= 0)
+          const int32_t at = id >= 0 && static_cast<size_t>(id) < nb ? index[static_cast<size_t>(id)] : -1;
+          if (at < 0 || t.pos[static_cast<size_t>(at)] >= 0)
             throw std::invalid_argument(f + ": block " + std::to_string(id) + " is not a held block of the table");
-          chain.push_back(t);
+          chain.push_back(at);
         }
       }
-      p.chains.push_back(std::move(chain));
-      p.has_chain.push_back(!r.block_keys.empty() ? 1 : 0);
-      p.keys.push_back(r.block_keys);
+      t.chains.push_back(std::move(chain));
+      t.has_chain.push_back(!r.block_keys.empty() ? 1 : 0);
+      t.req_keys.push_back(r.block_keys);
     }
 }
 
@@ -212,22 +215,26 @@ Prepared prepare(const Snapshot& s, const ReplayOptions& opt) {
         ++i;
       }
   }
-  if (s.has_pool) {
+  if (s.has_pool || s.has_tracked) {
     p.tracked = true;
-    indexed_table(s, p);
-  } else if (s.has_tracked) {
-    p.tracked = true;
-    p.tracked_pos = s.tracked_blocks;
-    p.tracked_keys = s.tracked_keys;
-    p.chains.reserve(p.reqs.size());
-    p.has_chain.reserve(p.reqs.size());
-    p.keys.reserve(p.reqs.size());
-    for (const auto* list : {&s.running, &s.waiting})
-      for (const auto& r : *list) {
-        p.chains.push_back(list == &s.running ? r.tracked : r.hit_blocks.value_or(std::vector<int32_t>{}));
-        p.has_chain.push_back(r.hit_blocks.has_value() || !r.block_keys.empty() ? 1 : 0);
-        p.keys.push_back(r.block_keys);
-      }
+    auto t = std::make_shared<TrackedTable>();
+    if (s.has_pool) {
+      indexed_table(s, p, *t);
+    } else {
+      t->pos = s.tracked_blocks;
+      t->keys = s.tracked_keys;
+      t->chains.reserve(p.reqs.size());
+      t->has_chain.reserve(p.reqs.size());
+      t->req_keys.reserve(p.reqs.size());
+      for (const auto* list : {&s.running, &s.waiting})
+        for (const auto& r : *list) {
+          t->chains.push_back(list == &s.running ? r.tracked : r.hit_blocks.value_or(std::vector<int32_t>{}));
+          t->has_chain.push_back(r.hit_blocks.has_value() || !r.block_keys.empty() ? 1 : 0);
+          t->req_keys.push_back(r.block_keys);
+        }
+    }
+    TrackedLedger::start(*t, p);  // once per state: every replay against it starts from here
+    p.table = std::move(t);
   }
   if (s.inflight && p.cfg.async_scheduling) {
     p.has_inflight = true;

@@ -1,58 +1,114 @@
 #include "bea/core/tracked_ledger.h"
 
 #include <algorithm>
-#include <limits>
 #include <stdexcept>
 
 namespace bea {
 namespace {
-constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
+// What the ledger counts computed for running request `r` at the snapshot.
+int64_t computed_at_start(const Prepared::Req& r) { return std::min(r.C, r.P + r.O); }
+}  // namespace
+
+TrackedLedger::TrackedLedger(const Prepared& p) : block_size_(p.cfg.block_size) {
+  const std::shared_ptr<const TrackedTable>& t = p.table;
+  if (!t) throw std::logic_error("tracked ledger: the prepared form has no table");
+  bool same = t->started && t->computed.size() == p.n_running && t->holders.size() <= p.reqs.size();
+  for (size_t k = 0; same && k < p.n_running; ++k) same = t->computed[k] == computed_at_start(p.reqs[k]);
+  if (!same) {  // a draw whose lengths cut a running request short of what the start computed
+    *this = TrackedLedger(p, *t);
+    return;
+  }
+  table_ = t;
+  n_start_ = t->blocks.size();
+  slot_.assign(n_start_, -1);
+  reqs_ = t->holders;
+  reqs_.resize(p.reqs.size());
+  table_size_ = t->pos.size();
+  free_ = t->free;
+  end_ = t->end;
 }
 
-TrackedLedger::TrackedLedger(const Prepared& p)
-    : table_size_(p.tracked_pos.size()), block_size_(p.cfg.block_size), free_(p.free_blocks), low_(kNone) {
-  blocks_.resize(p.tracked_pos.size());
-  for (size_t t = 0; t < p.tracked_pos.size(); ++t) {
-    Block& b = blocks_[t];
-    if (p.tracked_pos[t] >= 0) {  // a free block is a cached one (else no hit could name it)
-      b.abs = p.tracked_pos[t];
+TrackedLedger::TrackedLedger(const Prepared& p, const TrackedTable& in)
+    : table_size_(in.pos.size()), block_size_(p.cfg.block_size), free_(p.free_blocks), end_(p.free_blocks) {
+  extra_.resize(in.pos.size());
+  for (size_t t = 0; t < in.pos.size(); ++t) {
+    Block& b = extra_[t];
+    if (in.pos[t] >= 0) {  // a free block is a cached one (else no hit could name it)
+      b.abs = in.pos[t];
       b.queued = b.cached = true;
-      low_ = std::min(low_, b.abs);
+      tail_.emplace_back(b.abs, static_cast<int32_t>(t));
     }
-    if (t < p.tracked_keys.size()) b.key = p.tracked_keys[t];  // found by any hit that names it
+    if (t < in.keys.size()) b.key = in.keys[t];  // found by any hit that names it
   }
+  std::sort(tail_.begin(), tail_.end());
   reqs_.resize(p.reqs.size());
   for (size_t k = 0; k < p.reqs.size(); ++k) {  // blocks learn their keys from whoever lists them
-    const auto& keys = p.keys[k];
-    const auto& list = p.chains[k];
+    const auto& keys = in.req_keys[k];
+    const auto& list = in.chains[k];
     for (size_t j = 0; j < list.size() && j < keys.size(); ++j) {
-      Block& b = blocks_[static_cast<size_t>(list[j])];
+      Block& b = extra_[static_cast<size_t>(list[j])];
       if (b.key < 0) b.key = keys[j];
     }
   }
-  for (size_t t = 0; t < blocks_.size(); ++t)
-    if (blocks_[t].cached && blocks_[t].key >= 0) by_key_[blocks_[t].key].push_back(static_cast<int32_t>(t));
+  building_ = true;  // cached blocks go to index_, sorted once at the end
+  for (size_t t = 0; t < extra_.size(); ++t)
+    if (extra_[t].cached && extra_[t].key >= 0) index_.emplace_back(extra_[t].key, static_cast<int32_t>(t));
   for (size_t k = 0; k < p.reqs.size(); ++k) {
     const Prepared::Req& r = p.reqs[k];
     Holder& h = reqs_[k];
     h.reported = r.hit;
-    h.keys = p.keys[k];
-    h.has_chain = p.has_chain[k] != 0;
+    h.keys = in.req_keys[k];
+    h.has_chain = in.has_chain[k] != 0;
     if (k >= p.n_running) {
-      if (h.has_chain) h.chain = p.chains[k];
+      if (h.has_chain) h.chain = in.chains[k];
       continue;
     }
-    h.tracked = p.chains[k];
+    h.tracked = in.chains[k];
     h.held = r.kv.held;
     h.own = h.held - static_cast<int64_t>(h.tracked.size());
-    for (int32_t t : h.tracked) ++blocks_[static_cast<size_t>(t)].ref;
-    computed(static_cast<int32_t>(k), std::min(r.C, r.P + r.O));
+    for (int32_t t : h.tracked) ++extra_[static_cast<size_t>(t)].ref;
+    computed(static_cast<int32_t>(k), computed_at_start(r));
   }
-  for (Block& b : blocks_)
+  for (Block& b : extra_)
     if (!b.queued && b.ref == 0) b.ref = 1;  // held by a request the snapshot does not list: kept
+  std::stable_sort(index_.begin(), index_.end(), [](const Entry& a, const Entry& b) { return a.first < b.first; });
+  building_ = false;
 }
 
-TrackedLedger::Holder& TrackedLedger::at(int32_t req) {
+void TrackedLedger::start(TrackedTable& t, const Prepared& p) {
+  TrackedLedger l(p, t);
+  if (l.base_ != 0 || l.tail_head_ != 0 || !l.holes_.empty() || !l.by_key_.empty())
+    throw std::logic_error("tracked ledger: the start moved the free queue");
+  t.computed.clear();
+  for (size_t k = 0; k < p.n_running; ++k) t.computed.push_back(computed_at_start(p.reqs[k]));
+  t.by_key = std::move(l.index_);
+  t.blocks = std::move(l.extra_);
+  t.holders = std::move(l.reqs_);
+  t.queue = std::move(l.tail_);
+  t.free = l.free_;
+  t.end = l.end_;
+  t.started = true;
+}
+
+const TrackedBlock& TrackedLedger::blk(int32_t t) const {
+  const auto i = static_cast<size_t>(t);
+  if (i >= n_start_) return extra_[i - n_start_];
+  const int32_t c = slot_[i];
+  return c >= 0 ? changed_[static_cast<size_t>(c)] : table_->blocks[i];
+}
+
+TrackedBlock& TrackedLedger::mut(int32_t t) {
+  const auto i = static_cast<size_t>(t);
+  if (i >= n_start_) return extra_[i - n_start_];
+  int32_t& c = slot_[i];
+  if (c < 0) {
+    c = static_cast<int32_t>(changed_.size());
+    changed_.push_back(table_->blocks[i]);
+  }
+  return changed_[static_cast<size_t>(c)];
+}
+
+TrackedHolder& TrackedLedger::at(int32_t req) {
   if (req < 0) throw std::logic_error("tracked ledger: bad request index");
   if (static_cast<size_t>(req) >= reqs_.size()) reqs_.resize(static_cast<size_t>(req) + 1);
   return reqs_[static_cast<size_t>(req)];
@@ -72,15 +128,26 @@ void TrackedLedger::add_request(int32_t req, int64_t reported_hit_tokens,
   h.chain = *chain;
   for (size_t j = 0; j < h.chain.size() && j < keys.size(); ++j) {
     const int32_t t = h.chain[j];
-    if (blocks_[static_cast<size_t>(t)].key >= 0) continue;
-    blocks_[static_cast<size_t>(t)].key = keys[j];
-    if (blocks_[static_cast<size_t>(t)].cached && blocks_[static_cast<size_t>(t)].alive) by_key_[keys[j]].push_back(t);
+    if (blk(t).key >= 0) continue;
+    Block& b = mut(t);
+    b.key = keys[j];
+    if (b.cached && b.alive) by_key_[keys[j]].push_back(t);
   }
 }
 
 int32_t TrackedLedger::lookup(int64_t key) const {
-  auto it = by_key_.find(key);
-  return it == by_key_.end() || it->second.empty() ? -1 : it->second.front();
+  // The first cached block under `key` not evicted since: the start's, then the replay's.
+  {
+    const auto& v = table_ ? table_->by_key : index_;
+    auto it = std::lower_bound(v.begin(), v.end(), key, [](const Entry& e, int64_t k) { return e.first < k; });
+    for (; it != v.end() && it->first == key; ++it)
+      if (blk(it->second).alive) return it->second;
+  }
+  const auto it = by_key_.find(key);
+  if (it != by_key_.end())
+    for (int32_t t : it->second)
+      if (blk(t).alive) return t;
+  return -1;
 }
 
 PrefixHit TrackedLedger::walk(const Holder& h, int64_t num_tokens, int64_t& phantom,
@@ -93,11 +160,11 @@ PrefixHit TrackedLedger::walk(const Holder& h, int64_t num_tokens, int64_t& phan
     int32_t t = n < static_cast<int64_t>(h.keys.size()) ? lookup(h.keys[static_cast<size_t>(n)]) : -1;
     const auto j = static_cast<size_t>(n - phantom);
     if (t < 0 && j < h.chain.size()) {
-      const Block& c = blocks_[static_cast<size_t>(h.chain[j])];
+      const Block& c = blk(h.chain[j]);
       if (c.alive && c.cached) t = h.chain[j];
     }
     if (t < 0) break;
-    if (blocks_[static_cast<size_t>(t)].ref == 0) ++out.evictable;
+    if (blk(t).ref == 0) ++out.evictable;
     if (blocks != nullptr) blocks->push_back(t);
   }
   out.blocks = n;
@@ -119,8 +186,8 @@ void TrackedLedger::admitted(int32_t req, int64_t num_tokens, int64_t total_bloc
   std::vector<int32_t> found;
   const PrefixHit hit = walk(h, num_tokens, phantom, &found);
   for (int32_t t : found) {  // touch: free hit blocks leave the queue
-    if (blocks_[static_cast<size_t>(t)].ref == 0) unqueue(t);
-    ++blocks_[static_cast<size_t>(t)].ref;
+    if (blk(t).ref == 0) unqueue(t);
+    ++mut(t).ref;
   }
   h.tracked = std::move(found);
   h.chain.clear();
@@ -146,15 +213,16 @@ void TrackedLedger::computed(int32_t req, int64_t tokens) {
   const int64_t full = std::min(h.held, std::max<int64_t>(0, tokens) / block_size_);
   if (full <= h.full) return;
   const auto n_keys = static_cast<int64_t>(h.keys.size());
-  for (size_t j = 0; j < h.tracked.size(); ++j) {
-    const int64_t pos = h.phantom + static_cast<int64_t>(j);
-    if (pos >= h.full && pos < full) cache(h.tracked[j], pos < n_keys ? h.keys[static_cast<size_t>(pos)] : -1);
+  const auto n_tracked = static_cast<int64_t>(h.tracked.size());
+  // its tracked blocks at positions [h.full, full) (position = phantom + index)
+  for (int64_t j = std::max<int64_t>(0, h.full - h.phantom); j < std::min(n_tracked, full - h.phantom); ++j) {
+    const int64_t pos = h.phantom + j;
+    cache(h.tracked[static_cast<size_t>(j)], pos < n_keys ? h.keys[static_cast<size_t>(pos)] : -1);
   }
   // Its own blocks computed under a key become tracked blocks: a later hit can name them.
-  for (int64_t pos = h.phantom + static_cast<int64_t>(h.tracked.size()); pos < std::min(full, n_keys) && h.own > 0;
-       ++pos) {
+  for (int64_t pos = h.phantom + n_tracked; pos < std::min(full, n_keys) && h.own > 0; ++pos) {
     const int32_t t = add_block();
-    blocks_[static_cast<size_t>(t)].ref = 1;
+    mut(t).ref = 1;
     cache(t, h.keys[static_cast<size_t>(pos)]);
     h.tracked.push_back(t);
     --h.own;
@@ -173,15 +241,16 @@ void TrackedLedger::released(int32_t req, bool preempted) {
     fresh.reserve(static_cast<size_t>(own_cached));
     for (int64_t k = 0; k < own_cached; ++k) {
       const int32_t t = add_block();
-      blocks_[static_cast<size_t>(t)].cached = true;
+      mut(t).cached = true;
       append(t);
       fresh.push_back(t);
     }
   } else {
     free_ += own_cached;  // at the back, untracked: nobody's hit
+    end_ += own_cached;
   }
   for (auto it = h.tracked.rbegin(); it != h.tracked.rend(); ++it) {
-    Block& b = blocks_[static_cast<size_t>(*it)];
+    Block& b = mut(*it);
     if (--b.ref > 0) continue;
     if (b.cached) {
       append(*it);
@@ -202,28 +271,25 @@ void TrackedLedger::released(int32_t req, bool preempted) {
 }
 
 void TrackedLedger::cache(int32_t t, int64_t key) {
-  Block& b = blocks_[static_cast<size_t>(t)];
-  if (b.cached || !b.alive) return;
+  const Block& r = blk(t);
+  if (r.cached || !r.alive) return;
+  Block& b = mut(t);
   b.cached = true;
   if (b.key < 0) b.key = key;
-  if (b.key >= 0) by_key_[b.key].push_back(t);
+  if (b.key < 0) return;
+  if (building_) index_.emplace_back(b.key, t);
+  else by_key_[b.key].push_back(t);
 }
 
 void TrackedLedger::forget(int32_t t) {
-  Block& b = blocks_[static_cast<size_t>(t)];
-  b.alive = false;
+  Block& b = mut(t);
+  b.alive = false;  // lookups pass it by from now on
   b.queued = false;
-  if (b.key < 0 || !b.cached) return;
-  auto it = by_key_.find(b.key);
-  if (it == by_key_.end()) return;
-  auto& v = it->second;
-  v.erase(std::remove(v.begin(), v.end(), t), v.end());
 }
 
 void TrackedLedger::unqueue(int32_t t) {
-  Block& b = blocks_[static_cast<size_t>(t)];
-  for (Block& u : blocks_)
-    if (u.queued && u.abs > b.abs) --u.abs;  // those behind it move up
+  Block& b = mut(t);
+  holes_.insert(b.abs);  // its ordinal stays taken: nobody behind it is renumbered
   b.queued = false;
   --free_;
 }
@@ -231,14 +297,21 @@ void TrackedLedger::unqueue(int32_t t) {
 void TrackedLedger::pop(int64_t n) {
   if (n > free_) throw std::logic_error("tracked ledger: more blocks taken than are free");
   free_ -= n;
-  base_ += n;
-  if (base_ <= low_) return;
-  low_ = kNone;
-  for (size_t t = 0; t < blocks_.size(); ++t) {
-    const Block& b = blocks_[t];
-    if (!b.queued) continue;
-    if (b.abs < base_) forget(static_cast<int32_t>(t));  // popped: reused, its hash evicted
-    else low_ = std::min(low_, b.abs);
+  int64_t front = base_ + n;  // past n ordinals that are not holes
+  while (!holes_.empty() && *holes_.begin() < front) {
+    if (*holes_.begin() >= base_) ++front;
+    holes_.erase(holes_.begin());
+  }
+  base_ = front;
+  if (table_) evict_before(table_->queue, head_);
+  evict_before(tail_, tail_head_);
+}
+
+void TrackedLedger::evict_before(const std::vector<Entry>& queue, size_t& head) {
+  while (head < queue.size() && queue[head].first < base_) {
+    const auto [abs, t] = queue[head++];
+    const Block& b = blk(t);
+    if (b.queued && b.abs == abs) forget(t);  // popped: reused, its hash evicted (else: an entry it left)
   }
 }
 
@@ -248,16 +321,16 @@ void TrackedLedger::prepend(int64_t n) {
 }
 
 int32_t TrackedLedger::add_block() {
-  blocks_.emplace_back();
-  return static_cast<int32_t>(blocks_.size() - 1);
+  extra_.emplace_back();
+  return static_cast<int32_t>(n_start_ + extra_.size() - 1);
 }
 
 void TrackedLedger::append(int32_t t) {
-  Block& b = blocks_[static_cast<size_t>(t)];
-  b.abs = base_ + free_;
+  Block& b = mut(t);
+  b.abs = end_++;
   b.queued = true;
-  low_ = std::min(low_, b.abs);
   ++free_;
+  tail_.emplace_back(b.abs, t);
 }
 
 }  // namespace bea

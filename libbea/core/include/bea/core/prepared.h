@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "bea/core/request.h"
 #include "bea/core/snapshot.h"
 #include "bea/core/sync_fast_path.h"
+#include "bea/core/tracked_table.h"
 
 namespace bea {
 
@@ -30,15 +32,10 @@ struct Prepared {
   std::vector<Item> inflight;       // items whose request is resident; others only cost time
   std::vector<std::pair<int64_t, int64_t>> inflight_orphans;  // (n, context) of unknown ids
   DecodeGroupStart decode_start;    // sync mode: the fast path's decode group at the start
-  // The tracked-block table (empty: none, the count model alone; tracked_ledger.h): free-queue
-  // positions (-1: held), and per request (same order as reqs) its tracked blocks (running) or
-  // its hit chain (waiting, when has_chain).
+  // The tracked-block table and the ledger's start (tracked_table.h; null: none, the count model
+  // alone), shared by copies of this form (a draw's).
   bool tracked = false;  // Snapshot::has_tracked: estimates keep a TrackedLedger
-  std::vector<int64_t> tracked_pos;
-  std::vector<int64_t> tracked_keys;  // per tracked block: its content's key, or -1 (empty: none given)
-  std::vector<std::vector<int32_t>> chains;
-  std::vector<uint8_t> has_chain;
-  std::vector<std::vector<int64_t>> keys;  // per request: its block keys
+  std::shared_ptr<const TrackedTable> table;
   // The residents' lengths drawn (ReplayOptions::length_draws > 0 with length_sigma > 0; else
   // empty): draw d's target per request at [(d − 1)·n, d·n), n = reqs.size().
   int64_t length_draws = 0;

@@ -7,9 +7,13 @@
 // its own chain. Requests without a chain keep the count model's rule (their reported hit is held
 // by running requests: no free-block charge, never evicted).
 //
-// A tracked block's place in the free queue is an ordinal `abs`: its position is abs - base, where
-// base grows with every pop and shrinks with every prepend, so that neither touches the table; a
-// touch lowers the ordinals behind the touched block by one; it is evicted once popped (abs < base).
+// A tracked block's place in the free queue is an ordinal `abs`: ordinals run from `base` (the
+// front) to `end` (after the back), less the holes touches leave (a touched block's ordinal stays
+// taken, by nobody), so that no pop, prepend or touch renumbers the table: a pop moves base past
+// n ordinals that are not holes and evicts the tracked blocks it passed (the queue's tracked
+// blocks are kept in ordinal order, so it finds them without a scan), a prepend lowers base, an
+// append takes end. A replay starts from the state's TrackedTable (built once, in prepare) and
+// keeps only the blocks it changes: an estimate costs what its replay touches, not the pool's size.
 //
 // Hits follow content: a request's `block_keys` name its leading full blocks' tokens, every
 // cached tracked block with a key is found by it (the first cached one, as vLLM's hash map), and a
@@ -19,20 +23,26 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "bea/core/block_ledger.h"
 #include "bea/core/prepared.h"
+#include "bea/core/tracked_table.h"
 
 namespace bea {
 
 class TrackedLedger : public BlockLedger {
  public:
-  // The snapshot's table and residents (request indices as in `p`).
+  // The snapshot's table and residents (request indices as in `p`), from p.table's start.
   explicit TrackedLedger(const Prepared& p);
+  // Build `t`'s start from its inputs and `p`'s requests (prepare(), once per state).
+  static void start(TrackedTable& t, const Prepared& p);
   // A request that joined after the snapshot (the query, a dispatch ahead of it): its reported
   // hit tokens, its hit chain when given (indices into the snapshot's table; std::invalid_argument
   // naming `field` for one outside it) and its block keys.
@@ -47,26 +57,15 @@ class TrackedLedger : public BlockLedger {
   int64_t free_blocks() const override { return free_; }
 
  private:
-  struct Block {
-    int64_t abs = 0;      // ordinal in the free queue (when queued)
-    int64_t key = -1;     // its content (block keys), -1: unknown
-    int32_t ref = 0;      // holders
-    bool queued = false;  // in the free queue
-    bool cached = false;  // its content is hashed (a hit can use it)
-    bool alive = true;    // not evicted
-  };
-  // One request's blocks, in block order: `phantom` leading hit blocks held by others (the count
-  // model's reported hit), its `tracked` blocks, then `own` untracked blocks only it holds.
-  struct Holder {
-    std::vector<int32_t> chain;  // waiting: its hit chain (tracked blocks, after the phantom ones)
-    bool has_chain = false;      // chain or keys given: the ledger finds its hit (else: reported)
-    int64_t reported = 0;        // reported hit tokens (requests without a chain)
-    std::vector<int64_t> keys;
-    std::vector<int32_t> tracked;
-    int64_t phantom = 0, own = 0;
-    int64_t held = 0;            // phantom + tracked + own
-    int64_t full = 0;            // leading blocks cached (full, computed)
-  };
+  using Block = TrackedBlock;
+  using Holder = TrackedHolder;
+  using Entry = std::pair<int64_t, int32_t>;  // (ordinal, block) or (key, block)
+  // From scratch: every block of its own (the start, or a replay whose lengths change what the
+  // start counted computed).
+  TrackedLedger(const Prepared& p, const TrackedTable& in);
+
+  const Block& blk(int32_t t) const;
+  Block& mut(int32_t t);  // copied from the start on its first change
   Holder& at(int32_t req);
   // The hit of `h` with `num_tokens` tokens: its tracked blocks into `blocks` (when given), the
   // count (phantom ones first), how many are free; `phantom` receives the phantom count.
@@ -76,18 +75,29 @@ class TrackedLedger : public BlockLedger {
   void forget(int32_t t);              // `t` is evicted
   void unqueue(int32_t t);             // touch of a free block
   void pop(int64_t n);                 // n blocks from the front
+  void evict_before(const std::vector<Entry>& queue, size_t& head);  // its blocks passed by the front
   void prepend(int64_t n);             // n uncached blocks at the front
   int32_t add_block();                 // a new tracked block (not queued, no holder)
   void append(int32_t t);              // `t` at the back
 
-  std::vector<Block> blocks_;
+  std::shared_ptr<const TrackedTable> table_;  // the start (null: from scratch)
+  size_t n_start_ = 0;                         // blocks of the start (read through changed_)
+  std::vector<int32_t> slot_;                  // per start block: its copy in changed_, or -1
+  std::vector<Block> changed_;                 // the start's blocks this replay changed
+  std::vector<Block> extra_;                   // blocks n_start_ … (the replay's own)
   std::vector<Holder> reqs_;
-  std::unordered_map<int64_t, std::vector<int32_t>> by_key_;  // cached blocks per key, first cached first
-  size_t table_size_ = 0;            // the snapshot's blocks (later ones come from the replay)
-  int64_t block_size_;
-  int64_t free_;
+  std::vector<Entry> index_;                   // from scratch: the keyed cached blocks at the snapshot, as the start's by_key
+  bool building_ = false;                      // constructing from scratch: cached blocks go to index_
+  std::unordered_map<int64_t, std::vector<int32_t>> by_key_;  // cached since the start, first cached first
+  size_t head_ = 0;                            // the start's queue entries passed by the front
+  std::vector<Entry> tail_;                    // blocks queued since the start, by ordinal
+  size_t tail_head_ = 0;
+  std::set<int64_t> holes_;                    // touched ordinals at or behind base
+  size_t table_size_ = 0;                      // the snapshot's blocks (later ones come from the replay)
+  int64_t block_size_ = 16;
+  int64_t free_ = 0;
   int64_t base_ = 0;
-  int64_t low_;                      // a lower bound on every queued block's abs
+  int64_t end_ = 0;
 };
 
 }  // namespace bea
