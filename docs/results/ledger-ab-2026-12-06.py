@@ -1,21 +1,34 @@
-import sys, time
+"""One estimate from a prepared state of ``bear bench pool``'s synthetic busy pool, median time:
+``python ledger-ab-2026-12-06.py BLOCKS REPS DRAWS`` (DRAWS 0: point lengths; else that many
+lengths drawn, no shortcut). Run under two builds to compare them (2026-12-06-ledger-gpu-pools.md)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
 import numpy as np
+
 from bear import libbea
+from bear.benchmarks.pool import _States, synthetic_steps
 from bear.prefix.tracked_pool import PoolTable, keys_of
-from bear.benchmarks.pool import synthetic_steps, _States
-n = int(sys.argv[1]); reps = int(sys.argv[2]); draws = int(sys.argv[3])
+
+n, reps, draws = (int(x) for x in sys.argv[1:4])
 pool, snaps, st = synthetic_steps(n, steps=40, seed=0)
-table = PoolTable(pool); states = _States(n)
+table, states = PoolTable(pool), _States(n)
 table.update(states.state(0, snaps[0], pool.holders, pool.replica.free_blocks))
-for step, snap in zip(st, snaps[1:]):
-    pool.step(step); table.update(states.state(step["seq"], snap, pool.holders, step["free_blocks"]))
+for step, snap in zip(st, snaps[1:], strict=True):
+    pool.step(step)
+    table.update(states.state(step["seq"], snap, pool.holders, step["free_blocks"]))
 last = states.state(st[-1]["seq"], snaps[-1], pool.holders, st[-1]["free_blocks"])
 table.full(last)
 live = libbea.Snapshot.from_dict(last)
 q = {"id": "Q", "prompt_tokens": 256, "max_tokens": 2, "block_keys": keys_of(pool.names.get("w0", [])[:4])}
 kw = {"length_sigma": 0.5, "length_draws": draws, "draw_shortcut": False} if draws else {}
-libbea.estimate(live, q, beta=[1e-3, 1e-5, 0, 0], **kw)
+libbea.estimate(live, q, beta=[1e-3, 1e-5, 0, 0], **kw)  # prepares the state
 ts = []
 for _ in range(reps):
-    t = time.perf_counter(); libbea.estimate(live, q, beta=[1e-3, 1e-5, 0, 0], **kw); ts.append(time.perf_counter() - t)
-print(n, draws, "p50 %.3f ms" % (np.median(ts) * 1e3))
+    t = time.perf_counter()
+    libbea.estimate(live, q, beta=[1e-3, 1e-5, 0, 0], **kw)
+    ts.append(time.perf_counter() - t)
+print(n, draws, f"p50 {np.median(ts) * 1e3:.3f} ms")
