@@ -87,9 +87,10 @@ def snapshotter(
     pool_deltas: Annotated[
         bool, typer.Option("--pool-deltas/--no-pool-deltas",
                            help="BEAR_SNAPSHOT_BLOCK_OPS=1: keep the block table step by step and send its change in "
-                                "each step's delta, the whole table only in full snapshots (issue 28; `bear bench "
-                                "pool`); off: every step described in full and sent as a full snapshot.")
-    ] = False,
+                                "each step's delta, the whole table only in full snapshots (the default; issue 28; "
+                                "`bear bench pool`); --no-pool-deltas: every step described in full and sent as a "
+                                "full snapshot (O(pool) a step: too slow for GPU-sized pools).")
+    ] = True,
     metrics_port: MetricsPort = 0,
     metrics_host: MetricsHost = DEFAULT_METRICS_HOST,
     log_format: LogFormatOpt = LogFormat.console,

@@ -78,8 +78,8 @@ class SnapshotterConfig:
     describe_superseded_below_s: float = 0.001
     # BEAR_SNAPSHOT_BLOCK_OPS=1: keep the block table step by step (PoolTable) and send its change
     # in each step's delta, the whole table only in full snapshots (issue 28); off: every step
-    # described in full (TrackedPool.describe) and sent as a full snapshot
-    pool_deltas: bool = False
+    # described in full (TrackedPool.describe: O(pool) a step) and sent as a full snapshot
+    pool_deltas: bool = True
 
 
 DESCRIBE_SAMPLES = 5  # descriptions timed before a pool can be judged slow to describe

@@ -383,7 +383,7 @@ async def test_superseded_steps_skip_the_pool_description_while_it_is_slow(
     nats_server: LocalNatsServer, shm_name: str, below_ms: float, described: int, pause: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """BEAR_SNAPSHOT_BLOCK_OPS=1, 50 steps read in one poll: below the threshold every step's
+    """``--no-pool-deltas``, BEAR_SNAPSHOT_BLOCK_OPS=1, 50 steps read in one poll: below the threshold every step's
     snapshot describes the pool; above it (0: always) only the first five (which measure the cost)
     and the newest do — the others go out with counts, superseded at once — and the pool stays in
     step. The cost is the median processor time of the last descriptions, so that a loaded host
@@ -435,7 +435,7 @@ async def test_superseded_steps_skip_the_pool_description_while_it_is_slow(
     await nc.flush()
     cfg = SnapshotterConfig(instance="i1", shm=shm_name, nats_url=nats_server.url, model="tiny",
                             base_url="http://127.0.0.1:1/v1", idle_snapshot_s=0, full_every=1,
-                            describe_superseded_below_s=below_ms / 1e3)  # fmt: skip
+                            describe_superseded_below_s=below_ms / 1e3, pool_deltas=False)  # fmt: skip
     svc = Snapshotter(cfg)
     task = asyncio.create_task(svc.run())
     try:

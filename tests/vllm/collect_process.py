@@ -1,11 +1,12 @@
-"""A NATS subscriber in a process of its own: ``python collect_process.py URL OUT SUBJECT...``.
+"""A NATS subscriber in a process of its own: ``python collect_process.py URL OUT [--any] SUBJECT...``.
 
 The real-vLLM tests check every state a snapshotter publishes. A subscriber on the test's event
 loop, beside the snapshotter, reads nothing while the snapshotter catches up in a burst, and the
 server closes it as a slow consumer (a run here: ``unexpected EOF`` after seq 1,630 of 12,153).
 Here it reads on its own. It prints ``ready`` once subscribed; then it reads one line on stdin,
-the last seq the snapshotter published, waits until every subject has delivered it (an hour at
-most: a hang bound), writes each subject's messages to ``OUT/<n>.bin`` (4-byte big-endian
+the last seq the snapshotter published, waits until every subject has delivered it (``--any``:
+until one has — a state goes out either in full or as a delta; one publisher's messages arrive in
+order, so the others' earlier ones are in by then) (an hour at most: a hang bound), writes each subject's messages to ``OUT/<n>.bin`` (4-byte big-endian
 length, then the bytes), what befell its connection (disconnects, reconnects, errors such as a
 slow-consumer close: core NATS then drops what was sent meanwhile) to ``OUT/events.json``, and
 prints ``done``."""
@@ -26,7 +27,7 @@ from nats.aio.msg import Msg
 from bear.protocol.codec import unpack_map
 
 
-async def main(url: str, out: Path, subjects: list[str]) -> None:
+async def main(url: str, out: Path, subjects: list[str], any_subject: bool = False) -> None:
     events: list[dict[str, object]] = []
 
     def event(what: str) -> Callable[..., Awaitable[None]]:
@@ -55,7 +56,7 @@ async def main(url: str, out: Path, subjects: list[str]) -> None:
     last = int(line)
 
     async def all_in() -> None:
-        while min(top.values()) < last:
+        while (max if any_subject else min)(top.values()) < last:
             changed.clear()
             await changed.wait()
 
@@ -77,4 +78,5 @@ def write_frames(out: Path, streams: list[list[bytes]]) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], Path(sys.argv[2]), sys.argv[3:]))
+    rest = sys.argv[3:]
+    asyncio.run(main(sys.argv[1], Path(sys.argv[2]), [s for s in rest if s != "--any"], "--any" in rest))

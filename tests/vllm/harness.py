@@ -241,17 +241,18 @@ async def load_in_process(base_url: str, load: Load | ChatSessions, work_dir: Pa
 class Collector:
     """Subscribe to ``subjects`` from a process of its own (``collect_process.py``) so that a
     snapshotter's bursts cannot make the test's subscriber a slow consumer; ``finish(last_seq)``
-    returns each subject's messages, in arrival order, once every subject delivered that seq."""
+    returns each subject's messages, in arrival order, once every subject delivered that seq
+    (``any_subject``: once one did — a state goes out either in full or as a delta)."""
 
-    def __init__(self, url: str, subjects: list[str], work_dir: Path) -> None:
-        self.url, self.subjects, self.work_dir = url, subjects, work_dir
+    def __init__(self, url: str, subjects: list[str], work_dir: Path, *, any_subject: bool = False) -> None:
+        self.url, self.subjects, self.work_dir, self.any_subject = url, subjects, work_dir, any_subject
         self.proc: asyncio.subprocess.Process | None = None
         self.events: list[dict[str, Any]] = []  # its connection's disconnects, reconnects, errors
 
     async def start(self) -> None:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, str(Path(__file__).with_name("collect_process.py")), self.url, str(self.work_dir),
-            *self.subjects, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+            *(["--any"] if self.any_subject else []), *self.subjects, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         assert self.proc.stdout is not None
         line = await self.proc.stdout.readline()
         if line.strip() != b"ready":

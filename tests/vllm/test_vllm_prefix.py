@@ -6,8 +6,10 @@ mirror's, not the engine's. What is asserted here holds however the host times t
 * BEAR's token count of every chat request equals the engine's ``usage.prompt_tokens``;
 * every record the engine wrote is logged or counted as lost; every case's hits are the mirror's;
 * with the block-op log (``prefix-kv-pressure``): the pool rebuilt from it equals the engine at
-  every step it is known, and every state the snapshotter published over NATS equals, state for
-  state, what ``recorded_pool.published_states`` makes of the step log;
+  every step it is known, and a consumer of what the snapshotter published over NATS (the block
+  table kept step by step, ``--pool-deltas``: full snapshots installed, deltas applied by libbea)
+  holds, at every state it holds with a table, the table kept from the step log — the state the
+  recorded test replays from (``recorded_pool.published_stream``);
 * live: the router's estimate requests carry the engine's prompt lengths (``tokens: exact``) and
   the estimator's mirrored hit equals the cached tokens the engine reports for the query.
 
@@ -28,7 +30,7 @@ from typing import Any
 import nats
 import pytest
 from harness import ChatSessions, Collector, VllmServer, retries, serve
-from recorded_runs import keep_recording, live_pool_fidelity, prefix_fidelity, read_cases, save_result
+from recorded_runs import keep_recording, prefix_fidelity, save_result
 
 from bear.client.submit import submit
 from bear.estimator.estimate import EstimatorConfig
@@ -82,8 +84,9 @@ async def test_recorded_prefix_fidelity(config: str, vllm_py: str, tiny_model: P
     instance = f"vllm-{config}"
     with LocalNatsServer() as nats_srv:
         await asyncio.to_thread(srv.start)
-        # what estimators receive: the full snapshots, collected in a process of its own
-        col = Collector(nats_srv.url, [Subjects().snapshot(instance)], tmp_path / "collected")
+        # what estimators receive: the full snapshots and the deltas, collected in a process of its own
+        col = Collector(nats_srv.url, [Subjects().snapshot(instance), Subjects().delta(instance)],
+                        tmp_path / "collected", any_subject=True)
         try:
             await col.start()
             svc = Snapshotter(SnapshotterConfig(instance=instance, shm=srv.shm, nats_url=nats_srv.url,
@@ -97,7 +100,7 @@ async def test_recorded_prefix_fidelity(config: str, vllm_py: str, tiny_model: P
             col.kill()
             srv.stop()
     reqs, engine_steps = served.results, served.written
-    published = {int(unpack(data)["seq"]): data for data in served.collected[0]}  # an idle re-send: the last
+    fulls, deltas = served.collected
     prompts = {r["id"]: r["prompt_token_ids"] for r in reqs}
     keep_recording(config, step_log, prompts)
     res = prefix_fidelity(step_log, prompts, config, tmp_path / "record")
@@ -112,9 +115,7 @@ async def test_recorded_prefix_fidelity(config: str, vllm_py: str, tiny_model: P
         reg = m.registry  # each description timed (bear_snapshotter_pool_describe_seconds)
         res.update(pool_described=m.pool_described._value.get(), pool_superseded=m.pool_superseded._value.get(),
                    pool_describe_timed=reg.get_sample_value("bear_snapshotter_pool_describe_seconds_count"),
-                   published_live=live_pool_fidelity(read_cases(tmp_path / "record"), published,
-                                                     svc.registration.record, prompts, tok.bundle.id),
-                   published_differences=published_differences(published, step_log, instance))
+                   live_tables=live_table_agreement(fulls, deltas, step_log, instance))
     save_result(config, res)
     # the engine served every request, and BEAR's chat tokenisation is the engine's, token for token
     assert all(r["status"] == 200 for r in reqs), [r for r in reqs if r["status"] != 200][:3]
@@ -129,40 +130,66 @@ async def test_recorded_prefix_fidelity(config: str, vllm_py: str, tiny_model: P
         assert pr["mismatches"] == 0 and pr["first_problem"] is None, pr
         assert pr["checked"] > 0 and (lost > 0 or pr["checked"] == pr["steps"]), pr
         assert res["pool_describe_timed"] == res["pool_described"] > 0, res
-        # what went out over NATS is, state for state, what the step log says a snapshotter
-        # publishes (recorded_pool.published_states: the recorded test replays from those)
-        assert res["published_live"]["published"] > 0 and res["published_differences"] == [], res
+        # what a consumer of the fulls and deltas holds is, at every state it holds with a table,
+        # the table kept from the step log (what the recorded test replays from); the host's
+        # timing only decides how many states it holds with counts alone
+        live = res["live_tables"]
+        assert live["compared"] > 0 and live["differences"] == [], live
 
 
-def published_differences(published: dict[int, bytes], step_log: Path, instance: str) -> list[str]:
-    """The states received over NATS against ``published_states`` of the step log: equal but for
-    the capture time and generation (an idle re-send refreshes the time), and for the pool's
-    description on a state the snapshotter superseded while describing was slow (counted in
-    ``bear_snapshotter_pool_superseded_total``)."""
-    from bear.replay.recorded_pool import published_states
+def live_table_agreement(fulls: list[bytes], deltas: list[bytes], step_log: Path, instance: str) -> dict[str, Any]:
+    """A consumer of what the snapshotter published (full snapshots installed, deltas applied
+    when their base is the state it holds: libbea, as the estimator's state store does) against
+    the block table kept step by step from the step log (``PoolTable``, written in full at every
+    step): at each step whose state it received, whether it holds a table or counts alone (a
+    state that went out in full before the table could), and every difference from the step
+    log's state (all fields but the capture time)."""
+    import copy
+
+    from bear import libbea
+    from bear.prefix.tracked_pool import PoolTable, TrackedPool
+    from bear.protocol.schemas import SNAPSHOT
     from bear.replay.recorded_run import generations
+    from bear.snapshotter.records import to_snapshot
 
     ((meta, steps),) = generations(step_log)
-    ref = dict(published_states(meta, steps, instance=instance, model="tiny"))
-    out = []
-    for seq, data in sorted(published.items()):
-        if seq not in ref:
-            out.append(f"seq {seq}: published, not in the step log")
+    got: dict[int, list[tuple[int, bytes]]] = {}
+    for kind, msgs in ((0, deltas), (1, fulls)):  # at one seq: the delta from the state before, then the full
+        for data in msgs:
+            got.setdefault(int(unpack(data)["seq"]), []).append((kind, data))
+    pool = TrackedPool(int(meta["config"]["num_gpu_blocks"]))
+    table = PoolTable(pool)
+    held: Any = None
+    out: dict[str, Any] = {"states": 0, "compared": 0, "counts_only": 0, "differences": []}
+    for st in steps:
+        seq = int(st["seq"])
+        snap = to_snapshot(st, meta.get("config", {}), instance=instance, model="tiny")
+        if st.get("block_ops") is not None:
+            pool.step(st)
+            table.update(snap)
+        for kind, data in sorted(got.get(seq, []), key=lambda m: m[0]):
+            if kind == 1:
+                held = libbea.Snapshot.from_msgpack(data)
+            else:
+                d = libbea.Delta.from_msgpack(data)
+                if held is not None and d.base == held.seq:
+                    held.apply_delta(d)
+        if held is None or held.seq != seq:
             continue
-        live, want = dict(unpack(data)), dict(unpack(ref[seq]))
-        for d in (live, want):
-            for k in ("time", "generation", "idle"):
-                d.pop(k, None)
-        if "tracked_blocks" not in live:  # superseded: went out with counts only
-            for k in ("tracked_blocks", "tracked_keys"):
-                want.pop(k, None)
-            for r in (*want["running"], *want["waiting"]):
-                r.pop("tracked", None)
-                r.pop("block_keys", None)
-        if live != want:
-            out.append(f"seq {seq}: " + ", ".join(sorted(k for k in set(live) | set(want) if live.get(k) != want.get(k))))
-        if len(out) >= 10:
-            break
+        out["states"] += 1
+        if held.tracked_blocks == 0:
+            out["counts_only"] += 1
+            continue
+        if not pool.synced:
+            out["differences"].append(f"seq {seq}: a table where the step log's pool is unknown")
+            continue
+        ref = copy.deepcopy(snap)
+        table.full(ref)
+        ref.update(v=SNAPSHOT, instance=instance, generation=held.generation)
+        diff = libbea.snapshot_difference(held, libbea.Snapshot.from_dict(ref), compare_time=False)
+        out["compared"] += 1
+        if diff is not None and len(out["differences"]) < 10:
+            out["differences"].append(f"seq {seq}: {diff}")
     return out
 
 
