@@ -85,6 +85,17 @@ async def terminal_record(nc: Any, subjects: Subjects, inbox: str, query_id: str
     return d
 
 
+async def next_reply(queue: asyncio.Queue[Any], within_s: float) -> Any:
+    """The next message of a submission's inbox, within ``within_s`` (``TimeoutError`` else).
+    Read from a queue the subscription fills, never with nats-py's ``next_msg``: that takes the
+    message off its queue in a task of its own, so a timeout that fired as a reply arrived lost
+    the reply (a router's ``deadline_exceeded`` sent 1 s after dispatch, read just as the client's
+    1 s recovery timer fired: the client waited out its whole idle timeout). A cancelled
+    ``Queue.get`` leaves the message queued for the next read."""
+    async with asyncio.timeout(within_s):
+        return await queue.get()
+
+
 def is_terminal(msg: Reply) -> bool:
     return msg.terminal
 
@@ -165,21 +176,13 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
         yield error_event(ErrorCode.TOO_LARGE, f"query of {len(payload)} bytes exceeds the NATS server's "
                                                f"max_payload of {limit} bytes", query_id=qid, client=True)
         return
+    sub: Any = None
     if inboxes is not None:
         inbox, queue = inboxes.open()
-
-        async def next_msg(within_s: float) -> Any:
-            async with asyncio.timeout(within_s):
-                return await queue.get()
     else:
         inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox)
-
-        async def next_msg(within_s: float) -> Any:
-            # not next_msg(timeout=…): its asyncio.wait_for (Python 3.11) can swallow a cancel of the
-            # caller that comes as a message arrives, and the query would then run on unread
-            async with asyncio.timeout(within_s):
-                return await sub.next_msg(timeout=None)
+        queue = asyncio.Queue()
+        sub = await nc.subscribe(inbox, cb=queue.put)
     answered = False  # the router's terminal message arrived: nothing to cancel
     submit_subject = subjects.submit_for_inbox(inbox)  # bear.submit.<identity>: answered only into its inbox
     foreign = 0
@@ -198,7 +201,7 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
             if _reconnects(nc) != reconnects:  # the connection came back since the submission: a terminal
                 recover_every = recover_s  # message may have been lost — read every recover_s from now on
             try:
-                msg = await next_msg(min(left_s, recover_every) if recover_s > 0 else left_s)
+                msg = await next_reply(queue, min(left_s, recover_every) if recover_s > 0 else left_s)
             except (NatsTimeout, TimeoutError):
                 if recover_s > 0:  # silent: the router's terminal message may have been lost
                     if _reconnects(nc) == reconnects:  # no reconnect: most likely a slow first token

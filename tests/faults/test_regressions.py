@@ -18,7 +18,7 @@ import nats
 import pytest
 
 from bear.calibrator.service import MAX_INSTANCES, OnlineCalibrator
-from bear.client.submit import submit
+from bear.client.submit import next_reply, submit
 from bear.estimator.state import InstanceState
 from bear.predictor.service import ServiceLimits, parse_request
 from bear.protocol.codec import MAX_DEPTH, pack, unpack
@@ -336,6 +336,25 @@ async def test_an_engine_that_never_starts_an_accepted_query_ends_in_a_coded_err
         assert err["error"]["code"] == "deadline_exceeded" and not err.get("client")
         await wait_until(lambda: eng.aborted == 1, what="the engine's request aborted")
         assert len(eng.requests) == 1
+
+
+async def test_a_reply_that_arrives_as_the_clients_wait_times_out_is_read_next() -> None:
+    """CI, 6 Dec: the test above failed 1 run in 15-30 on a quiet host. The router's
+    ``deadline_exceeded`` (1 s after dispatch) reached the client as its 1 s recovery timer fired;
+    nats-py's ``next_msg`` had already taken it off the subscription's queue in a task of its own,
+    the timer's cancel won, and the reply was lost: the client waited out its 60 s idle timeout.
+    The client now reads its inbox from a plain queue: a wait cancelled in the loop turn the reply
+    arrives leaves it for the next read."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    waiter = asyncio.create_task(next_reply(queue, HANG_S))
+    await asyncio.sleep(0)  # waiting on the empty queue
+    queue.put_nowait("reply")  # the reply arrives ...
+    waiter.cancel()  # ... in the loop turn the client's timer fires
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert await next_reply(queue, HANG_S) == "reply"
+    with pytest.raises(TimeoutError):
+        await next_reply(queue, 0.01)
 
 
 async def test_a_query_whose_client_deadline_passed_is_not_executed(nats_server, tmp_path) -> None:
