@@ -10,18 +10,11 @@ import time
 import numpy as np
 
 from bear import libbea
-from bear.benchmarks.pool import _States, synthetic_steps
-from bear.prefix.tracked_pool import PoolTable, keys_of
+from bear.benchmarks.pool import busy_pool_state
+from bear.prefix.tracked_pool import keys_of
 
 n, reps, draws = (int(x) for x in sys.argv[1:4])
-pool, snaps, st = synthetic_steps(n, steps=40, seed=0)
-table, states = PoolTable(pool), _States(n)
-table.update(states.state(0, snaps[0], pool.holders, pool.replica.free_blocks))
-for step, snap in zip(st, snaps[1:], strict=True):
-    pool.step(step)
-    table.update(states.state(step["seq"], snap, pool.holders, step["free_blocks"]))
-last = states.state(st[-1]["seq"], snaps[-1], pool.holders, st[-1]["free_blocks"])
-table.full(last)
+last, pool = busy_pool_state(n, steps=40)
 live = libbea.Snapshot.from_dict(last)
 q = {"id": "Q", "prompt_tokens": 256, "max_tokens": 2, "block_keys": keys_of(pool.names.get("w0", [])[:4])}
 kw = {"length_sigma": 0.5, "length_draws": draws, "draw_shortcut": False} if draws else {}

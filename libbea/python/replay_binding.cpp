@@ -182,6 +182,14 @@ void bind_replay(py::module_& m) {
                              },
                              "Entries of its tracked-block table, in either form (0: the replay counts blocks; a delta\n"
                              "without the table's change drops it).")
+      .def_property_readonly("table_builds", &PySnapshot::table_builds,
+                             "How many times this object built its tracked table: once per state estimated in, "
+                             "shared by the state's prepared forms (point and drawn lengths).")
+      .def_property_readonly("table_ready", &PySnapshot::table_ready,
+                             "Whether the state's tracked table is built (False: the next estimate builds it).")
+      .def_property_readonly("table_blocks", &PySnapshot::table_blocks,
+                             "Blocks in the state's tracked table (0: none): building it is O(n log n), "
+                             "milliseconds at GPU-sized pools.")
       .def_property_readonly("n_running", [](const PySnapshot& s) { return s.snap().running.size(); })
       .def_property_readonly("n_waiting", [](const PySnapshot& s) { return s.snap().waiting.size(); })
       .def_property_readonly("async_scheduling", [](const PySnapshot& s) { return s.snap().config.async_scheduling; })
@@ -199,9 +207,10 @@ void bind_replay(py::module_& m) {
           [](PySnapshot& s, int64_t default_output_tokens) {
             ReplayOptions o;
             o.default_output_tokens = default_output_tokens;
-            const Prepared& p = s.prepared(o);
-            int64_t total = 0;
-            for (const auto& r : p.reqs) total += std::max<int64_t>(0, r.target_out - r.O);
+            if (s.broken()) throw std::invalid_argument("snapshot: a delta failed to apply to it; its state is unknown");
+            int64_t total = 0;  // from the requests alone: no prepared form (nor table) is built for it
+            for (const auto* list : {&s.snap().running, &s.snap().waiting})
+              for (const auto& r : *list) total += std::max<int64_t>(0, target_output(r, o) - r.output_tokens);
             return total;
           },
           py::arg("default_output_tokens") = -1,
@@ -217,17 +226,17 @@ void bind_replay(py::module_& m) {
         const Query q = query_from(request);
         const ReplayOptions opt = options(beta, trace, collapse, default_output_tokens, overrun_fraction, max_steps,
                                           arrival_tokens_per_s, arrival_prompt_tokens, length_sigma, length_draws);
-        const auto held = s.prepared_ptr(opt);  // kept alive while the GIL is released
-        const Prepared& p = *held;
         if (!std::isfinite(age_s) || age_s < 0.0) throw std::invalid_argument("age_s must be finite and >= 0");
         if (age_s > 0.0 && trace) throw std::invalid_argument("trace is not available with age_s > 0");
         const std::vector<Query> before = queries_from(ahead);
+        std::shared_ptr<const Prepared> held;  // kept alive while the GIL is released
         Estimate e;
         {
-          py::gil_scoped_release nogil;
-          e = estimate_with_lengths(p, q, opt, age_s, before, draw_shortcut);
+          py::gil_scoped_release nogil;  // preparing a GPU-sized pool's state takes milliseconds
+          held = s.prepared_ptr(opt);
+          e = estimate_with_lengths(*held, q, opt, age_s, before, draw_shortcut);
         }
-        return result_dict(e, p, q, trace, before);
+        return result_dict(e, *held, q, trace, before);
       },
       py::arg("snapshot"), py::arg("request"), py::arg("beta") = py::none(), py::arg("lengths") = py::none(),
       py::arg("trace") = false, py::arg("collapse") = true, py::arg("default_output_tokens") = -1,
@@ -284,7 +293,7 @@ void bind_replay(py::module_& m) {
           if (seq.size() != snaps.size()) throw std::invalid_argument("one later list per snapshot");
           for (size_t k = 0; k < snaps.size(); ++k) opts[k].later = later_from(seq[k]);
         }
-        for (size_t k = 0; k < snaps.size(); ++k) preps.push_back(snaps[k]->prepared_ptr(opts[k]));
+        preps.resize(snaps.size());
         std::vector<std::vector<Query>> before(snaps.size());
         if (!aheads.is_none()) {
           auto seq = py::reinterpret_borrow<py::sequence>(aheads);
@@ -298,6 +307,7 @@ void bind_replay(py::module_& m) {
           for (size_t k = 0; k < snaps.size(); ++k) {
             try {
               const double age = ages.empty() ? 0.0 : ages[k];
+              preps[k] = snaps[k]->prepared_ptr(opts[k]);  // without the GIL: milliseconds at GPU-sized pools
               out[k] = estimate_with_lengths(*preps[k], qs[k], opts[k], age, before[k]);
             } catch (const std::exception& ex) {
               errors[k] = ex.what();
@@ -328,10 +338,10 @@ void bind_replay(py::module_& m) {
   m.def(
       "next_step_s",
       [](PySnapshot& s, py::handle beta, int64_t default_output_tokens, double overrun_fraction) {
+        if (s.snap().config.async_scheduling) return 0.0;  // nothing to prepare for
         const ReplayOptions opt = options(beta, false, true, default_output_tokens, overrun_fraction, 1);
-        const auto held = s.prepared_ptr(opt);
         py::gil_scoped_release nogil;
-        return next_step_s(*held, opt.beta);
+        return next_step_s(*s.prepared_ptr(opt), opt.beta);
       },
       py::arg("snapshot"), py::arg("beta"), py::arg("default_output_tokens") = -1, py::arg("overrun_fraction") = 0.5,
       "Eq. 12 seconds of the step the engine runs next from this state (sync mode; 0 when idle or\n"

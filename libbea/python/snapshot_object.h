@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -33,23 +34,41 @@ class PySnapshot {
   // event loop applies the next delta (which replaces it). Two forms are kept per state, the two
   // length policies last asked for: the estimate's (lengths drawn) and the load counters' and the
   // step in flight's (point lengths) alternate on every estimate, and one slot rebuilt both each time.
+  // Both share the state's tracked table (`table_`, built by the first form): at a GPU-sized pool
+  // it is most of a form's cost (tracked_table()). Under the snapshot's lock, so callable without
+  // the GIL (the replay bindings prepare there); the methods that change the state lock too.
   std::shared_ptr<const bea::Prepared> prepared_ptr(const bea::ReplayOptions& opt) {
+    const std::lock_guard<std::mutex> lock(mu_);
     if (broken_) throw std::invalid_argument("snapshot: a delta failed to apply to it; its state is unknown");
     for (const auto& slot : prep_)
       if (slot.matches(opt)) return slot.prep;
     PrepSlot& slot = prep_[prep_next_];
     prep_next_ ^= 1;
-    slot.prep = std::make_shared<const bea::Prepared>(bea::prepare(snap_, opt));
+    slot.prep = std::make_shared<const bea::Prepared>(bea::prepare(snap_, opt, table_));
+    if (!table_ && slot.prep->table) {
+      table_ = slot.prep->table;
+      ++table_builds_;
+    }
     slot.default_out = opt.default_output_tokens;
     slot.overrun = opt.overrun_fraction;
     slot.sigma = opt.length_sigma;
     slot.draws = opt.length_draws;
     return slot.prep;
   }
+  // How many times this object built a tracked table (once per state it was estimated in).
+  int64_t table_builds() const { return table_builds_; }
+  // Whether the current state's tracked table is built (its next estimate does not pay for it).
+  bool table_ready() {
+    const std::lock_guard<std::mutex> lock(mu_);
+    return table_ != nullptr;
+  }
+  // The blocks of the state's tracked table (0: none): what building it costs, O(n log n).
+  size_t table_blocks() const { return snap_.has_pool ? snap_.pool.size() : snap_.tracked_blocks.size(); }
   // Apply a bear.delta/1 in place (bea/core/snapshot_delta.h): the arrivals' ids. A delta for
   // another state (generation, seq, time) throws and changes nothing; a malformed one throws and leaves the snapshot
   // broken (never estimated again).
   std::vector<std::string> apply_delta(const bea::Value& v, const bea::DeltaHeader& h, const bea::LengthLookup& lookup) {
+    const std::lock_guard<std::mutex> lock(mu_);
     if (broken_) throw std::invalid_argument("snapshot: a delta failed to apply to it; its state is unknown");
     if (h.generation != snap_.generation || h.base != snap_.seq || h.base_time != snap_.time)
       return bea::apply_delta(snap_, resident_ids_, v, h);  // throws before changing anything
@@ -58,7 +77,7 @@ class PySnapshot {
       have_ids_ = true;
     }
     ids_.clear();  // views into requests that move
-    clear_prepared();
+    clear_prepared(true);
     try {
       return bea::apply_delta(snap_, resident_ids_, v, h, lookup);
     } catch (...) {
@@ -68,17 +87,18 @@ class PySnapshot {
   }
   bool broken() const { return broken_; }
   void set_lengths(const std::unordered_map<std::string, int64_t>& l) {
-    snap_.set_output_lengths(l);
-    clear_prepared();
+    const std::lock_guard<std::mutex> lock(mu_);
+    set_lengths_locked(l);
   }
   // Predicted lengths from a Python dict {id: tokens}. The usual dict (str ids, int tokens in
   // range) is applied through an index of the residents' ids, without an intermediate map; any
   // other input takes the validating path (and its errors). The prepared form is rebuilt only
-  // when a resident's prediction changed.
+  // when a resident's prediction changed (the tracked table is kept: lengths do not change it).
   void set_lengths_from(pybind11::handle d) {
+    const std::lock_guard<std::mutex> lock(mu_);
     std::vector<std::pair<int32_t, int64_t>> updates;
     if (!usual_lengths(d, updates)) {
-      set_lengths(bea::lengths_from_value(to_value(d, 0)));
+      set_lengths_locked(bea::lengths_from_value(to_value(d, 0)));
       return;
     }
     bool changed = false;
@@ -87,11 +107,15 @@ class PySnapshot {
       changed |= r.predicted_output != tokens;
       r.predicted_output = tokens;
     }
-    if (changed) clear_prepared();
+    if (changed) clear_prepared(false);
   }
   const bea::Snapshot& snap() const { return snap_; }
 
  private:
+  void set_lengths_locked(const std::unordered_map<std::string, int64_t>& l) {
+    snap_.set_output_lengths(l);
+    clear_prepared(false);
+  }
   bea::Request& request(int32_t k) {
     const auto u = static_cast<size_t>(k);
     return u < snap_.running.size() ? snap_.running[u] : snap_.waiting[u - snap_.running.size()];
@@ -140,10 +164,15 @@ class PySnapshot {
              o.length_sigma == sigma && o.length_draws == draws;
     }
   };
-  void clear_prepared() {
+  // `state`: the state itself changed (a delta), not only the lengths: the table goes too.
+  void clear_prepared(bool state) {
     for (auto& slot : prep_) slot.prep.reset();
+    if (state) table_.reset();
   }
   std::array<PrepSlot, 2> prep_;
+  std::shared_ptr<const bea::TrackedTable> table_;  // the state's, shared by its forms (null: none yet)
+  int64_t table_builds_ = 0;
+  std::mutex mu_;  // prepared_ptr (possibly without the GIL) against the methods that change the state
   size_t prep_next_ = 0;
   std::unordered_map<std::string_view, int32_t> ids_;  // views of snap_'s own ids (cleared when a delta moves them)
   bea::ResidentIds resident_ids_;  // the residents' ids while deltas apply (built on the first)

@@ -89,6 +89,22 @@ class _States:
                 "waiting": [req(r["id"], 0) for r in snap["waiting"]]}
 
 
+def busy_pool_state(num_gpu_blocks: int, steps: int = 0, seed: int = 0) -> tuple[dict[str, Any], TrackedPool]:
+    """The synthetic busy pool after ``steps`` of its steps, as the full state a worker holds
+    (the table in stable form), and the pool (its requests' block names: a query's keys)."""
+    pool, snaps, st = synthetic_steps(num_gpu_blocks, steps=max(steps, 1), seed=seed)
+    table, states = PoolTable(pool), _States(num_gpu_blocks)
+    table.update(states.state(0, snaps[0], pool.holders, pool.replica.free_blocks))
+    seq, snap, free = 0, snaps[0], pool.replica.free_blocks
+    for step, after in list(zip(st, snaps[1:], strict=True))[:steps]:
+        pool.step(step)
+        seq, snap, free = step["seq"], after, step["free_blocks"]
+        table.update(states.state(seq, snap, pool.holders, free))
+    last = states.state(seq, snap, pool.holders, free)
+    table.full(last)
+    return last, pool
+
+
 def run_delta_bench(num_gpu_blocks: int, steps: int = 200, seed: int = 0) -> dict[str, Any]:
     """The table kept step by step (``PoolTable``) on ``steps`` realistic steps (``_Engine``: a
     handful of block ops each): the snapshotter's per-step cost — applying the step's ops

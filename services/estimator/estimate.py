@@ -55,6 +55,9 @@ class EstimatorConfig:
     dispatch_grace_s: float = 1.0  # a dispatch this much older than the snapshot may still be unseen
     rate_window_s: float = 10.0  # window of the prompt-token arrival rate
     executor_residents: int = 512  # replays over more residents run off the event loop
+    # ... and so do those that must first build a tracked table of more blocks than this (a
+    # state's first estimate: ~3 ms at 10,000 blocks, ~10 ms at 50,000; docs/estimator.md)
+    executor_table_blocks: int = 4096
     use_prefix_hits: bool = True  # mirror the instances' prefix caches and hand the replay each hit
     # residents run to their median length given what they generated (the calibration's
     # length_sigma); off: on bear eval's seed 7301 it doubled the chosen instance's MAPE at 5 q/s
@@ -137,6 +140,17 @@ class Plan:
     @property
     def residents(self) -> int:
         return sum(j.snap.n_running + j.snap.n_waiting for j in self.jobs)
+
+    @property
+    def tables_to_build(self) -> int:
+        """Blocks of the tracked tables its replays build first (their states' first estimate)."""
+        return sum(j.snap.table_blocks for j in self.jobs if not j.snap.table_ready)
+
+    def off_loop(self, cfg: EstimatorConfig) -> bool:
+        """Whether its replays run in the executor: many residents, or a GPU-sized table to build
+        (milliseconds of C++ that would otherwise stall the worker's event loop)."""
+        return bool(self.jobs) and (self.residents > cfg.executor_residents
+                                    or self.tables_to_build > cfg.executor_table_blocks)
 
 
 @dataclass

@@ -283,7 +283,7 @@ class EstimatorWorker:
             raise BearError(ErrorCode.TOO_LARGE, f"at most {MAX_CANDIDATES} candidate instances")
         now = time.time()
         p = plan(body.query, candidates, self.store, now, self.cfg, on_parse=self._count_parse, tokens=body.tokens)
-        if p.jobs and p.residents > self.cfg.executor_residents:
+        if p.off_loop(self.cfg):
             for j in p.jobs:
                 j.state.in_use += 1
             try:

@@ -3,6 +3,8 @@ its own exact prompt length and mirrored hit, giving what a single estimate per 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -40,3 +42,32 @@ def test_one_native_call_per_query_with_distinct_hits(monkeypatch: pytest.Monkey
     assert got == want
     assert got[0][0] < got[1][0]  # the hit shortens a's prefill
     assert run_jobs(plan(q, [], store, now, cfg), cfg) == []
+
+
+def _pooled_snapshot(num_gpu_blocks: int) -> libbea.Snapshot:
+    """A busy synthetic pool of ``num_gpu_blocks`` described block by block (bear bench pool's)."""
+    from bear.benchmarks.pool import busy_pool_state
+
+    return libbea.Snapshot.from_dict(busy_pool_state(num_gpu_blocks)[0])
+
+
+def test_a_gpu_sized_table_not_built_yet_is_built_off_the_event_loop() -> None:
+    """A state's first estimate builds its tracked table (~10 ms at 50,000 blocks): the worker
+    runs such replays in the executor, however few the residents; once built, the state's next
+    queries are replayed on the loop again (their replays cost what they touch)."""
+    cfg = EstimatorConfig(executor_table_blocks=4096)
+    big, small = _pooled_snapshot(6000), _pooled_snapshot(1000)
+    assert big.table_blocks > cfg.executor_table_blocks >= small.table_blocks > 0
+    assert big.n_running + big.n_waiting <= cfg.executor_residents
+    q = EstimateQuery(id="q", prompt_tokens=64, max_tokens=4)
+
+    def plan_of(*snaps: libbea.Snapshot) -> est.Plan:
+        return est.Plan(query=q, rows=[], jobs=[SimpleNamespace(snap=s) for s in snaps])  # type: ignore[misc]
+
+    assert not plan_of().off_loop(cfg)
+    assert not plan_of(small).off_loop(cfg)
+    assert plan_of(big).off_loop(cfg) and plan_of(small, big).off_loop(cfg)
+    libbea.estimate(big, {"id": "q", "prompt_tokens": 64, "max_tokens": 4})
+    assert big.table_ready and big.table_builds == 1
+    assert not plan_of(small, big).off_loop(cfg)
+    assert plan_of(small, big).off_loop(EstimatorConfig(executor_residents=0))

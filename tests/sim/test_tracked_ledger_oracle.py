@@ -14,6 +14,7 @@ import random
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from bear import libbea
 from bear.prefix.hashing import BlockHasher, HashSpec
@@ -238,3 +239,35 @@ def test_replays_share_the_state_start_and_change_none_of_it() -> None:
         assert replay(shared) == fresh, case
         checked += 1
     assert checked > 80
+
+
+def test_a_states_forms_share_one_table_and_give_what_fresh_ones_give() -> None:
+    """The tracked table (most of a form's cost at GPU-sized pools) is built once per state and
+    shared by its forms — the estimate's lengths drawn, the point lengths of the load counters and
+    the step in flight —, and kept when only the predicted lengths change: each form's estimate on
+    the shared object equals the one on a fresh object that never built another form."""
+    checked = 0
+    for case in range(60):
+        e, w, lengths = loaded_engine(random.Random(71_000 + case))
+        if not e.has_work:
+            continue
+        _, prompt, answer = w.request()
+        snap, qtab = e.tracked_snapshot("i", "m", 0.0, H.hashes(prompt + answer))
+        query = {"id": "Q", "prompt_tokens": len(prompt), "max_tokens": 64, "predicted_output": len(answer), **qtab}
+        drawn = {"length_sigma": 0.6, "length_draws": 7, "draw_shortcut": False}
+
+        def replay(s: libbea.Snapshot, lens: dict[str, int] = lengths, q: dict = query, **kw: Any) -> tuple:
+            r = libbea.estimate(s, q, beta=BETA, lengths=lens, trace=True, **kw)
+            return r["ttft_s"], r["batches"], [st["free_blocks"] for st in r["steps"]]
+
+        shared = libbea.Snapshot.from_dict(snap)
+        assert shared.table_builds == 0
+        assert replay(shared, **drawn) == replay(libbea.Snapshot.from_dict(snap), **drawn), case
+        assert replay(shared) == replay(libbea.Snapshot.from_dict(snap)), case
+        shared.pending_decode_tokens(-1)
+        libbea.next_step_s(shared, BETA)
+        longer = {k: v + 3 for k, v in lengths.items()}
+        assert replay(shared, longer) == replay(libbea.Snapshot.from_dict(snap), longer), case
+        assert shared.table_builds == 1, case
+        checked += 1
+    assert checked > 40

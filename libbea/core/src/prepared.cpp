@@ -55,6 +55,7 @@ void indexed_table(const Snapshot& s, const Prepared& p, TrackedTable& t) {
   std::vector<std::tuple<int64_t, int64_t, int64_t>> cached;  // (stamp, id, key)
   std::vector<int64_t> held;
   free.reserve(static_cast<size_t>(s.pool_free));
+  cached.reserve(s.pool.size());
   for (const auto& [id, e] : s.pool) {
     if (e.ticket >= 0) free.emplace_back(e.ticket, id);
     if (e.key >= 0) cached.emplace_back(e.stamp, id, e.key);
@@ -177,7 +178,29 @@ int64_t target_output(const Request& r, const ReplayOptions& opt) {
   return t > r.output_tokens ? t : r.output_tokens + 1;
 }
 
-Prepared prepare(const Snapshot& s, const ReplayOptions& opt) {
+std::shared_ptr<const TrackedTable> tracked_table(const Snapshot& s, const Prepared& p) {
+  if (!s.has_pool && !s.has_tracked) return nullptr;
+  auto t = std::make_shared<TrackedTable>();
+  if (s.has_pool) {
+    indexed_table(s, p, *t);
+  } else {
+    t->pos = s.tracked_blocks;
+    t->keys = s.tracked_keys;
+    t->chains.reserve(p.reqs.size());
+    t->has_chain.reserve(p.reqs.size());
+    t->req_keys.reserve(p.reqs.size());
+    for (const auto* list : {&s.running, &s.waiting})
+      for (const auto& r : *list) {
+        t->chains.push_back(list == &s.running ? r.tracked : r.hit_blocks.value_or(std::vector<int32_t>{}));
+        t->has_chain.push_back(r.hit_blocks.has_value() || !r.block_keys.empty() ? 1 : 0);
+        t->req_keys.push_back(r.block_keys);
+      }
+  }
+  TrackedLedger::start(*t, p);  // once per state: every replay against it starts from here
+  return t;
+}
+
+Prepared prepare(const Snapshot& s, const ReplayOptions& opt, std::shared_ptr<const TrackedTable> table) {
   Prepared p;
   p.cfg = s.config;
   p.free_blocks = s.free_blocks;
@@ -215,27 +238,8 @@ Prepared prepare(const Snapshot& s, const ReplayOptions& opt) {
         ++i;
       }
   }
-  if (s.has_pool || s.has_tracked) {
-    p.tracked = true;
-    auto t = std::make_shared<TrackedTable>();
-    if (s.has_pool) {
-      indexed_table(s, p, *t);
-    } else {
-      t->pos = s.tracked_blocks;
-      t->keys = s.tracked_keys;
-      t->chains.reserve(p.reqs.size());
-      t->has_chain.reserve(p.reqs.size());
-      t->req_keys.reserve(p.reqs.size());
-      for (const auto* list : {&s.running, &s.waiting})
-        for (const auto& r : *list) {
-          t->chains.push_back(list == &s.running ? r.tracked : r.hit_blocks.value_or(std::vector<int32_t>{}));
-          t->has_chain.push_back(r.hit_blocks.has_value() || !r.block_keys.empty() ? 1 : 0);
-          t->req_keys.push_back(r.block_keys);
-        }
-    }
-    TrackedLedger::start(*t, p);  // once per state: every replay against it starts from here
-    p.table = std::move(t);
-  }
+  p.tracked = s.has_pool || s.has_tracked;
+  if (p.tracked) p.table = table ? std::move(table) : tracked_table(s, p);
   if (s.inflight && p.cfg.async_scheduling) {
     p.has_inflight = true;
     p.inflight_start = s.inflight->started - s.time;

@@ -45,7 +45,15 @@ struct Prepared {
   int64_t draw_margin = std::numeric_limits<int64_t>::max();
 };
 
-Prepared prepare(const Snapshot& s, const ReplayOptions& opt);
+// `table`: the state's tracked table (tracked_table()) when one was built for another form of the
+// same state (another length policy), shared; null: built here. The table depends on the state
+// alone (the requests' counts and the pool), never on the options.
+Prepared prepare(const Snapshot& s, const ReplayOptions& opt, std::shared_ptr<const TrackedTable> table = nullptr);
+
+// The tracked-block table of `s` and the ledger's start (tracked_table.h; null when `s` has
+// none), from `p`, any prepared form of `s`: the costly part of prepare() at GPU-sized pools
+// (sorting tickets, stamps and keys), paid once per state whatever the forms asked for.
+std::shared_ptr<const TrackedTable> tracked_table(const Snapshot& s, const Prepared& p);
 
 // The output length the replay lets resident `r` run to (docs/libbea.md, "Output lengths").
 int64_t target_output(const Request& r, const ReplayOptions& opt);
