@@ -58,9 +58,11 @@ class PySnapshot {
   // How many times this object built a tracked table (once per state it was estimated in).
   int64_t table_builds() const { return table_builds_; }
   // Whether the current state's tracked table is built (its next estimate does not pay for it).
+  // Never waits: while another thread prepares the state, the table is not ready for the caller
+  // either (the worker's event loop asks, and must not stand still until the build is done).
   bool table_ready() {
-    const std::lock_guard<std::mutex> lock(mu_);
-    return table_ != nullptr;
+    const std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+    return lock.owns_lock() && table_ != nullptr;
   }
   // The blocks of the state's tracked table (0: none): what building it costs, O(n log n).
   size_t table_blocks() const { return snap_.has_pool ? snap_.pool.size() : snap_.tracked_blocks.size(); }
