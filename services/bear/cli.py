@@ -121,7 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     # Logs go to stderr from the start (services reconfigure with --log-format): stdout stays
     # clean for the JSON that `--json` commands print.
     from bear.runtime.logging import configure_logging
+    from bear.runtime.process import prepare_process
 
+    prepare_process()  # the open-file soft limit up to the hard one; an inherited ignored SIGINT back to default
     configure_logging("console", "info")
     try:
         rv = app(args=argv, standalone_mode=False)

@@ -6,11 +6,15 @@ and the recovery time (from the fault to the submission of the last query that d
 SIGSTOPped for ``hang_s``), predictor kill, engine kill (a sim engine), NATS restart, cluster node
 kill (a 3-node NATS cluster, KV replicated, the node of one router killed) and overload (a burst
 far above what the pool serves: ``overloaded`` shed, TTFT of what was served, ghost executions =
-queries run although their client had already given up)."""
+queries run although their client had already given up); stream-restarts (``bear.benchmarks.answers``:
+NATS restarts, SIGTERM and SIGKILL, while long answers stream — answers whole, resumed, ended in a
+coded error, done with a gap); leaked-service (``bear.benchmarks.leaked``: a leaked predictor or
+estimator replica credential among 2 — prompts seen, forged replies refused, queries steered)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import signal
@@ -26,7 +30,9 @@ import numpy as np
 
 from bear.runtime import aio
 
-FAULTS = ("worker-kill", "worker-hang", "predictor-kill", "engine-kill", "nats-restart", "node-kill", "overload")
+FAULTS = ("worker-kill", "worker-hang", "predictor-kill", "engine-kill", "nats-restart", "node-kill", "overload",
+          "disk-full", "flood", "stream-restarts", "leaked-service")
+OWN_STACK = ("node-kill", "disk-full", "flood", "stream-restarts", "leaked-service")  # each on a stack of its own
 MODELS = ("Qwen3-0.6B", "Qwen3-8B", "Qwen3-32B")
 
 
@@ -142,7 +148,7 @@ async def drive(url: str, nats_options: dict[str, Any], rate: float, duration: f
 
     run = run or FaultRun("none")
     n = max(1, round(rate * duration))
-    qs = make_queries(n, seed, None, MODELS)
+    qs, _ = make_queries(n, seed, None, MODELS)
     times = arrivals("poisson", rate, n, seed=seed)
     nc = await connect(url, "bear-bench-faults", creds="", reconnect_time_wait=reconnect_wait_s, **nats_options)
     t0 = time.monotonic()
@@ -260,12 +266,13 @@ def _executions(stack: Any) -> Counter[str]:
 
 def run_faults(faults: tuple[str, ...] = FAULTS, *, rate: float = 8.0, duration: float = 12.0, at: float = 3.0,
                hang_s: float = 5.0, overload_rate: float = 300.0, overload_s: float = 5.0, seed: int = 0,
-               workdir: Path | None = None, log: Any = print, client_reconnect_s: float = 0.1) -> list[dict[str, Any]]:
+               workdir: Path | None = None, log: Any = print, client_reconnect_s: float = 0.1,
+               flood_router_args: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     from bear.stack.stack import Stack, StackConfig
 
     work = workdir or Path(tempfile.mkdtemp(prefix="bear-faults-"))
     results = []
-    single = [f for f in faults if f != "node-kill"]
+    single = [f for f in faults if f not in OWN_STACK]
     if single:
         cfg = StackConfig(workdir=work / "single", estimator_workers=2, routers=2, log_level="warning",
                           restart_backoff_s=(0.5, 5.0))
@@ -293,6 +300,25 @@ def run_faults(faults: tuple[str, ...] = FAULTS, *, rate: float = 8.0, duration:
         log("fault node-kill…")
         results.append(node_kill(work / "cluster", rate=rate, duration=duration, at=at, seed=seed + 100))
         log(json.dumps(results[-1]))
+    if "disk-full" in faults:
+        log("fault disk-full…")
+        results.append(disk_full(work / "disk", rate=rate, seed=seed + 200))
+        log(json.dumps(results[-1]))
+    if "flood" in faults:
+        log("fault flood…")
+        results.append(flood(work / "flood", seed=seed + 300, router_args=flood_router_args))
+        log(json.dumps(results[-1]))
+    if "stream-restarts" in faults:  # NATS restarts during long answers (bear.benchmarks.answers, issue 40)
+        from bear.benchmarks.answers import stream_restarts
+
+        log("fault stream-restarts…")
+        results.append(stream_restarts(work / "streams", log=log))
+        log(json.dumps(results[-1]))
+    if "leaked-service" in faults:  # a leaked predictor/estimator replica credential (bear.benchmarks.leaked, issue 40)
+        from bear.benchmarks.leaked import leaked_service
+
+        log("fault leaked-service…")
+        results += leaked_service(work / "leaked", seed=seed + 400, log=log)
     return results
 
 
@@ -335,3 +361,168 @@ def faults_table(results: list[dict[str, Any]]) -> str:
         rows.append(f"| {r['fault']} | {r['sent']} | {r['done']} | {errs} | {r['lost']} | {r['recovery_s']} s | {ttft} "
                     f"| {pp(r.get('first_token_before_ms'))} | {pp(r.get('first_token_after_ms'))} | {rec} |")
     return "\n".join(rows)
+
+
+def _mount_tmpfs(path: Path, size_mib: int) -> str:
+    """A tmpfs of ``size_mib`` MiB mounted at ``path`` ("" when done, else why not: it needs root)."""
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(path)], capture_output=True,
+                       text=True, check=False)
+    return "" if r.returncode == 0 else (r.stderr.strip() or f"mount exited {r.returncode}")
+
+
+def _fill(path: Path) -> int:
+    """Fill the file system of ``path`` until a write fails (ENOSPC); the bytes written."""
+    import os
+
+    n = 0
+    with path.open("wb", buffering=0) as f:
+        free = os.statvfs(path.parent).f_bavail * os.statvfs(path.parent).f_frsize
+        with contextlib.suppress(OSError):
+            os.posix_fallocate(f.fileno(), 0, max(1, free - (1 << 20)))
+            n = free - (1 << 20)
+        f.seek(n)
+        with contextlib.suppress(OSError):
+            while True:  # the last pages, up to the byte
+                n += f.write(b"\0" * 4096)
+    return n
+
+
+def _tracebacks(log_dir: Path) -> dict[str, int]:
+    """Tracebacks per child log (``Traceback`` lines, and JSON records with an ``exception``)."""
+    out = {}
+    for path in sorted(log_dir.glob("*.log")):
+        text = path.read_text(errors="replace")
+        n = text.count("Traceback (most recent call last)")
+        if n:
+            out[path.stem] = n
+    return out
+
+
+def disk_full(work: Path, *, rate: float = 8.0, fill_at: float = 5.0, hold_s: float = 15.0, after_s: float = 25.0,
+              seed: int = 0, size_mib: int = 4096) -> dict[str, Any]:
+    """The disk under the stack (its run directory: JetStream store, logs, outcome logs) filled
+    while it serves, ``hold_s`` full, then freed: per phase the queries' statuses; the recovery
+    (from the space coming back to the submission of the last query that did not end in
+    ``done``); tracebacks in the children's logs; what the supervisor said (``bear up`` prints it)."""
+    import os
+    import subprocess
+
+    from bear.stack.stack import Stack, StackConfig
+
+    why = _mount_tmpfs(work, size_mib)
+    if why:
+        return {"fault": "disk-full", "sent": 0, "done": 0, "coded_errors": {}, "lost": 0, "recovery_s": 0.0,
+                "skipped": f"no tmpfs at {work}: {why}"}
+    fill = work / "fill"
+    marks: dict[str, float] = {}
+    try:
+        cfg = StackConfig(workdir=work, estimator_workers=1, routers=2, log_level="warning", restart_backoff_s=(0.5, 5.0))
+        with Stack(cfg) as stack, Supervisor(stack) as sup:
+            t0 = [0.0]
+
+            def inject() -> None:
+                marks["filled"] = time.monotonic() - t0[0]
+                marks["filled_bytes"] = _fill(fill)
+                time.sleep(hold_s)
+                fill.unlink()
+                marks["freed"] = time.monotonic() - t0[0]
+
+            async def go() -> FaultRun:
+                t0[0] = time.monotonic()
+                return await drive(stack.url, stack.nats_options("client"), rate, fill_at + hold_s + after_s, seed,
+                                   inject, fill_at, run=FaultRun("disk-full"), reconnect_wait_s=0.1)
+
+            run = aio.run(go())
+            events = list(sup.events)
+            figs = run.figures()
+            freed = marks.get("freed", math.inf)
+            filled = marks.get("filled", math.inf)
+            phases = {"before": [q for q in run.queries if q.t < filled],
+                      "full": [q for q in run.queries if filled <= q.t < freed],
+                      "after": [q for q in run.queries if q.t >= freed]}
+            figs["phases"] = {k: dict(Counter(q.status for q in v)) for k, v in phases.items()}
+            late = [q for q in phases["after"] if q.status != "done"]
+            figs["recovery_after_free_s"] = round(max(q.t for q in late) - freed, 2) if late else 0.0
+            figs["unavailable_after_free_10s"] = sum(q.status != "done" and q.t >= freed + 10 for q in phases["after"])
+            figs["tracebacks"] = _tracebacks(stack.log_dir)
+            figs["supervisor"] = [e for e in events if "disk" in e or "nats" in e.lower() or "JetStream" in e][:12]
+            figs["note"] = (f"tmpfs {size_mib} MiB; filled at +{filled:.1f} s ({marks.get('filled_bytes', 0) >> 20} MiB), "
+                            f"freed at +{freed:.1f} s")
+            figs["accepted_lost"] = figs["lost_after_routed"]
+        return figs
+    finally:
+        with contextlib.suppress(OSError):
+            fill.unlink()
+        subprocess.run(["umount", "-l", str(work)], check=False, capture_output=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(work)
+
+
+def _light_figures(run: FaultRun) -> dict[str, Any]:
+    """The light identity's figures: sent, done, overloaded, the TTFT p50/p99 of its done queries
+    (the router's, submit → first token) and the client's first-token wait p99."""
+    done = [q for q in run.queries if q.status == "done"]
+    ttft = [q.ttft_s for q in done if q.ttft_s is not None]
+    first = [q.first_s if q.first_s is not None else math.inf for q in run.queries]
+    out: dict[str, Any] = {"sent": len(run.queries), "done": len(done),
+                           "overloaded": sum(q.status == "overloaded" for q in run.queries),
+                           "other_errors": dict(Counter(q.status for q in run.queries
+                                                        if q.status not in ("done", "overloaded")))}
+    if ttft:
+        out["ttft_ms"] = {"p50": round(float(np.percentile(ttft, 50)) * 1e3, 1),
+                          "p99": round(float(np.percentile(ttft, 99, method="higher")) * 1e3, 1)}
+    failed = [q for q in run.queries if q.status != "done"]
+    if failed:
+        out["errors"] = [f"+{q.t:.1f} s {q.status}: {q.message}" for q in failed[:4]]
+    if first:
+        out["first_token_p99_ms"] = round(float(np.percentile(first, 99, method="higher")) * 1e3, 1)
+    return out
+
+
+def flood(work: Path, *, seed: int = 0, light_rate: float = 2.0, flood_rate: float = 60.0, flood_s: float = 10.0,
+          light_s: float = 20.0, flood_tokens: int = 512, light_tokens: int = 32,
+          router_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Two client identities on one sim stack (one router): ``light`` alone at ``light_rate``
+    for ``light_s``, then again while ``flood`` sends ``flood_rate`` q/s of ``flood_tokens``-token
+    answers for ``flood_s`` (from 2 s in). The light identity's ``overloaded`` count and TTFT
+    p99, with and without the flood, and what the flooder got; ``router_args``: the router's
+    options (fair shares: ``--identity-limit``, ``--max-inflight``)."""
+    from bear.stack.stack import Stack, StackConfig
+
+    cfg = StackConfig(workdir=work, estimator_workers=1, routers=1, log_level="warning", clients=("light", "flood"),
+                      router_args=list(router_args))
+    with Stack(cfg) as stack:
+        quiet = aio.run(drive(stack.url, stack.nats_options("light"), light_rate, light_s, seed,
+                              run=FaultRun("light"), max_tokens=light_tokens))
+
+        async def both() -> tuple[FaultRun, FaultRun]:
+            async def flooding() -> FaultRun:
+                await asyncio.sleep(2.0)
+                return await drive(stack.url, stack.nats_options("flood"), flood_rate, flood_s, seed + 1,
+                                   run=FaultRun("flood"), max_tokens=flood_tokens)
+
+            light, heavy = await asyncio.gather(
+                drive(stack.url, stack.nats_options("light"), light_rate, light_s, seed + 2, run=FaultRun("light"),
+                      max_tokens=light_tokens), flooding())
+            return light, heavy
+
+        light, heavy = aio.run(both())
+    base, during = _light_figures(quiet), _light_figures(light)
+    figs: dict[str, Any] = {
+        "fault": "flood", "sent": len(light.queries), "done": sum(q.status == "done" for q in light.queries),
+        "coded_errors": dict(Counter(q.status for q in light.queries if q.status != "done" and not q.client_made)),
+        "lost": sum(q.client_made for q in light.queries), "recovery_s": 0.0,
+        "light_alone": base, "light_in_flood": during,
+        "flooder": {"sent": len(heavy.queries), "done": sum(q.status == "done" for q in heavy.queries),
+                    "refused": dict(Counter(q.status for q in heavy.queries if q.status != "done"))},
+        "router_args": list(router_args),
+    }
+    b, d = base.get("ttft_ms"), during.get("ttft_ms")
+    if b and d and b["p99"] > 0:
+        figs["light_ttft_p99_ratio"] = round(d["p99"] / b["p99"], 2)
+    figs["note"] = (f"light {light_rate:g} q/s × {light_s:g} s ({light_tokens} tokens), flood {flood_rate:g} q/s × "
+                    f"{flood_s:g} s ({flood_tokens} tokens); router {' '.join(router_args) or 'defaults'}")
+    return figs

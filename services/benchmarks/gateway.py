@@ -19,6 +19,7 @@ process wake-ups per request, as the gateway adds). The gateway's own processing
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import tempfile
@@ -271,3 +272,260 @@ def print_table(res: dict[str, Any], console: Any) -> None:
                     f"{r['gateway_cpu_ms_per_request']:.3f} ms" for r in res["runs"])
     console.print(f"gateway per request — {per}. Host load {res['host_load'][0]:.2f}, {res['cpus']} CPUs, "
                   f"loop {res['event_loop']}")
+
+
+# ---------------------------------------------------------------------------------------- slowloris
+ATTACKER = "127.0.0.2"  # the attack's source address (Linux routes all of 127/8 to lo): another peer
+HALF_REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nHost: bear\r\nContent-Type: application/json\r\n"
+
+
+async def _slowloris(host: str, port: int, n: int, stop: asyncio.Event, trickle_s: float,
+                     stats: dict[str, Any], wave: asyncio.Event) -> None:
+    """``n`` connections from ``ATTACKER``, each sending half a request's headers and then one more
+    header line every ``trickle_s``, reopened when the gateway closes it (a second after a
+    refusal), until ``stop``; ``wave`` is set once each has tried its first."""
+    tried = [0]
+
+    def first_try(done: bool) -> None:
+        if not done:
+            tried[0] += 1
+            if tried[0] == n:
+                wave.set()
+
+    async def one(k: int) -> None:
+        first = False
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                reader, writer = await asyncio.open_connection(host, port, local_addr=(ATTACKER, 0))
+            except OSError as exc:
+                first_try(first)
+                first = True
+                stats["connect_errors"] += 1
+                stats["connect_error_kinds"][type(exc).__name__] += 1
+                await asyncio.sleep(1.0)
+                continue
+            first_try(first)
+            first = True
+            stats["opened"] += 1
+            stats["open"] += 1
+            got = b""
+            try:
+                writer.write(HALF_REQUEST)
+                while not stop.is_set():
+                    try:
+                        got = await asyncio.wait_for(reader.read(4096), trickle_s)
+                    except TimeoutError:
+                        writer.write(b"X-Slow: %d\r\n" % k)  # one more header line, never the end
+                        continue
+                    break  # an answer or EOF: the gateway closed it
+            except OSError:
+                pass
+            finally:
+                stats["open"] -= 1
+                writer.close()
+            if stop.is_set() and not got:
+                return  # the attack ended it, not the gateway
+            status = got[9:12].decode(errors="replace") if got.startswith(b"HTTP/1.1 ") else ("eof" if not got else "?")
+            stats["closed_by_gateway"][status] += 1
+            if status != "429" and status != "503":
+                stats["held_s"].append(time.monotonic() - t0)
+            if stop.is_set():
+                return
+            await asyncio.sleep(1.0 if status in ("429", "503") else 0.05)
+
+    await asyncio.gather(*(one(k) for k in range(n)))
+
+
+async def _real_requests(url: str, key: str, rate: float, duration: float, timeout_s: float) -> dict[str, Any]:
+    """One new connection per request (a client the attack does not know), ``rate`` per second."""
+    import collections
+
+    import aiohttp
+
+    outcomes: collections.Counter[str] = collections.Counter()
+    lat: list[float] = []
+    body = {"model": "bear", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 8}
+
+    async def one() -> None:
+        t0 = time.perf_counter()
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as s, \
+                    s.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+                await r.read()
+                outcomes[str(r.status)] += 1
+                if r.status == 200:
+                    lat.append(time.perf_counter() - t0)
+        except TimeoutError:
+            outcomes["timeout"] += 1
+        except aiohttp.ClientError as exc:
+            outcomes[type(exc).__name__] += 1
+
+    tasks = []
+    n = max(1, round(rate * duration))
+    t_start = time.monotonic()
+    for k in range(n):
+        delay = k / rate - (time.monotonic() - t_start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one()))
+    await asyncio.gather(*tasks)
+    return {"sent": n, "outcomes": dict(outcomes), "served": outcomes.get("200", 0), "latency": latency_ms(lat)}
+
+
+def _gateway_metrics(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(("bear_gateway_connections_refused_total{", "bear_gateway_header_timeouts_total ",
+                            "bear_gateway_connections ")):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+async def _attack_run(port: int, key: str, connections: int, duration: float, rate: float, trickle_s: float,
+                      timeout_s: float) -> dict[str, Any]:
+    import collections
+
+    import aiohttp
+
+    stats: dict[str, Any] = {"opened": 0, "open": 0, "connect_errors": 0, "connect_error_kinds": collections.Counter(),
+                             "closed_by_gateway": collections.Counter(), "held_s": []}
+    stop, wave = asyncio.Event(), asyncio.Event()
+    attack = asyncio.create_task(_slowloris("127.0.0.1", port, connections, stop, trickle_s, stats, wave))
+    t0 = time.monotonic()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(wave.wait(), 10.0)  # the attack's first wave is out (or 10 s)
+    ramp_s = time.monotonic() - t0
+    open_at_start = stats["open"]
+    real = await _real_requests(f"http://127.0.0.1:{port}/v1/chat/completions", key, rate, duration, timeout_s)
+    open_at_end = stats["open"]
+    stop.set()
+    await attack
+    held = stats.pop("held_s")
+    metrics: dict[str, float] = {}
+    for _ in range(50):  # the gateway answers /metrics once the attack is gone
+        try:
+            async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                metrics = _gateway_metrics(await r.text())
+            break
+        except aiohttp.ClientError:
+            await asyncio.sleep(0.2)
+    return {"attack": {**stats, "connect_error_kinds": dict(stats["connect_error_kinds"]),
+                       "closed_by_gateway": dict(stats["closed_by_gateway"]), "ramp_s": ramp_s,
+                       "open_when_real_requests_began": open_at_start, "open_when_they_ended": open_at_end,
+                       "held_s": {"n": len(held), "p50": float(np.median(held)) if held else None,
+                                  "max": max(held) if held else None}},
+            "real": real, "metrics": metrics}
+
+
+def run_slowloris(connections: int = 1100, nofile: int = 1024, duration: float = 40.0, rate: float = 2.0,
+                  trickle_s: float = 5.0, timeout_s: float = 10.0, unprotected: bool = True) -> dict[str, Any]:
+    """``connections`` slowloris connections against a gateway process whose open-file limit is
+    ``nofile`` (soft and hard: ``bear``'s own raise to the hard limit changes nothing), while real
+    chat requests come at ``rate`` per second for ``duration`` s from another address; with
+    ``unprotected``, the same once more with the header timeout and the connection caps off (the
+    gateway before issue 40). The gateway's log lines of refusals and timeouts are counted."""
+    import resource
+    import subprocess
+    import sys
+
+    import aiohttp
+
+    from bear.gateway.auth import write_new_key
+    from bear.runtime.nats_server import free_port
+    from bear.stack.stack import Stack, StackConfig
+
+    work = Path(tempfile.mkdtemp(prefix="bear-slowloris-bench-"))
+    key_file = work / "key"
+    key = write_new_key(key_file)
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    async def healthy(port: int) -> None:
+        for _ in range(300):
+            try:
+                async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/health") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+        raise RuntimeError("the gateway did not come up")
+
+    configs = [("protected (defaults)", [])]
+    if unprotected:
+        configs.append(("unprotected (header timeout and caps off)",
+                        ["--header-timeout", "0", "--max-connections-per-peer", "0", "--max-connections", "0"]))
+    runs = []
+    stack = Stack(StackConfig(workdir=work, calibrator=False, log_level="warning"))
+    with stack:
+        creds = stack.creds("gateway")
+        for name, extra in configs:
+            port = free_port()
+            log_path = work / f"gateway-{len(runs)}.log"
+            argv = [sys.executable, "-m", "bear", "gateway", "--nats", stack.url, "--port", str(port),
+                    "--api-key-file", str(key_file), "--log-format", "json", *extra]
+            if creds is not None:
+                argv += ["--nats-creds", str(creds)]
+            with log_path.open("w") as logf:
+                gw = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, preexec_fn=limit)
+            try:
+                aio.run(healthy(port))
+                soft_hard = Path(f"/proc/{gw.pid}/limits").read_text() if sys.platform.startswith("linux") else ""
+                r = aio.run(_attack_run(port, key, connections, duration, rate, trickle_s, timeout_s))
+            finally:
+                gw.terminate()
+                try:
+                    gw.wait(15)
+                except subprocess.TimeoutExpired:
+                    gw.kill()
+                    gw.wait()
+            lines = [json.loads(x) for x in log_path.read_text().splitlines() if x.startswith("{")]
+            events = [e.get("event", "") for e in lines]
+            r["config"] = name
+            r["gateway_log"] = {
+                "refusal_lines": sum(e == "connections refused" for e in events),
+                "timeout_lines": sum(e == "connections closed: request headers too slow" for e in events),
+                "lines": len(lines),
+                "refused_logged": sum(x.get("connections", 0) for x in lines if x.get("event") == "connections refused"),
+                "timed_out_logged": sum(x.get("connections", 0) for x in lines
+                                        if x.get("event") == "connections closed: request headers too slow"),
+                "example": next((x for x in lines if x.get("event") == "connections refused"), None)}
+            r["open_files"] = next((ln.split()[3:5] for ln in soft_hard.splitlines() if ln.startswith("Max open files")),
+                                   None)
+            runs.append(r)
+    return {"connections": connections, "nofile": nofile, "duration_s": duration, "rate_rps": rate,
+            "trickle_s": trickle_s, "cpus": os.cpu_count(), "host_load": os.getloadavg(),
+            "event_loop": aio.loop_name(), "runs": runs}
+
+
+def print_slowloris(res: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"{res['connections']} slowloris connections at a {res['nofile']} open-file limit, real requests "
+                    f"at {res['rate_rps']:g}/s for {res['duration_s']:g} s from another address")
+    for col in ("gateway", "real served", "real failed", "real p50/p99 ms", "attack opened", "refused (429/503)",
+                "closed 408", "held p50/max s", "refusal log lines"):
+        t.add_column(col, justify="right")
+    for r in res["runs"]:
+        real, att, lg = r["real"], r["attack"], r["gateway_log"]
+        failed = {k: v for k, v in real["outcomes"].items() if k != "200"}
+        closed = att["closed_by_gateway"]
+        held = att["held_s"]
+        t.add_row(r["config"], f"{real['served']}/{real['sent']}", ", ".join(f"{k}: {v}" for k, v in failed.items()) or "0",
+                  f"{real['latency']['p50_ms']:.0f}/{real['latency']['p99_ms']:.0f}" if real["served"] else "-",
+                  str(att["opened"]), str(closed.get("429", 0) + closed.get("503", 0)), str(closed.get("408", 0)),
+                  f"{held['p50']:.1f}/{held['max']:.1f}" if held["n"] else "-",
+                  f"{lg['refusal_lines']} + {lg['timeout_lines']}")
+    console.print(t)
+    for r in res["runs"]:
+        console.print(f"{r['config']}: open-file limit {r['open_files']}, attack connect errors "
+                      f"{r['attack']['connect_errors']} {r['attack']['connect_error_kinds']}, gateway metrics "
+                      f"{r['metrics']}, refusals logged {r['gateway_log']['refused_logged']} in "
+                      f"{r['gateway_log']['refusal_lines']} lines, header timeouts logged "
+                      f"{r['gateway_log']['timed_out_logged']} in {r['gateway_log']['timeout_lines']} lines",
+                      soft_wrap=True)

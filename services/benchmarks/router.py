@@ -92,7 +92,7 @@ def run_bench(rate: float, duration: float, seed: int = 0, routers: int = 1, ans
 
     work = Path(tempfile.mkdtemp(prefix="bear-router-bench-"))
     n = max(1, round(rate * duration))
-    queries = make_queries(n, seed, ("alpaca",), ("Qwen3-0.6B", "Qwen3-8B", "Qwen3-32B"))
+    queries, _ = make_queries(n, seed, ("alpaca",), ("Qwen3-0.6B", "Qwen3-8B", "Qwen3-32B"))
     times = arrivals("poisson", rate, n, seed=seed)
     stack = Stack(StackConfig(workdir=work, calibrator=False, log_level="warning", routers=routers,
                               router_args=list(router_args)))

@@ -22,6 +22,7 @@ import structlog
 
 from bear.calibrator.fit import DEFAULT_OBJECTIVE, OBJECTIVES, BatchWindow, RefitPolicy, robust_fit
 from bear.calibrator.lengths import LengthWindow
+from bear.calibrator.path import PathWindow
 from bear.calibrator.ttft_error import ratio_quantiles
 from bear.protocol.batch import BatchRecord, batch_record
 from bear.protocol.codec import unpack
@@ -68,6 +69,7 @@ class OnlineCalibrator:
         self._fitted_at: dict[str, float] = {}  # monotonic time of each instance's last fit attempt
         self.priors: dict[str, Calibration | None] = {}  # profiled calibrations (None: none), read once
         self.lengths: OrderedDict[str, LengthWindow] = OrderedDict()  # answers' lengths against the predictions
+        self.paths: OrderedDict[str, PathWindow] = OrderedDict()  # observed − elapsed − engine (bear.calibrator.path)
 
     async def start(self) -> None:
         self._kv = await ensure_kv(self.nc.jetstream(), self.subjects.calibration_bucket)
@@ -127,6 +129,9 @@ class OnlineCalibrator:
         if o.method == "bea" and o.predicted_ttft_s is not None and o.ttft_s is not None and o.ttft_s > 0:
             self._bounded(self.ttft, o.instance, lambda: deque(maxlen=self.ttft_window)).append(
                 (o.predicted_ttft_s, o.ttft_s))
+        if o.method == "bea" and o.ttft_s is not None and o.engine_ttft_s is not None and o.prompt_tokens is not None:
+            self._bounded(self.paths, o.instance, PathWindow).add(o.prompt_tokens, o.ttft_s, o.elapsed_s or 0.0,
+                                                                  o.engine_ttft_s)
 
     def ttft_error(self, instance: str) -> tuple[float | None, float | None, int]:
         """(MAPE, median relative error, n) of the recent BEA TTFTs at ``instance``."""
@@ -165,6 +170,9 @@ class OnlineCalibrator:
                                           length_scale=lengths.scale() if lengths is not None else None,
                                           length_sigma=lengths.sigma() if lengths is not None else None,
                                           ttft_ratio_q=ratio_quantiles(self.ttft.get(instance, ())))
+            path = self.paths[instance].fit() if instance in self.paths else None
+            if path is not None:
+                cal = msgspec.structs.replace(cal, path_s0=path.a, path_per_token_s=path.b, path_n=path.n)
             self.fits[instance] = cal
             try:
                 await self._kv.put(instance, encode(cal))
@@ -208,7 +216,8 @@ class OnlineCalibrator:
             for inst in updated:
                 cal = self.fits[inst]
                 log.info("beta updated", instance=inst, beta=cal.beta, mape=round(cal.mape, 4), n=cal.n, theta=cal.theta,
-                         ttft_mape=cal.ttft_mape, ttft_n=cal.ttft_n, scale=cal.scale, length_scale=cal.length_scale)
+                         ttft_mape=cal.ttft_mape, ttft_n=cal.ttft_n, scale=cal.scale, length_scale=cal.length_scale,
+                         path_s0=cal.path_s0, path_per_token_s=cal.path_per_token_s, path_n=cal.path_n)
 
 
 async def run_calibrator(nats_url: str, prefix: str = "bear", **kwargs: Any) -> None:

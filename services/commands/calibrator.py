@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -97,6 +97,40 @@ def calibrate(
         print(f"{name:<19} {f.mape * 100:>9.1f}% {m * 100:>9.1f}% {bias * 100:>+17.1f}%{mark}")
 
 
+def print_decomposition(table: dict[str, dict[str, Any]]) -> None:
+    """The per-instance table of ``bear.calibrator.live_error.decompose`` (ms and %)."""
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.2f}"
+
+    print(f"{'instance':<14} {'n':>5} {'MAPE':>7} {'median':>7} {'observed':>9} {'elapsed':>8} {'engine':>8} "
+          f"{'path':>7} {'left':>7} {'resid p10/p50/p90 ms':>22} {'fit a ms':>9} {'b µs/tok':>9} "
+          f"{'MAPE+fit':>9} {'median+fit':>10}")
+    for inst, r in table.items():
+        b = r["path_fit_b_s_per_token"]
+        print(f"{inst:<14} {r['n']:>5} {r['mape_pct']:>6.1f}% {r['median_signed_pct']:>+6.1f}% "
+              f"{ms(r['observed_s']):>9} {ms(r['elapsed_s']):>8} {ms(r['engine_s']):>8} {ms(r['path_s']):>7} "
+              f"{ms(r['left_s']):>7} {ms(r['residual_p10_s']):>6}/{ms(r['residual_p50_s'])}/{ms(r['residual_p90_s'])}"
+              f" {ms(r['path_fit_a_s']):>9} {'-' if b is None else f'{b * 1e6:.3f}':>9} "
+              f"{r['mape_with_fit_pct']:>8.1f}% {r['median_signed_with_fit_pct']:>+9.1f}%")
+
+
+def diagnose_live(
+    log: Annotated[Path, typer.Argument(help="A router's outcome log (JSONL: bear router --outcome-log).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the table as JSON.")] = False,
+) -> None:
+    """The live TTFT error by source: per instance, the observed TTFT as the router's time before
+    the estimate + the estimate's engine part + the path term + what is left; the residual outside
+    the replay and the path model the calibrator would fit from it (docs/cli.md)."""
+    from bear.calibrator.live_error import decompose, read_log
+
+    table = decompose(read_log(log))
+    if as_json:
+        print(json.dumps(table, indent=2))
+    else:
+        print_decomposition(table)
+
+
 def register(app: typer.Typer) -> None:
     app.command("calibrator")(calibrator)
     app.command("calibrate")(calibrate)
+    app.command("diagnose-live")(diagnose_live)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -142,7 +143,9 @@ def bench_estimator(
 def estimator(
     nats_url: NatsUrl = FIND_NATS,
     nats_creds: NatsCreds = "",
-    workers: int = typer.Option(1, "--workers", min=1, help="Worker processes to start (they share only NATS)"),
+    workers: int = typer.Option(1, "--workers", min=1, help="Worker processes to start (they share only NATS); "
+                                "with --nats-creds 'DIR/estimator-{worker}.json' each connects as its own identity "
+                                "(bear nats config --service-replicas estimator=N)"),
     max_age_s: float = typer.Option(1.0, "--max-age", help="Snapshots older than this (s) use the analytic fallback"),
     down_after_s: float = typer.Option(
         10.0, "--down-after", help="No snapshot and no registry heartbeat for this long (s): instance is down"
@@ -197,7 +200,11 @@ def estimator(
         raise typer.Exit(run_forked(argv, workers, metrics_port or None))
     configure_logging(log_format, log_level)
     from bear.estimator.estimate import EstimatorConfig
-    from bear.estimator.service import run_worker
+    from bear.estimator.service import WORKER_FIELD, run_worker, worker_creds
+    from bear.runtime.identity import CREDS_ENV
+
+    if WORKER_FIELD in os.environ.get(CREDS_ENV, ""):  # one worker of a template: the first identity
+        os.environ[CREDS_ENV] = worker_creds(os.environ[CREDS_ENV], 0)
     from bear.runtime.metrics import start_metrics_server
 
     start_metrics_server(metrics_port, metrics_host)

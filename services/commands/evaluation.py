@@ -16,7 +16,8 @@ from bear.commands.options import policy_list, positive_list
 # Kept here (not imported from bear.evaluation.run) so that `bear --help` stays fast; a test
 # checks that it equals run.experiment_names().
 EXPERIMENTS = ["rates", "estimator", "accuracy", "delta", "staleness", "lambda", "bursty", "sensitivity",
-               "highload", "tune", "lps", "estimates", "workload", "diagnose", "decomposition", "prefix", "all"]
+               "highload", "tune", "lps", "estimates", "workload", "diagnose", "decomposition", "prefix", "herd",
+               "reliability", "all"]
 HEADLINE_SEEDS = "2026,2027,2028"
 
 
@@ -55,6 +56,17 @@ def eval_cmd(
         help="Folder for the JSON results, PNG figures and summary.md; default ./results/<UTC date> for all, "
              "./results/<UTC date>/<experiment>-<seeds> for one experiment (relative to the current directory).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the (single) experiment's JSON on stdout.")] = False,
+    arrivals: Annotated[str, typer.Option(
+        help="Arrival process of rates/estimator/accuracy/highload: poisson, mmpp (MMPP-2, --burst-ratio) or "
+             "batch (--batch-size queries at one instant, the instants Poisson at rate / size).")] = "poisson",
+    burst_ratio: Annotated[float, typer.Option(min=1.0, help="mmpp: the burst ratio r = α_H / α_L (App. B: 3, 6).")] = 3.0,
+    batch_size: Annotated[int, typer.Option(min=1, help="batch: queries per instant.")] = 20,
+    decisions: Annotated[str, typer.Option(
+        help="sequenced (each decision sees every one before it; the live router) or concurrent (arrivals within "
+             "--decision-window-ms of each other decided on one view, none seeing another: the old live herd).")]
+        = "sequenced",
+    decision_window_ms: Annotated[float, typer.Option(min=0.0, help="concurrent: the window (0: the same instant).")]
+        = 0.0,
 ) -> None:
     """Reproduce the paper's routing experiments in a virtual-time simulation of the pool."""
     from rich.console import Console
@@ -85,6 +97,10 @@ def eval_cmd(
             raise typer.BadParameter(f"--policies applies to {', '.join(SELECTABLE)}, not {experiment}")
         if not registry(rate_list, pol)[experiment].cells(seed_list[:1]):
             raise typer.BadParameter(f"--policies: no router of {experiment} runs {policies}")
+    arr = _arrivals(arrivals, burst_ratio, batch_size, decisions, decision_window_ms)
+    if arr and experiment not in ("rates", "estimator", "accuracy", "highload"):
+        raise typer.BadParameter("--arrivals/--decisions apply to rates, estimator, accuracy and highload "
+                                 "(herd and reliability set their own)")
     out = out or default_out(experiment, seed_list)
     console = Console(stderr=True)
     t0 = time.monotonic()
@@ -96,7 +112,8 @@ def eval_cmd(
             progress.update(task, description=f"{experiment}: simulating", total=n, completed=0)
 
         results = runner.run(names, seed_list, n_queries, out, workers=workers, on_cells=started,
-                             on_done=lambda: progress.advance(task), rates=rate_list, policies=pol)
+                             on_done=lambda: progress.advance(task), rates=rate_list, policies=pol,
+                             arrivals=arr or None)
     wall = time.monotonic() - t0
     if as_json:
         from bear.protocol.codec import json_safe
@@ -107,6 +124,26 @@ def eval_cmd(
             _print(console, name, r)
     print(f"{experiment}: {wall:.0f} s; wrote {out}/ ({', '.join(f'{n}.json' for n in results)}"
           + (", summary.md" if len(results) > 1 else "") + ")", file=sys.stderr)
+
+
+def _arrivals(kind: str, ratio: float, batch: int, decisions: str, window_ms: float) -> dict[str, Any]:
+    """The cells' arrival settings the options ask for ({} : Poisson, sequenced — the defaults)."""
+    if kind not in ("poisson", "mmpp", "batch"):
+        raise typer.BadParameter(f"--arrivals: poisson, mmpp or batch, not {kind!r}")
+    if decisions not in ("sequenced", "concurrent"):
+        raise typer.BadParameter(f"--decisions: sequenced or concurrent, not {decisions!r}")
+    if window_ms and decisions != "concurrent":
+        raise typer.BadParameter("--decision-window-ms needs --decisions concurrent")
+    out: dict[str, Any] = {}
+    if kind != "poisson":
+        out["arrivals"] = kind
+    if kind == "mmpp":
+        out["ratio"] = float(ratio)
+    if kind == "batch":
+        out["batch_size"] = int(batch)
+    if decisions != "sequenced":
+        out["decisions"], out["window_s"] = decisions, window_ms / 1e3
+    return out
 
 
 def _print(console: Any, name: str, r: dict[str, Any]) -> None:
@@ -135,6 +172,19 @@ def _print(console: Any, name: str, r: dict[str, Any]) -> None:
         for n, v in r["policies"].items():
             t.add_row(n, *(f"{m:.4f}" for m in v))
         console.print(t)
+    elif name in ("herd", "reliability"):
+        panels = r["modes"] if name == "herd" else r["arrivals"]
+        for panel, v in panels.items():
+            t = Table(title=f"OnTimeUtility ({name}, {panel}; mean over seeds {', '.join(map(str, r['seeds']))})")
+            t.add_column("router")
+            for x in r["rates"]:
+                t.add_column(f"{x:g}")
+            for n, st in v["on_time_utility"].items():
+                t.add_row(n, *(f"{m:.4f}" for m in st["mean"]))
+            console.print(t)
+            for n, rel in v.get("reliability", {}).items():
+                console.print(f"{panel} {n} (confidence {rel['confidence']:g}): on time among feasible per seed "
+                              + ", ".join(f"{s}: {d['share']:.3f} of {int(d['n'])}" for s, d in rel["per_seed"].items()))
     elif name == "tune":
         console.print(f"tuned on seed(s) {r['seeds']}: {json.dumps(r['chosen'])}")
     else:

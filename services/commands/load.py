@@ -89,7 +89,13 @@ def load_cmd(
                               help=f"Comma-separated task families of the synthetic mix: {', '.join(TASKS)} "
                                    "(default: all four)"),
     lam: float = typer.Option(5e-4, "--lambda", min=0.0, help="λ ≥ 0 of U = acc − λ·cost"),
-    max_tokens: int = typer.Option(4096, "--max-tokens", min=1, help="max_tokens of every query (≥ 1)"),
+    max_tokens: int = typer.Option(
+        4096, "--max-tokens", min=1,
+        help="max_tokens of every query (≥ 1), fitted into the rest of the chosen engine's context"),
+    context: int | None = typer.Option(
+        None, "--context", min=2, show_default=False,
+        help="Engines' context in tokens (≥ 2): prompts that may not fit are left out of the draw (their UTF-8 "
+             "bytes bound the tokens); default: what the `bear up` stack found runs (its vLLM --max-model-len; sim engines: no bound)"),
     seed: int = typer.Option(0, "--seed", help="Seed of prompts, arrivals and targets"),
     burst_ratio: float = typer.Option(3.0, "--burst-ratio", min=1.0, help="MMPP-2 high/low rate ratio (≥ 1)"),
     out: Path | None = typer.Option(None, "--out", help="Write the summary as JSON here"),
@@ -100,7 +106,7 @@ def load_cmd(
     """Drive a synthetic workload through the router and report OnTimeUtility and SLO attainment.
     Exit code 0 when at least one query completed (docs/cli.md)."""
     rep = run_load_cli(nats_url, prefix, rate, str(arrivals_kind), duration, tasks, lam, max_tokens, seed,
-                       burst_ratio)
+                       burst_ratio, context if context is not None else stack_context(nats_url))
     if out is not None:
         out.write_text(json.dumps(json_safe(rep), indent=2))
     check_completed(rep)
@@ -119,19 +125,37 @@ def check_completed(rep: dict[str, Any]) -> None:
 
 
 
+def stack_context(nats_url: str) -> int | None:
+    """The context the `bear up` stack at ``nats_url`` (found from this directory) fits loads into
+    (``Stack.load_context``; None: no bound)."""
+    from bear.stack.discovery import read_state
+
+    state = read_state()
+    if state is None or state.get("nats_url") != nats_url:
+        return None
+    ctx = state.get("load_context")
+    return ctx if isinstance(ctx, int) and not isinstance(ctx, bool) and ctx >= 2 else None
+
+
 def run_load_cli(nats_url: str, prefix: str, rate: float, arrivals_kind: str, duration: float, tasks: str, lam: float,
-                 max_tokens: int, seed: int, burst_ratio: float) -> dict[str, Any]:
+                 max_tokens: int, seed: int, burst_ratio: float, context: int | None = None) -> dict[str, Any]:
+    """``context``: the engines' context in tokens, which every prompt drawn must fit (None: no bound)."""
     from rich.console import Console
     from rich.live import Live
 
     from bear.load.arrivals import arrivals
-    from bear.load.generator import LoadResult, make_queries, run_load
+    from bear.load.generator import DoesNotFit, LoadResult, make_queries, run_load
     from bear.protocol.subjects import Subjects
 
     console = Console()
     n = max(1, round(rate * duration))
     task_list = tuple(t.strip() for t in tasks.split(",") if t.strip()) or None
-    queries = make_queries(n, seed, task_list, ("Qwen3-0.6B", "Qwen3-8B", "Qwen3-32B"))
+    try:
+        queries, left_out = make_queries(n, seed, task_list, ("Qwen3-0.6B", "Qwen3-8B", "Qwen3-32B"), context)
+    except DoesNotFit as exc:  # before anything is sent: one line
+        raise BearError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, str(exc)) from None
+    if left_out:
+        console.print(f"{left_out} drawn prompts left out: longer than a {context}-token context may hold")
     times = arrivals(arrivals_kind, rate, n, seed=seed, ratio=burst_ratio)
 
     def line(res: LoadResult) -> str:
@@ -167,7 +191,8 @@ def run_load_cli(nats_url: str, prefix: str, rate: float, arrivals_kind: str, du
     res = aio.run(go())
     console.print()
     rep = res.report()
-    rep.update(rate=rate, arrivals=arrivals_kind, duration_s=duration, seed=seed)
+    rep.update(rate=rate, arrivals=arrivals_kind, duration_s=duration, seed=seed, context=context,
+               prompts_left_out=left_out)
     print_report(console, rep)
     return rep
 

@@ -25,25 +25,41 @@ def config_cmd(
         ["client", "gateway"], "--client",
         help="A client application (repeatable; `gateway` gets the gateway's rights): each its own identity and "
              "private inbox prefix"),
+    service_replicas: list[str] = typer.Option(
+        [], "--service-replicas", metavar="SERVICE=N",
+        help="One identity per replica (repeatable; predictor or estimator): `estimator=3` writes estimator-0 … "
+             "estimator-2 instead of one shared `estimator`, so a leaked replica is revoked alone (give "
+             "`bear estimator --workers 3` --nats-creds 'DIR/estimator-{worker}.json')"),
     prefix: Prefix = "bear",
 ) -> None:
     """Generate fresh nkey identities for every service, client and instance, and the server
     authorization that gives each only its own subjects (docs/security.md)."""
     from bear.protocol.subjects import Subjects
     from bear.runtime.identity import NAME
-    from bear.runtime.nats_auth import generate
+    from bear.runtime.nats_auth import REPLICATED, generate, is_service_name
 
     for name in [*instance, *client]:
         if not NAME.match(name):
             raise typer.BadParameter(f"{name!r}: ids are 1-128 letters, digits, '-' or '_' (one subject token)")
     for name in client:
-        if name in ("admin", "router", "predictor", "estimator", "calibrator") or name.startswith("instance-"):
+        if is_service_name(name):
             raise typer.BadParameter(f"{name!r} is a service's or an instance's identity", param_hint="--client")
+    replicas: dict[str, int] = {}
+    for item in service_replicas:
+        svc, _, n = item.partition("=")
+        if svc not in REPLICATED or not n.isdigit() or not 1 <= int(n) <= 64:
+            raise typer.BadParameter(f"{item!r}: SERVICE=N with SERVICE one of {', '.join(REPLICATED)} and N in 1..64",
+                                     param_hint="--service-replicas")
+        replicas[svc] = int(n)
     if out.exists() and any(out.iterdir()):
         raise typer.BadParameter(f"{out} is not empty: identities are never overwritten", param_hint="--out")
-    files = generate(out, list(instance), Subjects(prefix), clients=tuple(dict.fromkeys(client)))
+    files = generate(out, list(instance), Subjects(prefix), clients=tuple(dict.fromkeys(client)), replicas=replicas)
     print(f"wrote {files.config} (include it in nats-server.conf) and {len(files.creds)} identities in {out}/ "
           "(mode 0600: hand each process only its own)")
+    from bear.runtime.nats_auth import SHARED_CLIENT, shared_client_note
+
+    if SHARED_CLIENT in client:
+        print(f"note: {shared_client_note(out)}")
 
 
 @nats_app.command("provision")

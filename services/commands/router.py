@@ -54,6 +54,23 @@ def _engine_keys(path: Path | None) -> dict[str, str]:
     return d
 
 
+def _per_identity(raw: list[str], option: str, cast: type, low: float) -> dict[str, float]:
+    """``IDENTITY=VALUE`` items (``*``: every identity without its own) as a dict, each value
+    ``cast`` and at least ``low``."""
+    out: dict[str, float] = {}
+    for item in raw:
+        k, sep, v = item.rpartition("=")
+        try:
+            val = cast(v)
+        except ValueError:
+            val = None
+        if not sep or not k.strip() or val is None or not val >= low or val != val:
+            raise typer.BadParameter(f"expected IDENTITY=VALUE with VALUE {'an integer' if cast is int else 'a number'} "
+                                     f"≥ {low:g}, got {item!r}", param_hint=option)
+        out[k.strip()] = val
+    return out
+
+
 def _base_urls(raw: list[str]) -> list[str]:
     import ipaddress
     from urllib.parse import urlsplit
@@ -88,6 +105,20 @@ def router(
                                      help="Queries being decided (not yet dispatched) before `overloaded`"),
     shed_lag: float = typer.Option(1.0, "--shed-lag", min=0.001,
                                    help="Event-loop lag (s) beyond which new submits are refused `overloaded`"),
+    identity_weight: list[str] = typer.Option(
+        [], "--identity-weight",
+        help="IDENTITY=W: the weight of a client identity in the fair shares of a busy router (W > 0, default 1; "
+             "IDENTITY: a NATS client identity, gateway/<key-tag> for a gateway API key, * for every other); "
+             "repeatable. Under pressure an identity holding more than W/ΣW of the queries in progress is refused "
+             "first (docs/router.md, 'Fair shares')"),
+    identity_limit: list[str] = typer.Option(
+        [], "--identity-limit",
+        help="IDENTITY=N: at most N queries of that identity in progress here, whatever the load (N ≥ 0; 0: no "
+             "limit; * for every identity without its own); repeatable"),
+    fair_relay: list[str] = typer.Option(
+        ["gateway"], "--fair-relay",
+        help="A client identity that relays others' queries and names their tenant in a Bear-Tenant header, "
+             "each tenant then its own identity <relay>/<tenant> (default: gateway; repeatable)"),
     first_token_timeout: float = typer.Option(
         25.0, "--first-token-timeout", min=0.001,
         help="Seconds after dispatch without a first token before the engine request is aborted and the "
@@ -124,6 +155,18 @@ def router(
         True, "--coalesce/--no-coalesce",
         help="Relay the answer's chunks that arrived from the engine in one read as one message to the client "
              "(nothing waits for more); --no-coalesce: one message per engine chunk"),
+    sequence: bool = typer.Option(
+        True, "--sequence/--no-sequence",
+        help="Decide queries one at a time, in order, each on estimates that include every dispatch this router "
+             "made before it (a burst spreads instead of herding onto one instance: docs/router.md, 'Decisions "
+             "in order'); --no-sequence: each query on its own estimate, blind to decisions made beside it"),
+    sequence_chain: int = typer.Option(
+        8, "--sequence-chain", min=0, max=64,
+        help="Waiting queries a fresh estimate at the chosen instance covers too (0-64; 0: one query per ask)"),
+    reserve: float = typer.Option(
+        0.25, "--reserve", min=0.0, max=10.0,
+        help="Seconds each of this router's dispatches is sent with its estimates, in case the estimator has "
+             "not heard it yet (0-10)"),
     metrics_port: MetricsPort = 0,
     metrics_host: MetricsHost = DEFAULT_METRICS_HOST,
     prefix: Prefix = "bear",
@@ -142,13 +185,20 @@ def router(
     from bear.router.service import serve
     from bear.runtime.metrics import start_metrics_server
 
+    weights = _per_identity(identity_weight, "--identity-weight", float, 1e-9)
+    limits = {k: int(v) for k, v in _per_identity(identity_limit, "--identity-limit", int, 0).items()}
+    default_limit = limits.pop("*", 0)
+    default_weight = weights.pop("*", 1.0)
     cfg = RouterConfig(policy=str(policy), policy_params=policy_params(str(policy), param), lam=lam, predict_budget_s=predict_budget,
                        predict_try_s=predict_budget / 2, estimate_budget_s=estimate_budget,
                        estimate_try_s=estimate_budget / 2, default_output_tokens=default_output_tokens,
                        max_inflight=max_inflight, max_deciding=max_deciding, shed_lag_s=shed_lag,
                        first_token_timeout_s=first_token_timeout, down_after_s=down_after, outcome_log=outcome_log, estimator_shards=estimator_shards,
                        tokenize=tokenize, prime_answers=prime_answers, coalesce=coalesce, aliases=_aliases(model_alias), engine_keys=_engine_keys(engine_keys),
-                       allowed_base_urls=tuple(_base_urls(allow_base_url)), provisioning=provisioning)
+                       allowed_base_urls=tuple(_base_urls(allow_base_url)), provisioning=provisioning,
+                       sequence=sequence, sequence_chain=sequence_chain, reserve_s=reserve,
+                       identity_weights=weights, identity_limits=limits, identity_limit=default_limit,
+                       identity_weight=default_weight, fair_relays=tuple(fair_relay))
     start_metrics_server(metrics_port, metrics_host)
     aio.run(serve(nats_url, cfg, prefix))
 

@@ -107,6 +107,10 @@ def up_cmd(
     policy: PolicyOpt = PolicyName.bear,
     param: PolicyParamsOpt = [],  # noqa: B006 (typer reads the default)
     estimator_workers: int = typer.Option(1, "--estimator-workers", min=1, help="Estimator worker processes (≥ 1)"),
+    snapshot_max_age: float = typer.Option(
+        1.0, "--snapshot-max-age", min=0.001,
+        help="Snapshots older than this (s, > 0) are estimated by the analytic fallback instead of the replay; "
+             "raise it where an engine step can take longer (real vLLM on a busy CPU)"),
     routers: int = typer.Option(1, "--routers", min=1, max=64, help="Router processes (a queue group)"),
     metrics_port: int | None = typer.Option(
         None, "--metrics-port", min=0, max=65535, show_default=False,
@@ -186,7 +190,7 @@ def up_cmd(
         key_file = workdir / "gateway-api-key"
         write_new_key(key_file)
     cfg = StackConfig(workdir=workdir, nats_url=nats_url, estimator_workers=estimator_workers, routers=routers,
-                      policy=str(policy), router_args=[f"--param={k}={v:g}" for k, v in params.items()],
+                      snapshot_max_age_s=snapshot_max_age, policy=str(policy), router_args=[f"--param={k}={v:g}" for k, v in params.items()],
                       metrics_port=metrics_ports(metrics_port, routers, metrics_host),
                       metrics_host=metrics_host, runs_kept=keep_runs, n_train=n_train, backend=str(backend),
                       vllm_python=vllm_python, vllm_model=vllm_model.resolve() if vllm_model else None,
@@ -243,7 +247,8 @@ def run_up(cfg: Any, load_rate: float, load_duration: float, load_out: Path | No
             client = stack.creds("client")
             if client is not None:
                 os.environ[CREDS_ENV] = str(client)  # the load connects as the stack's client
-            rep = run_load_cli(stack.url, cfg.prefix, load_rate, "poisson", load_duration, "", 5e-4, 4096, 0, 3.0)
+            rep = run_load_cli(stack.url, cfg.prefix, load_rate, "poisson", load_duration, "", 5e-4, 4096, 0, 3.0,
+                               stack.load_context())
             out = load_out or stack.run_dir / "load-summary.json"
             out.write_text(json.dumps(json_safe(rep), indent=2))
             console.print(f"results: summary {escape(str(out))}  ·  outcome log {escape(str(stack.outcome_log(0)))}"
@@ -258,6 +263,9 @@ def run_up(cfg: Any, load_rate: float, load_duration: float, load_out: Path | No
         sig = received[-1] if received else signal.SIGINT
         if not serving:  # interrupted before the stack was up, or in the middle of its load
             code = 128 + sig
+        # a fresh console: the signal may have cut a print of the old one short, and rich then keeps
+        # everything printed later in a buffer that never flushes (CI, 7 Dec: no "stopped." in the log)
+        console = Console(highlight=False)
         console.print("stopping…")
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -266,7 +274,7 @@ def run_up(cfg: Any, load_rate: float, load_duration: float, load_out: Path | No
             stack.stop()
         finally:
             remove_state()
-            for sig, handler in before.items():  # as they were: SIGINT stays ignored where it was
+            for sig, handler in before.items():  # as they were (an inherited ignored SIGINT: default since start)
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     console.print("stopped.")
     if rep is not None:
@@ -282,6 +290,10 @@ def _banner(console: Any, stack: Any, escape: Any) -> None:
     if client is not None:
         console.print(f"  NATS identities  {escape(str(stack.auth.directory))}/ (one per service and instance; "
                       f"clients use {escape(client.name)}; engines require API keys)", soft_wrap=True)
+        from bear.runtime.nats_auth import shared_client_note
+
+        console.print(f"  [yellow]shared identity[/yellow]  {escape(shared_client_note(stack.auth.directory))}",
+                      soft_wrap=True)
     elif stack.cfg.insecure:
         console.print("  [bold red]--insecure[/bold red]: NATS without authentication, engines without API keys",
                       soft_wrap=True)
@@ -347,13 +359,20 @@ def bench_faults(
     faults: str = typer.Option("worker-kill,worker-hang,predictor-kill,engine-kill,nats-restart,node-kill,overload",
                                "--faults", callback=_fault_list,
                                help="Comma-separated faults: worker-kill, worker-hang, predictor-kill, engine-kill, "
-                                    "nats-restart, node-kill (3-node NATS cluster), overload"),
+                                    "nats-restart, node-kill (3-node NATS cluster), overload, stream-restarts "
+                                    "(5 SIGTERM + 5 SIGKILL NATS restarts during 12 answers of 800 tokens each), "
+                                    "disk-full (needs root: a tmpfs under the stack filled, then freed), flood (one "
+                                    "identity at 60 q/s beside another at 2 q/s), leaked-service (a leaked predictor "
+                                    "or estimator replica credential among 2: prompts seen, queries steered)"),
     rate: float = typer.Option(8.0, "--rate", callback=positive, help="Poisson load during each fault (q/s, > 0)"),
     duration: float = typer.Option(12.0, "--duration", callback=positive, help="Seconds of load per fault (> 0)"),
     at: float = typer.Option(3.0, "--at", min=0.0, help="The fault is injected this many seconds into the load"),
     overload_rate: float = typer.Option(300.0, "--overload-rate", callback=positive,
                                         help="Offered rate of the overload fault (q/s)"),
     out: Path | None = typer.Option(None, "--out", help="Write the figures as JSON here"),
+    flood_router_arg: list[str] = typer.Option(
+        [], "--flood-router-arg", help="An option of the flood fault's router (repeatable, each word its own: "
+                                       "--flood-router-arg=--identity-limit --flood-router-arg='*=24')"),
     client_reconnect: float = typer.Option(0.1, "--client-reconnect", callback=positive,
                                            help="The load client's wait between NATS reconnect attempts (s; "
                                                 "nats-py's default is 2: such a client comes back after the routers)"),
@@ -369,8 +388,18 @@ def bench_faults(
     err = Console(stderr=True, highlight=False)
     res = run_faults(tuple(f.strip() for f in faults.split(",")), rate=rate, duration=duration, at=at,
                      overload_rate=overload_rate, client_reconnect_s=client_reconnect,
-                     log=lambda line: err.print(line, soft_wrap=True, markup=False))
+                     flood_router_args=tuple(flood_router_arg), log=lambda line: err.print(line, soft_wrap=True, markup=False))
     print(faults_table(res))
+    for r in res:
+        if r.get("fault") == "stream-restarts":  # answers whole / resumed / coded error / done with a gap
+            from bear.benchmarks.answers import streams_table
+
+            print(streams_table(r))
+    leaked = [r for r in res if str(r.get("fault", "")).startswith("leaked-")]
+    if leaked:  # prompts seen, forged replies refused, queries steered (bear.benchmarks.leaked)
+        from bear.benchmarks.leaked import leaked_table
+
+        print(leaked_table(leaked))
     if out is not None:
         out.write_text(json.dumps(json_safe(res), indent=2))
 
@@ -454,6 +483,85 @@ def bench_relay(
         out.write_text(json.dumps(json_safe(res), indent=2))
 
 
+def _burst_configs(value: str) -> str:
+    from bear.benchmarks.burst import CONFIGS
+
+    bad = [c for c in value.split(",") if c.strip() not in CONFIGS]
+    if bad:
+        raise typer.BadParameter(f"unknown configuration {', '.join(map(repr, bad))}; valid: {', '.join(CONFIGS)}")
+    return value
+
+
+def _router_counts(value: str) -> str:
+    try:
+        counts = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"--routers expects whole numbers separated by commas, got {value!r}") from None
+    if not counts or min(counts) < 1 or max(counts) > 8:
+        raise typer.BadParameter("--routers: each count in 1-8")
+    return value
+
+
+def bench_burst(
+    n: int = typer.Option(200, "--n", min=1, max=2000, help="Requests per run (1-2000)"),
+    spacing_ms: float = typer.Option(10.0, "--spacing-ms", min=0.1, max=1000.0,
+                                     help="Milliseconds between requests in the spread-out run (0.1-1000)"),
+    configs: str = typer.Option("bear,bear-blind,round-robin", "--configs", callback=_burst_configs,
+                                help="Routing configurations, comma-separated: bear (decisions in order, shipped), "
+                                     "bear-blind (--no-sequence: each decision blind to those beside it), "
+                                     "bear-chain-63 (in order, a fresh ask covering 63 waiting queries), round-robin"),
+    routers: str = typer.Option("1,2", "--routers", callback=_router_counts,
+                                help="Router processes per stack, comma-separated counts (each 1-8)"),
+    max_tokens: int = typer.Option(16, "--max-tokens", min=1, help="Tokens per answer (≥ 1)"),
+    target_ms: float = typer.Option(500.0, "--ttft-ms", min=1.0, help="Every request's TTFT target (ms, ≥ 1)"),
+    repeat: int = typer.Option(1, "--repeat", min=1, max=10, help="Runs of each pattern per stack (1-10)"),
+    out: Path | None = typer.Option(None, "--out", help="Write the result JSON here"),
+) -> None:
+    """A burst through the gateway: N requests at once, then the same N spread out, per routing
+    configuration and router count, each on a fresh local stack; on-time shares, predicted-vs-observed
+    TTFT, instance shares, decision times, and how long dispatches take to reach the estimators."""
+
+    from rich.console import Console
+
+    from bear.benchmarks.burst import print_table, run_bench
+
+    def progress(r: dict[str, Any]) -> None:
+        print(f"  {r['config']} × {r['routers']} router(s), {r['pattern']}: on time {100 * r['on_time']:.1f}%, "
+              f"instances {r['shares']}", file=sys.stderr, flush=True)
+
+    res = run_bench([c.strip() for c in configs.split(",") if c.strip()],
+                    [int(x) for x in routers.split(",") if x.strip()], n, spacing_ms, max_tokens, target_ms,
+                    repeat=repeat, progress=progress)
+    print_table(res, Console())
+    if out is not None:
+        out.write_text(json.dumps(json_safe(res), indent=2))
+
+
+def bench_live_accuracy(
+    backend: str = typer.Option("sim,vllm", "--backend",
+                                help="Stacks, comma-separated: sim, vllm (vllm skipped without a vLLM interpreter)"),
+    rate: float = typer.Option(8.0, "--rate", min=0.1, help="Load arrivals per second (the README's: 8)"),
+    duration: float = typer.Option(60.0, "--duration", min=5.0, help="Seconds of arrivals"),
+    vllm_arg: list[str] = typer.Option([], "--vllm-arg", help="Extra argument to bear up --backend vllm"),
+    workdir: Path | None = typer.Option(None, "--workdir", help="Where the stacks run (default: a temp dir)"),
+    out: Path | None = typer.Option(None, "--out", help="Write the result JSON here"),
+) -> None:
+    """Live TTFT accuracy: bear up with a load, then per instance the estimate's MAPE and median
+    signed error before and after the calibrator's path term, and the error by source."""
+    from bear.benchmarks.live_accuracy import run_bench
+    from bear.commands.calibrator import print_decomposition
+
+    res = run_bench([b.strip() for b in backend.split(",") if b.strip()], rate, duration, vllm_arg, workdir)
+    for name, parts in res.items():
+        print(f"== {name}: {parts.get('outcome_log') or parts.get('skipped')}")
+        for label, table in parts.items():
+            if isinstance(table, dict):
+                print(f"-- {label}")
+                print_decomposition(table)
+    if out is not None:
+        out.write_text(json.dumps(json_safe(res), indent=2))
+
+
 def register(app: typer.Typer) -> None:
     app.command("up")(up_cmd)
 
@@ -464,3 +572,5 @@ def register_bench(bench: typer.Typer) -> None:
     bench.command("prefix")(bench_prefix)
     bench.command("pool")(bench_pool)
     bench.command("relay")(bench_relay)
+    bench.command("burst")(bench_burst)
+    bench.command("live-accuracy")(bench_live_accuracy)

@@ -28,6 +28,7 @@ The replay's inputs (``replay_inputs``), assembled in this one place:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +39,7 @@ from bear.estimator.analytic import analytic_ttft
 from bear.estimator.state import InstanceState, StateStore
 from bear.prefix.hits import Target, prefix_hits
 from bear.prefix.tracked_pool import keys_of
-from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateRow
+from bear.protocol.messages import Dispatch, EstimateCandidate, EstimateQuery, EstimateRow
 from bear.protocol.token_ids import unpack
 
 
@@ -196,12 +197,14 @@ def prompts_at(query: EstimateQuery, candidates: list[EstimateCandidate], store:
 
 def plan(query: EstimateQuery, candidates: list[EstimateCandidate], store: StateStore, now: float,
          cfg: EstimatorConfig, on_parse: Any = None, tokens: Mapping[str, Sequence[int] | bytes] | None = None,
-         later: Mapping[str, list[dict[str, Any]]] | None = None) -> Plan:
+         later: Mapping[str, list[dict[str, Any]]] | None = None,
+         ahead: Mapping[str, Sequence[Dispatch]] | None = None) -> Plan:
     """Rows for every candidate: analytic and down ones filled in, BEA ones left as jobs.
     ``on_parse(result)`` sees each lazy snapshot parse (True kept, False malformed); ``tokens``:
     the prompt's token ids per tokenizer id, either wire form (exact lengths, prefix hits);
     ``later``: per instance, the later arrivals known exactly (``bear eval``'s error
-    decomposition only; a live estimator never knows them)."""
+    decomposition only; a live estimator never knows them); ``ahead``: per instance, the
+    caller's dispatches there (``EstimateRequest.ahead``), queued behind those the state holds."""
     p = Plan(query, [])
     ids = {tid: unpack(v) for tid, v in (tokens or {}).items()}  # packed bytes viewed, not copied
     for c, pa in zip(candidates, prompts_at(query, candidates, store, ids, cfg), strict=True):
@@ -222,6 +225,9 @@ def plan(query: EstimateQuery, candidates: list[EstimateCandidate], store: State
             st.apply_lengths()
             keys = _keys_for(st, store) if st.prefix_spec is not None and st.snap.tracked_blocks > 0 else None
             inputs = replay_inputs(st, now, cfg, keys, None if later is None else later.get(c.instance, []))
+            reserved = ahead.get(c.instance) if ahead and cfg.use_dispatches else None
+            if reserved:
+                inputs = dataclasses.replace(inputs, ahead=inputs.ahead + st.reserved(reserved, keys))
             row.ahead, row.pool_keyed = len(inputs.ahead), keys is not None
             if keys is not None:
                 p.unkeyed_ahead += sum(1 for r in inputs.ahead if "block_keys" not in r)
@@ -318,9 +324,10 @@ def finish(p: Plan, results: list[tuple[float, int, str]], cfg: EstimatorConfig)
 
 def estimate(query: EstimateQuery, candidates: list[EstimateCandidate], store: StateStore, now: float,
              cfg: EstimatorConfig, tokens: Mapping[str, Sequence[int] | bytes] | None = None,
-             later: Mapping[str, list[dict[str, Any]]] | None = None) -> list[EstimateRow]:
+             later: Mapping[str, list[dict[str, Any]]] | None = None,
+             ahead: Mapping[str, Sequence[Dispatch]] | None = None) -> list[EstimateRow]:
     """Plan, replay and fill in one go (``bear eval``, tests)."""
-    p = plan(query, candidates, store, now, cfg, tokens=tokens, later=later)
+    p = plan(query, candidates, store, now, cfg, tokens=tokens, later=later, ahead=ahead)
     return finish(p, run_jobs(p, cfg), cfg)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -271,16 +271,29 @@ class InstanceState:
             if d.t <= since:
                 break
             if d.request_id not in self.seen:
-                r: dict[str, Any] = d.as_replay_request()
-                if self.length_scale != 1.0:
-                    r["predicted_output"] = self.scaled(r["predicted_output"])
-                    if d.max_tokens is None:  # the prediction was the cap: the scaled one is
-                        r["max_tokens"] = r["predicted_output"]
-                if keys_of is not None and d.tokens:
-                    r["block_keys"] = keys_of(d.tokens)
-                out.append(r)
+                out.append(self.replay_request(d, keys_of))
         out.reverse()
         return out
+
+    def reserved(self, dispatches: Sequence[Dispatch],
+                 keys_of: Callable[[bytes], list[int]] | None = None) -> list[dict[str, Any]]:
+        """A caller's dispatches here that this state does not hold (``EstimateRequest.ahead``:
+        the router's reservations, a burst's queries before the one estimated), as the replay
+        queues them behind ``ahead``'s. One it holds — heard on ``bear.dispatch`` or seen in a
+        snapshot — is already counted there, or running."""
+        return [self.replay_request(d, keys_of) for d in dispatches
+                if d.request_id not in self.predicted and d.request_id not in self.seen]
+
+    def replay_request(self, d: Dispatch, keys_of: Callable[[bytes], list[int]] | None = None) -> dict[str, Any]:
+        """A dispatch as the replay queues it: its predicted length times the length scale."""
+        r: dict[str, Any] = d.as_replay_request()
+        if self.length_scale != 1.0:
+            r["predicted_output"] = self.scaled(r["predicted_output"])
+            if d.max_tokens is None:  # the prediction was the cap: the scaled one is
+                r["max_tokens"] = r["predicted_output"]
+        if keys_of is not None and d.tokens:
+            r["block_keys"] = keys_of(d.tokens)
+        return r
 
     def arrival_rate(self, now: float, window_s: float) -> tuple[float, float]:
         """(prompt tokens/s, dispatches/s) sent here over the last ``window_s``: the later

@@ -31,8 +31,11 @@ from bear.protocol.errors import BearError, ErrorCode
 from bear.protocol.messages import (
     Calibration,
     Dispatch,
+    EstimateCandidate,
+    EstimateQuery,
     EstimateReply,
     EstimateRequest,
+    EstimateRow,
     InstanceRecord,
     KvMessage,
     KvResync,
@@ -40,7 +43,8 @@ from bear.protocol.messages import (
     decode,
     encode,
 )
-from bear.protocol.subjects import Subjects
+from bear.protocol.subjects import ESTIMATOR_QUEUE, Subjects
+from bear.runtime.identity import own_name
 from bear.runtime.kv import watch_kv
 from bear.runtime.request import error_in, request
 from bear.runtime.shutdown import cancel_all
@@ -58,7 +62,11 @@ class EstimatorWorker:
         self.subjects = subjects or Subjects()
         self.m = metrics()
         self.store = StateStore(on_event=lambda event: self.m.state_events.labels(event=event).inc())
-        self.name = self.cfg.worker_name or f"{os.uname().nodename}:{os.getpid()}:{id(self) & 0xFFFF:x}"
+        # the name in every reply (``EstimateReply.worker``): with an identity of its own (a replica's,
+        # ``estimator-1``) it leads, so a refused reply names the identity to revoke (issue 40)
+        ident = own_name()
+        self.name = self.cfg.worker_name or (f"{ident}@" if ident else "") + \
+            f"{os.uname().nodename}:{os.getpid()}:{id(self) & 0xFFFF:x}"
         self._resyncs: dict[str, asyncio.Task[None]] = {}  # at most one resync request per instance
         self.handled = 0
         self._service: Any = None
@@ -112,7 +120,9 @@ class EstimatorWorker:
             name="bear-estimator",
             version="0.1.0",
             description="BEA TTFT estimates per candidate instance",
-            queue_group=f"bear-estimator-{self.cfg.shard}" if self.sharded else "bear-estimator",
+            # one group name for every shard (a message on a shard's subject reaches only that shard's
+            # workers): the only group an estimator identity may take its requests in (bear.runtime.nats_auth)
+            queue_group=ESTIMATOR_QUEUE,
         )
         await self._service.add_endpoint(name="estimate", subject=subject, handler=self._handle)
         await self.nc.flush()
@@ -277,12 +287,24 @@ class EstimatorWorker:
         self.m.latency.observe(time.perf_counter() - t0)
 
     async def estimate(self, body: EstimateRequest) -> EstimateReply:
-        """The reply to one decoded ``bear.estimate/1`` request (raises BearError)."""
-        candidates = body.candidates()
-        if len(candidates) > MAX_CANDIDATES:
+        """The reply to one decoded ``bear.estimate/1`` request (raises BearError): its query's
+        rows, and those of each query in ``also``, in order, on the same clock."""
+        try:
+            aheads = body.aheads()
+        except ValueError as exc:
+            raise BearError(ErrorCode.TOO_LARGE, str(exc)) from None
+        parts = [(body.query, body.candidates(), body.tokens, aheads[0]),
+                 *((a.query, a.candidates(), a.tokens, ahead) for a, ahead in zip(body.also, aheads[1:], strict=True))]
+        if any(len(c) > MAX_CANDIDATES for _, c, _, _ in parts):
             raise BearError(ErrorCode.TOO_LARGE, f"at most {MAX_CANDIDATES} candidate instances")
         now = time.time()
-        p = plan(body.query, candidates, self.store, now, self.cfg, on_parse=self._count_parse, tokens=body.tokens)
+        rows = [await self._rows(q, c, now, tokens, ahead) for q, c, tokens, ahead in parts]
+        return EstimateReply(query_id=body.query.id, worker=self.name, estimates=rows[0], at=now, also=rows[1:])
+
+    async def _rows(self, query: EstimateQuery, candidates: list[EstimateCandidate], now: float,
+                    tokens: Any, ahead: Any) -> list[EstimateRow]:
+        p = plan(query, candidates, self.store, now, self.cfg, on_parse=self._count_parse, tokens=tokens,
+                 ahead=ahead)
         if p.off_loop(self.cfg):
             for j in p.jobs:
                 j.state.in_use += 1
@@ -300,7 +322,7 @@ class EstimatorWorker:
         for r in rows:
             self.m.methods.labels(method=r.method).inc()
             self.m.prefix.labels(how=r.prefix).inc()
-        return EstimateReply(query_id=body.query.id, worker=self.name, estimates=rows, at=now)
+        return rows
 
     def _count_parse(self, kept: bool) -> None:
         (self.m.snapshots_kept if kept else self.m.snapshots_malformed).inc()

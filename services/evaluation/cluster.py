@@ -16,6 +16,13 @@ router side sees goes through the same pieces as on NATS:
   router's profile on them (its request filters, then the policy; the estimator is asked only
   when the profile reads its rows, as live); the dispatch message is the router's own
   (``dispatch_for``).
+
+Decisions are sequenced by default: each sees every dispatch before it, even one made at the same
+virtual instant (the live router's behaviour since issue 39). ``decisions="concurrent"`` models the
+herd the live router had before: the queries that arrive within ``window_s`` of a group's first
+(0: at the same instant) are all estimated on the view of that moment, none of them seeing the
+others' dispatches or the snapshots they caused, and their dispatches reach the estimator together
+after the last of them is decided.
 """
 
 from __future__ import annotations
@@ -41,10 +48,11 @@ from bear.evaluation.workload import QuerySet
 from bear.load.metrics import Outcome
 from bear.predictor.synth import MAX_OUTPUT_TOKENS
 from bear.protocol.batch import BatchRecord
-from bear.protocol.messages import Calibration, EstimateCandidate, EstimateQuery
+from bear.protocol.messages import Calibration, Dispatch, EstimateCandidate, EstimateQuery, EstimateRow
 from bear.router.candidates import ModelPrediction, build_candidates, dispatch_for
 from bear.router.decide import Refused, RoutingProfile, decide, profile_for
 from bear.router.policies import Candidate, Decision, Policy, QueryContext
+from bear.router.policies.on_time import p_on_time
 from bear.router.registry import InstanceInfo
 from bear.sim.profile import Profile, load_profile
 from bear.sim.roofline import RooflineModel
@@ -52,6 +60,17 @@ from bear.sim.roofline import RooflineModel
 PAPER_POOL = ("qwen3-0.6b-h100", "qwen3-8b-h100", "qwen3-32b-2xh100-tp2")
 MAX_TOKENS = MAX_OUTPUT_TOKENS  # every query's max_tokens
 HEARTBEAT_S = 0.5  # the instance publisher's idle re-publication period
+DECISIONS = ("sequenced", "concurrent")  # what a decision sees of the decisions made beside it
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the policy said of the instance it chose: feasible (predicted on time by its own test)
+    and, where the instance had published its TTFT error deciles and the policy reads them, the
+    predicted P(on time) there (nan: none) — the reliability figures' input."""
+
+    feasible: bool
+    p_on_time: float
 
 
 @dataclass
@@ -189,13 +208,20 @@ class Cluster:
     def __init__(self, specs: list[InstanceSpec], calib: dict[str, Calibration], seed: int, delay_s: float = 0.0,
                  estimator: EstimatorConfig | None = None, prices: dict[str, tuple[float, float]] | None = None,
                  history: dict[str, list[tuple[float, float | None]]] | None = None,
-                 oracle: Oracle | None = None, refit: RefitPolicy | None = RefitPolicy()) -> None:
+                 oracle: Oracle | None = None, refit: RefitPolicy | None = RefitPolicy(),
+                 decisions: str = "sequenced", window_s: float = 0.0) -> None:
         """``history``: (TTFT, TPOT) per instance observed before the run (the profiling runs), so
         that the policies that read observed latencies start from what an operator has measured;
         ``oracle``: inputs handed to the estimator exactly (the error decomposition); ``refit``:
         the calibrator's online refits of β and θ from the run's own batches, as ``bear
         calibrator`` makes them live (None: the profiled calibration throughout; never under the
-        step-times oracle, whose engines run on the profiled β)."""
+        step-times oracle, whose engines run on the profiled β); ``decisions``/``window_s``: what a
+        decision sees of the others made beside it (module docstring)."""
+        if decisions not in DECISIONS:
+            raise ValueError(f"decisions must be one of {', '.join(DECISIONS)}, not {decisions!r}")
+        if window_s < 0 or (window_s > 0 and decisions == "sequenced"):
+            raise ValueError("window_s: >= 0, and only for concurrent decisions")
+        self.decisions, self.window_s = decisions, window_s
         self.cfg = estimator or EstimatorConfig()
         self.oracle = oracle or Oracle()
         if self.oracle.arrivals and len(specs) != 1:
@@ -235,6 +261,9 @@ class Cluster:
         self.trace: list[tuple[list[Candidate], dict[str, int]]] | None = None
         # every query's learned-predictor sample at its chosen instance, when set to []
         self.samples: list[Sample] | None = None
+        # every BEA-asking decision's estimate rows, by query id, when set to {}
+        self.rows: dict[str, dict[str, EstimateRow]] | None = None
+        self.verdicts: dict[str, Verdict] = {}  # every decision's, by query id
         self._features: dict[str, tuple[float, ...]] = {}
         self.live: dict[str, _Live] = {}
         self.first_token: dict[str, float] = {}
@@ -328,10 +357,14 @@ class Cluster:
             if st.snap is not snap or snap_t > st.snap_time:
                 st.install(snap, snap_t, t)
 
-    def decide(self, qs: QuerySet, i: int, t: float, target_s: float, policy: Policy, lam: float) -> tuple[int, float]:
+    def decide(self, qs: QuerySet, i: int, t: float, target_s: float, policy: Policy, lam: float, *,
+               deliver: bool = True, held: list[tuple[str, Dispatch]] | None = None) -> tuple[int, float]:
         """Route query i at time t as the live router does; returns (instance index, the policy's
-        latency estimate for it)."""
-        self._deliver_snapshots(t)
+        latency estimate for it). ``deliver`` False: on the estimator's view as it is (what reached
+        it since is not delivered); ``held``: the dispatch is appended there, not applied (a
+        concurrent group's, applied when the group is decided)."""
+        if deliver:
+            self._deliver_snapshots(t)
         preds = {m: ModelPrediction(acc=float(qs.pred_acc[i, j]), out_len=float(qs.pred_len[i, j]),
                                     out_p90=float(qs.pred_p90[i, j]), prompt_tokens=int(qs.prompt_tokens[i, j]),
                                     cost_usd=qs.pred_cost(i, j) / 1e6) for j, m in enumerate(qs.models)}
@@ -348,6 +381,12 @@ class Cluster:
         cs, used = build_candidates(query.prompt_tokens, self.infos, preds, rows, t,
                                     default_output_tokens=self.cfg.default_output_tokens)
         d = self.decided(profile, ctx, cs, t)
+        c = d.candidate
+        reads_p = getattr(policy, "uses_error_distribution", False) and c.ttft_ratio_q is not None
+        self.verdicts[qs.ids[i]] = Verdict(
+            d.feasible, p_on_time(policy.latency_estimate(c), target_s, c.ttft_ratio_q) if reads_p else math.nan)
+        if self.rows is not None and rows is not None:
+            self.rows[qs.ids[i]] = rows
         if self.trace is not None:
             self.trace.append((cs, {inst.spec.name: int(self.store.get(inst.spec.name).snap.free_blocks)
                                     for inst in self.insts}))
@@ -360,7 +399,10 @@ class Cluster:
         if d.candidate.ttft_method == "bea" and math.isfinite(d.candidate.ttft):
             self._estimated[qs.ids[i]] = d.candidate.ttft
         dispatch = dispatch_for(qs.ids[i], qs.ids[i], sent, MAX_TOKENS, t)
-        self.store.get(self.infos[k].id).on_dispatch(dispatch)
+        if held is None:
+            self.store.get(self.infos[k].id).on_dispatch(dispatch)
+        else:
+            held.append((self.infos[k].id, dispatch))
         self._predicted[qs.ids[i]] = dispatch.predicted_output_tokens
         return k, policy.latency_estimate(d.candidate)
 
@@ -395,18 +437,37 @@ class Cluster:
                         "after_s": max(0.0, after)})
         return {spec.name: out}
 
+    def groups(self, times: np.ndarray) -> list[range]:
+        """The arrivals decided together: each alone when sequenced; when concurrent, each run of
+        arrivals within ``window_s`` of the run's first."""
+        n = len(times)
+        if self.decisions == "sequenced":
+            return [range(i, i + 1) for i in range(n)]
+        out, i = [], 0
+        while i < n:
+            j = i + 1
+            while j < n and float(times[j]) - float(times[i]) <= self.window_s:
+                j += 1
+            out.append(range(i, j))
+            i = j
+        return out
+
     def run(self, qs: QuerySet, times: np.ndarray, targets: np.ndarray, policy: Policy, lam: float) -> list[Outcome]:
         self.arrival: dict[str, float] = {}
         self._times = times
         chosen: list[tuple[int, int, float]] = []
-        for i in range(len(qs)):
-            t = float(times[i])
-            self.advance_to(t)
-            k, est = self.decide(qs, i, t, float(targets[i]), policy, lam)
-            col = qs.models.index(self.insts[k].spec.model)
-            self.arrival[qs.ids[i]] = t
-            self.submit(k, qs.ids[i], int(qs.prompt_tokens[i, col]), int(qs.true_output[i, col]), t)
-            chosen.append((k, col, est))
+        for group in self.groups(times):
+            held: list[tuple[str, Dispatch]] | None = None if self.decisions == "sequenced" else []
+            for i in group:
+                t = float(times[i])
+                self.advance_to(t)
+                k, est = self.decide(qs, i, t, float(targets[i]), policy, lam, deliver=i == group[0], held=held)
+                col = qs.models.index(self.insts[k].spec.model)
+                self.arrival[qs.ids[i]] = t
+                self.submit(k, qs.ids[i], int(qs.prompt_tokens[i, col]), int(qs.true_output[i, col]), t)
+                chosen.append((k, col, est))
+            for inst_id, dispatch in held or ():
+                self.store.get(inst_id).on_dispatch(dispatch)
         # Run on until every query has its first token (or nothing is left to run).
         while self.events and len(self.first_token) < len(qs):
             te, k = heapq.heappop(self.events)

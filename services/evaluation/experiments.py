@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from bear.estimator.estimate import EstimatorConfig
-from bear.evaluation.cluster import PAPER_POOL, Cluster, InstanceSpec, calibrate_pool
+from bear.evaluation import reliability
+from bear.evaluation.cluster import PAPER_POOL, Cluster, InstanceSpec, Verdict, calibrate_pool
 from bear.evaluation.learned import Sample, online_predictions
 from bear.evaluation.workload import QuerySet, build_queries
 from bear.load.arrivals import Mmpp2, poisson_arrivals
@@ -185,8 +186,11 @@ class Cell:
     seed: int
     params: tuple[tuple[str, float], ...] = ()
     estimator: tuple[tuple[str, bool | int], ...] = ()
-    arrivals: str = "poisson"
-    ratio: float = 1.0
+    arrivals: str = "poisson"  # poisson | mmpp | batch
+    ratio: float = 1.0  # mmpp: the burst ratio r = α_H / α_L
+    batch_size: int = 1  # batch: queries arriving at each instant
+    decisions: str = "sequenced"  # sequenced | concurrent (bear.evaluation.cluster)
+    window_s: float = 0.0  # concurrent: the arrivals decided on one view
     delay_s: float = 0.0
     max_age_s: float = EstimatorConfig.max_age_s
     lam: float = DEFAULT_LAMBDA
@@ -208,29 +212,53 @@ def cell(entry: str, rate: float, seed: int, params: dict[str, float] | None = N
                 estimator=e.estimator, **kw)
 
 
+ARRIVALS = ("poisson", "mmpp", "batch")
+
+
+def batch_arrivals(rate: float, size: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` arrival times in batches of ``size`` queries at one instant, the instants a Poisson
+    process of ``rate / size`` (mean ``rate`` queries/s): the herd's test — every query of a
+    batch is decided at the same moment."""
+    if size < 1:
+        raise ValueError("batch size must be >= 1")
+    starts = poisson_arrivals(rate / size, -(-n // size), rng)
+    return np.repeat(starts, size)[:n]
+
+
 def arrival_times(s: Setup, c: Cell) -> np.ndarray:
     rng = np.random.default_rng(s.seed + 1)
     if c.arrivals == "mmpp":
         return Mmpp2(c.rate, c.ratio).arrivals(s.n_queries, rng)[0]
+    if c.arrivals == "batch":
+        return batch_arrivals(c.rate, c.batch_size, s.n_queries, rng)
+    if c.arrivals != "poisson":
+        raise ValueError(f"unknown arrivals {c.arrivals!r} (one of {', '.join(ARRIVALS)})")
     return poisson_arrivals(c.rate, s.n_queries, rng)
 
 
-def simulate(s: Setup, c: Cell, samples: list[Sample] | None = None) -> list[Outcome]:
-    """The cell's run; ``samples``: filled with the learned predictor's samples."""
+def simulate(s: Setup, c: Cell, samples: list[Sample] | None = None,
+             verdicts: dict[str, Verdict] | None = None) -> list[Outcome]:
+    """The cell's run; ``samples``: filled with the learned predictor's samples; ``verdicts``:
+    with each decision's (feasible, P(on time))."""
     q = s.queries
     prices = {m: (float(q.price_in[j]), float(q.price_out[j])) for j, m in enumerate(q.models)}
     cluster = Cluster(s.specs(), s.calibration, seed=s.seed + 4, delay_s=c.delay_s, estimator=c.estimator_config(),
-                      prices=prices, history=s.history)
+                      prices=prices, history=s.history, decisions=c.decisions, window_s=c.window_s)
     cluster.samples = samples
-    return cluster.run(q, arrival_times(s, c), s.targets(), make_policy(c.policy, **dict(c.params)), c.lam)
+    outs = cluster.run(q, arrival_times(s, c), s.targets(), make_policy(c.policy, **dict(c.params)), c.lam)
+    if verdicts is not None:
+        verdicts.update(cluster.verdicts)
+    return outs
 
 
 def run_cell(s: Setup, c: Any) -> dict[str, Any]:
     if hasattr(c, "run"):  # a cell of an experiment kept in its own module (bear.evaluation.prefix)
         return c.run(s)
     samples: list[Sample] = []
-    outs = simulate(s, c, samples)
+    verdicts: dict[str, Verdict] = {}
+    outs = simulate(s, c, samples, verdicts)
     res = summary(outs)
+    res.update(reliability.summarise(outs, verdicts))
     by_inst: dict[str, list[Outcome]] = {}
     for o in outs:
         by_inst.setdefault(o.instance, []).append(o)

@@ -301,3 +301,45 @@ def decomposition(result: dict[str, Any], out: Path) -> list[str]:
         ax.set(xlabel="load (α/μ)", ylabel="TTFT MAPE (%)", title=f"{r['instance']} alone")
     axes[0][0].legend(fontsize=7)
     return [_save(fig, out / "decomposition.png")]
+
+
+def reliability_curves(result: dict[str, Any], out: Path) -> list[str]:
+    """Predicted P(on time) of the chosen instance (binned) against the observed on-time share,
+    one panel per arrival setting, one line per entry (pooled over seeds and rates); the marker
+    size says how many queries a bin holds."""
+    panels = result["arrivals"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 4.4), sharey=True)
+    axes = np.atleast_1d(axes)
+    for ax, (name, r) in zip(axes, panels.items(), strict=True):
+        ax.plot([0, 1], [0, 1], color="tab:gray", linestyle=":", linewidth=1)
+        for entry, rel in r["reliability"].items():
+            pts = [b for b in rel["curve"] if b["n"]]
+            line = ax.plot([b["mean_p"] for b in pts], [b["on_time_share"] for b in pts], label=entry,
+                           **{k: v for k, v in STYLE.get(entry, dict(marker=".")).items() if k != "marker"})[0]
+            total = sum(b["n"] for b in pts) or 1
+            ax.scatter([b["mean_p"] for b in pts], [b["on_time_share"] for b in pts], color=line.get_color(),
+                       s=[8 + 400 * b["n"] / total for b in pts], alpha=0.7)
+        ax.set(xlim=(0, 1), ylim=(0, 1.02), xlabel="predicted P(on time), chosen instance", title=name)
+    axes[0].set_ylabel("observed on-time share")
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"reliability of P(on time), seeds {', '.join(map(str, result['seeds']))}")
+    return [_save(fig, out / "reliability.png")]
+
+
+def herd(result: dict[str, Any], out: Path) -> list[str]:
+    """OnTimeUtility on batch arrivals: every router sequenced (solid), and the ones that read the
+    estimator with the batch's decisions concurrent (dashed)."""
+    xs = result["rates"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors: dict[str, Any] = {}
+    for mode, style in (("sequenced", "-"), ("concurrent", "--")):
+        for name, stat in result["modes"][mode]["on_time_utility"].items():
+            kw: dict[str, Any] = dict(linestyle=style, marker="o" if mode == "sequenced" else "x")
+            if name in colors:
+                kw["color"] = colors[name]
+            line = ax.plot(xs, stat["mean"], label=f"{name} ({mode})", **kw)[0]
+            colors.setdefault(name, line.get_color())
+    ax.set(xlabel="mean arrival rate (queries/s)", ylabel="OnTimeUtility",
+           title=f"batches of {result['batch_size']} at one instant: sequenced vs concurrent decisions")
+    ax.legend(fontsize=6, ncol=2)
+    return [_save(fig, out / "herd.png")]

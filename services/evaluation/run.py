@@ -32,7 +32,8 @@ PLOTS: dict[str, Callable[[dict[str, Any], Path], list[str]]] = {
     "accuracy": functools.partial(plots.rates, stem="accuracy"), "highload": functools.partial(plots.rates, stem="highload"),
     "delta": plots.delta, "staleness": plots.staleness, "lambda": plots.lambdas, "bursty": plots.bursty,
     "sensitivity": plots.sensitivity, "tune": plots.tune, "prefix": plots.prefix, "lps": plots.lps, "estimates": plots.estimates,
-    "workload": plots.workload, "diagnose": lambda _r, _o: [], "decomposition": decomposition.write}
+    "workload": plots.workload, "diagnose": lambda _r, _o: [], "decomposition": decomposition.write,
+    "herd": plots.herd, "reliability": plots.reliability_curves}
 VARIANTS = {v.name: v for v in SENSITIVITY}
 
 
@@ -107,12 +108,13 @@ def run_single(names: Sequence[str], s: Setup, workers: int) -> dict[str, dict[s
 
 def run(names: Sequence[str], seeds: Sequence[int], n_queries: int, out: Path, workers: int = 0,
         on_cells: Callable[[int], None] | None = None, on_done: Callable[[], None] | None = None,
-        rates: Sequence[float] | None = None, policies: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+        rates: Sequence[float] | None = None, policies: Sequence[str] | None = None,
+        arrivals: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Run the named experiments over ``seeds`` (single-seed ones on the first) and write
-    ``out/<name>.json`` and its PNGs; returns the results by name. ``rates`` and ``policies``
-    apply to the experiments of ``suite.SELECTABLE``."""
+    ``out/<name>.json`` and its PNGs; returns the results by name. ``rates``, ``policies`` and
+    ``arrivals`` (the cells' arrival settings) apply to the experiments of ``suite.SELECTABLE``."""
     workers = workers or os.cpu_count() or 1
-    reg = registry(rates, policies)
+    reg = registry(rates, policies, arrivals)
     exps = [reg[n] for n in names if n in reg]
     t0 = time.monotonic()
     cells = [c for e in exps for c in e.cells(seeds if e.multi_seed else seeds[:1])]

@@ -3,10 +3,11 @@ their results into the figure's data (mean and range over seeds, the paper's num
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bear.evaluation import reliability as rel
 from bear.evaluation.experiments import (
     PAPER_RATE,
     PAPER_RATES,
@@ -71,17 +72,25 @@ def _labels(names: Sequence[str]) -> dict[str, dict[str, str]]:
 
 # ------------------------------------------------------------------------------------- rates
 def rates_experiment(rates: Sequence[float] = PAPER_RATES, names: Sequence[str] | None = None,
-                     name: str = "rates", figure: str = "Figs. 8, 1, 16, 18, 19") -> Experiment:
+                     name: str = "rates", figure: str = "Figs. 8, 1, 16, 18, 19",
+                     arrivals: Mapping[str, Any] | None = None) -> Experiment:
+    """``arrivals``: the cells' arrival settings (``Cell.arrivals``, ``ratio``, ``batch_size``,
+    ``decisions``, ``window_s``; ``bear eval --arrivals …``); none: Poisson, sequenced."""
     names = list(rate_entries() if names is None else names)
+    kw = dict(arrivals or {})
 
     def cells(seeds: Sequence[int]) -> list[Cell]:
-        return [cell(n, r, s) for s in seeds for n in names for r in rates]
+        return [cell(n, r, s, **kw) for s in seeds for n in names for r in rates]
 
     def result(res: Results, seeds: Sequence[int]) -> dict[str, Any]:
+        def cell(n: str, r: float, s: int) -> Cell:  # the cells of this experiment's arrivals
+            return _cell(n, r, s, **kw)
+
         def row(n: str) -> Callable[[int], list[Cell]]:
             return lambda s: [cell(n, r, s) for r in rates]
 
-        out: dict[str, Any] = {"rates": list(rates), "seeds": list(seeds), "entries": _labels(names)}
+        out: dict[str, Any] = {"rates": list(rates), "seeds": list(seeds), "entries": _labels(names),
+                               "arrivals": _arrivals_of(kw)}
         for metric in ("on_time_utility", "slo_attainment", "mean_ttft_s", "mean_utility"):
             out[metric] = {n: _per_seed(res, seeds, row(n), metric) for n in names}
         out["composition"] = {n: [_composition([res[cell(n, r, s)]["composition"] for s in seeds])
@@ -102,28 +111,60 @@ def rates_experiment(rates: Sequence[float] = PAPER_RATES, names: Sequence[str] 
                         if all(key in res[cell(n, r, s)] for r in rates for s in seeds)}
         base = [b for b in baselines() if b in names]
         if base:
-            out["gains"] = {o: _gains(res, seeds, rates, o, base) for o in ("bear", "bear+ext", "bear+overflow") if o in names}
+            out["gains"] = {o: _gains(res, seeds, rates, o, base, kw) for o in OURS if o in names}
             rs = [b for b in ("routebalance", "score") if b in names]
             if rs:
-                out["gains_over_routebalance_score"] = {o: _gains(res, seeds, rates, o, rs)
-                                                        for o in ("bear", "bear+ext", "bear+overflow") if o in names}
+                out["gains_over_routebalance_score"] = {o: _gains(res, seeds, rates, o, rs, kw)
+                                                        for o in OURS if o in names}
         if "prefill-throughput" in names:
-            out["estimator_gain"] = {o: _gains(res, seeds, rates, o, ["prefill-throughput"])  # same rule: eq. 5's
+            out["estimator_gain"] = {o: _gains(res, seeds, rates, o, ["prefill-throughput"], kw)  # same rule: eq. 5's
                                      for o in ("bear", "bear+ext") if o in names}
             if "bear+overflow" in names and "prefill-throughput+overflow" in names:  # same rule: the overflow one
                 out["estimator_gain"]["bear+overflow"] = _gains(res, seeds, rates, "bear+overflow",
-                                                                ["prefill-throughput+overflow"])
+                                                                ["prefill-throughput+overflow"], kw)
         out["paper"] = {k: PAPER[k] for k in ("gain_over_best_baseline", "gain_over_routebalance_score",
                                                "max_gain_over_routebalance_score")}
+        out["reliability"] = {n: _reliability(res, seeds, rates, n, kw) for n in names
+                              if entries()[n].policy == "bear"}
         return out
 
     return Experiment(name, figure, cells, result)
 
 
-def _gains(res: Results, seeds: Sequence[int], rates: Sequence[float], ours: str, others: Sequence[str]) -> dict:
+OURS = ("bear", "bear+ext", "bear+overflow", "bear+confidence")
+
+
+def _arrivals_of(kw: Mapping[str, Any]) -> dict[str, Any]:
+    c = _cell("bear", 1.0, 0, **kw)
+    return {"arrivals": c.arrivals, "ratio": c.ratio, "batch_size": c.batch_size, "decisions": c.decisions,
+            "window_s": c.window_s}
+
+
+def _reliability(res: Results, seeds: Sequence[int], rates: Sequence[float], n: str,
+                 kw: Mapping[str, Any]) -> dict[str, Any]:
+    """An entry's on-time share among the queries it marked feasible, per seed and rate, and its
+    reliability curve pooled over seeds and rates."""
+    cs = {s: [_cell(n, r, s, **kw) for r in rates] for s in seeds}
+    counts = {s: [res[c]["feasible"] for c in v] for s, v in cs.items()}
+    pooled_seed = {s: {k: sum(f[k] for f in v) for k in v[0]} for s, v in counts.items()}
+    return {"confidence": dict(entries()[n].params).get("confidence", 0.0),
+            "feasible_on_time_share": {s: [rel.share(f) for f in v] for s, v in counts.items()},
+            "feasible_on_time_share_with_p": {s: [rel.share(f, True) for f in v] for s, v in counts.items()},
+            "feasible_share_of_queries": {s: [f["n"] / f["n_queries"] for f in v] for s, v in counts.items()},
+            "per_seed": {s: {"share": rel.share(f), "share_with_p": rel.share(f, True), **f}
+                         for s, f in pooled_seed.items()},
+            "curve": rel.curve(rel.pooled([res[c]["reliability"] for v in cs.values() for c in v]))}
+
+
+_cell = cell
+
+
+def _gains(res: Results, seeds: Sequence[int], rates: Sequence[float], ours: str, others: Sequence[str],
+           kw: Mapping[str, Any] | None = None) -> dict:
     per, best = {}, {}
+    kw = kw or {}
     for s in seeds:
-        table = {n: [res[cell(n, r, s)]["on_time_utility"] for r in rates] for n in (ours, *others)}
+        table = {n: [res[cell(n, r, s, **kw)]["on_time_utility"] for r in rates] for n in (ours, *others)}
         per[s] = gain_over_best(table, ours, others)
         best[s] = best_baseline(table, others)
     cols = list(zip(*per.values(), strict=True))
@@ -260,8 +301,9 @@ def sensitivity_experiment(rates: Sequence[float] = SENSITIVITY_RATES) -> Experi
     return Experiment("sensitivity", "sensitivity study", cells, result, multi_seed=False)
 
 
-def highload_experiment(names: Sequence[str] | None = None) -> Experiment:
-    e = rates_experiment(rates=HIGH_LOAD_RATES, names=names, name="highload", figure="high-load sensitivity")
+def highload_experiment(names: Sequence[str] | None = None, arrivals: Mapping[str, Any] | None = None) -> Experiment:
+    e = rates_experiment(rates=HIGH_LOAD_RATES, names=names, name="highload", figure="high-load sensitivity",
+                         arrivals=arrivals)
     return Experiment(e.name, e.figure, e.cells, e.result, multi_seed=False)
 
 
@@ -318,31 +360,106 @@ def prefix_experiment(rates: Sequence[float] | None = None, policies: Sequence[s
     return Experiment("prefix", "prefix caching (docs/prefix.md)", cells, result, multi_seed=False)
 
 
+# ------------------------------------------------------------------------------------- herd, reliability
+# Bursty arrivals beyond the paper's MMPP (issue 39): batches of HERD_BATCH queries at one instant,
+# the batch instants Poisson at rate / HERD_BATCH, at the paper's rates. 20 is, compressed into one
+# instant, about the excess arrivals of one high-state sojourn of the paper's r = 3 MMPP at 8 q/s
+# ((17.14 − 8) q/s × 2.5 s ≈ 23; App. B, Table 3). Set before any result was looked at.
+HERD_BATCH = 20
+SHIPPED = "bear+overflow"  # BEAR as the live router runs it by default
+# the arrival settings the reliability experiment measures on: Poisson, the paper's MMPP (r = 3),
+# the batches above
+RELIABILITY_ARRIVALS: dict[str, dict[str, Any]] = {
+    "poisson": {}, "mmpp-r3": {"arrivals": "mmpp", "ratio": 3.0},
+    f"batch-{HERD_BATCH}": {"arrivals": "batch", "batch_size": HERD_BATCH}}
+RELIABILITY_ENTRIES = [SHIPPED, "bear+confidence"]
+
+
+def herd_experiment(rates: Sequence[float] = PAPER_RATES, batch: int = HERD_BATCH) -> Experiment:
+    """Batches of ``batch`` queries at one instant: BEAR as shipped and every baseline with
+    decisions sequenced (each sees the ones before it: the live router since issue 39), and the
+    routers that read the estimator again with the decisions of a batch made concurrently (none sees
+    another: the live herd before)."""
+    seq = [SHIPPED, "bear+confidence", *baselines()]
+    conc = [n for n in seq if _reads_estimator(n)]
+    modes = {"sequenced": (seq, {"arrivals": "batch", "batch_size": batch}),
+             "concurrent": (conc, {"arrivals": "batch", "batch_size": batch, "decisions": "concurrent"})}
+    inner = {m: rates_experiment(rates, ns, name=f"herd-{m}", arrivals=kw) for m, (ns, kw) in modes.items()}
+
+    def cells(seeds: Sequence[int]) -> list[Cell]:
+        return [c for e in inner.values() for c in e.cells(seeds)]
+
+    def result(res: Results, seeds: Sequence[int]) -> dict[str, Any]:
+        out: dict[str, Any] = {"rates": list(rates), "seeds": list(seeds), "batch_size": batch,
+                               "entries": _labels(seq), "modes": {}}
+        for m, e in inner.items():
+            r = e.result(res, seeds)
+            out["modes"][m] = {k: r[k] for k in ("on_time_utility", "slo_attainment", "gains", "composition",
+                                                 "ttft_prediction", "reliability") if k in r}
+        return out
+
+    return Experiment("herd", "beyond the paper: the herd (issue 39)", cells, result)
+
+
+def _reads_estimator(name: str) -> bool:
+    from bear.router.policies import make_policy
+
+    e = entries()[name]
+    return bool(make_policy(e.policy, **dict(e.params)).needs_estimate)
+
+
+def reliability_experiment(rates: Sequence[float] = PAPER_RATES) -> Experiment:
+    """Is feasible likely on time: BEAR as shipped (the point test) and at the confidence level of
+    ``bear+confidence``, on each arrival setting of RELIABILITY_ARRIVALS; the on-time share among the
+    queries marked feasible per seed and rate, and the reliability curve (predicted P of the chosen
+    instance, binned, against the observed on-time share)."""
+    inner = {a: rates_experiment(rates, RELIABILITY_ENTRIES, name=f"reliability-{a}", arrivals=kw)
+             for a, kw in RELIABILITY_ARRIVALS.items()}
+
+    def cells(seeds: Sequence[int]) -> list[Cell]:
+        return [c for e in inner.values() for c in e.cells(seeds)]
+
+    def result(res: Results, seeds: Sequence[int]) -> dict[str, Any]:
+        out: dict[str, Any] = {"rates": list(rates), "seeds": list(seeds), "entries": _labels(RELIABILITY_ENTRIES),
+                               "arrivals": {}}
+        for a, e in inner.items():
+            r = e.result(res, seeds)
+            out["arrivals"][a] = {k: r[k] for k in ("on_time_utility", "slo_attainment", "reliability")}
+        return out
+
+    return Experiment("reliability", "beyond the paper: P(on time) calibrated (issue 39)", cells, result)
+
+
 # the experiments that take --rates and --policies
 SELECTABLE = ("rates", "estimator", "accuracy", "highload", "prefix")
 
 
-def selectable(rates: Sequence[float] | None = None, policies: Sequence[str] | None = None) -> dict[str, Experiment]:
+def selectable(rates: Sequence[float] | None = None, policies: Sequence[str] | None = None,
+               arrivals: Mapping[str, Any] | None = None) -> dict[str, Experiment]:
     """The experiments of ``SELECTABLE`` for these rates (default: each one's own) and only the
-    comparison entries whose policy is in ``policies`` (default: all)."""
+    comparison entries whose policy is in ``policies`` (default: all); ``arrivals``: the rates
+    experiments' arrival settings (``rates_experiment``)."""
     def keep(ns: Sequence[str]) -> list[str]:
         return [n for n in ns if policies is None or entries()[n].policy in policies]
 
-    high = highload_experiment(keep(rate_entries()))
+    high = highload_experiment(keep(rate_entries()), arrivals)
     return {
-        "rates": rates_experiment(rates=rates or PAPER_RATES, names=keep(rate_entries())),
+        "rates": rates_experiment(rates=rates or PAPER_RATES, names=keep(rate_entries()), arrivals=arrivals),
         "estimator": rates_experiment(rates=rates or PAPER_RATES, names=keep(["bear", "bear+ext", "prefill-throughput"]),
-                                      name="estimator", figure="Fig. 16"),
-        "accuracy": rates_experiment(rates=[PAPER_RATE], names=keep(rate_entries()), name="accuracy", figure="Fig. 19"),
+                                      name="estimator", figure="Fig. 16", arrivals=arrivals),
+        "accuracy": rates_experiment(rates=[PAPER_RATE], names=keep(rate_entries()), name="accuracy", figure="Fig. 19",
+                                     arrivals=arrivals),
         "highload": high,
         "prefix": prefix_experiment(rates=rates, policies=policies)}
 
 
-def registry(rates: Sequence[float] | None = None, policies: Sequence[str] | None = None) -> dict[str, Experiment]:
-    """Every experiment by name; ``rates`` and ``policies`` apply to those of ``SELECTABLE``."""
-    sel = selectable(rates, policies)
+def registry(rates: Sequence[float] | None = None, policies: Sequence[str] | None = None,
+             arrivals: Mapping[str, Any] | None = None) -> dict[str, Experiment]:
+    """Every experiment by name; ``rates``, ``policies`` and ``arrivals`` apply to those of
+    ``SELECTABLE`` (``rates`` also to ``herd`` and ``reliability``)."""
+    sel = selectable(rates, policies, arrivals)
     return {e.name: e for e in (
         sel["rates"], sel["estimator"], sel["accuracy"],
         delta_experiment(), staleness_experiment(), lambda_experiment(), bursty_experiment(),
         sensitivity_experiment(), sel["highload"], sel["prefix"],
-        tune_experiment())}
+        tune_experiment(), herd_experiment(rates or PAPER_RATES), reliability_experiment(rates or PAPER_RATES))}

@@ -78,6 +78,15 @@ class ApiKeys:
             return "invalid API key"
         return None
 
+    @staticmethod
+    def tenant(authorization: str | None) -> str:
+        """The tag of the key an authorised request came with — the first 16 hex digits of its
+        SHA-256 (``printf %s "$KEY" | sha256sum | cut -c1-16``), never the key — which the gateway
+        passes to the routers as the request's tenant (``Bear-Tenant``): each key has its fair
+        share there, ``gateway/<tag>`` (docs/router.md, 'Fair shares'). "" without a key."""
+        _, _, key = (authorization or "").partition(" ")
+        return digest(key.strip()).hex()[:16] if key.strip() else ""
+
     @classmethod
     def configure(cls, key_file: Path | None, no_auth: bool, host: str,
                   env: dict[str, str] | None = None) -> ApiKeys | None:

@@ -26,6 +26,13 @@ def metrics() -> Any:
                            "The gateway's own time before the first byte: request received → submitted, plus "
                            "the router's message → its bytes written", buckets=OVERHEAD_BUCKETS),
         inflight=Gauge("bear_gateway_inflight", "Completion requests in progress"),
+        connections=Gauge("bear_gateway_connections", "HTTP connections open"),
+        conn_refused=Counter("bear_gateway_connections_refused_total",
+                             "Connections answered and closed at once: reason peer_cap (too many open from one "
+                             "address, 429) or total_cap (the gateway's most, 503)", ["reason"]),
+        header_timeouts=Counter("bear_gateway_header_timeouts_total",
+                                "Connections closed (408) because a request's headers did not arrive within the "
+                                "header timeout"),
         cancelled=Counter("bear_gateway_client_disconnects_total",
                           "Requests whose client went away before the answer ended (the generation is cancelled)"),
     )

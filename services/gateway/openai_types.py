@@ -224,6 +224,7 @@ class Submission:
     sampling: dict[str, Any] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)  # engine fields: the answer comes as the engine's choices
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
+    responses: dict[str, Any] | None = None  # the Responses API's request fields a Response repeats (None: not it)
 
 
 def _param_of(exc: msgspec.ValidationError) -> str | None:
@@ -424,7 +425,38 @@ def _completion_schema(chat: bool) -> dict[str, Any]:
         "bear": {"type": "object"}}}
 
 
-ERROR_STATUSES = ("400", "401", "404", "408", "409", "413", "415", "429", "500", "503", "504")
+ERROR_STATUSES = ("400", "401", "404", "408", "409", "413", "415", "429", "500", "502", "503", "504")
+
+
+def _responses_request_schema() -> dict[str, Any]:
+    """The Responses request as bear.gateway.responses accepts it (it checks the rest itself)."""
+    text_part = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"enum": ["input_text", "output_text", "text"]}, "text": {"type": "string"}}}
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "type": {"const": "message"}, "role": {"enum": ["user", "assistant", "system", "developer"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]}}}
+    tool = {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"const": "function"}, "name": {"type": "string"}, "description": {"type": "string"},
+        "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}
+    return {"type": "object", "required": ["model", "input"], "properties": {
+        "model": {"type": "string"}, "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": message}]},
+        "instructions": {"type": "string"}, "max_output_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "minimum": 0}, "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "stream": {"type": "boolean"}, "tools": {"type": "array", "items": tool},
+        "tool_choice": {"anyOf": [{"enum": ["auto", "none", "required"]}, {
+            "type": "object", "required": ["type", "name"],
+            "properties": {"type": {"const": "function"}, "name": {"type": "string"}}}]},
+        "text": {"type": "object", "properties": {"format": {"type": "object"}}},
+        "metadata": {"type": "object"}, "store": {"type": "boolean"}}}
+
+
+def _response_schema() -> dict[str, Any]:
+    return {"type": "object", "required": ["id", "object", "created_at", "model", "status", "output"],
+            "properties": {"id": {"type": "string"}, "object": {"const": "response"},
+                           "created_at": {"type": "integer"}, "model": {"type": "string"},
+                           "status": {"enum": ["completed", "incomplete", "in_progress", "failed"]},
+                           "output": {"type": "array", "items": {"type": "object"}},
+                           "usage": {"type": ["object", "null"]}}}
 
 
 def openapi_document() -> dict[str, Any]:
@@ -436,7 +468,7 @@ def openapi_document() -> dict[str, Any]:
     (chat, comp, tok, detok), components = msgspec.json.schema_components(
         (ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest), ref_template="#/components/schemas/{name}")
     components.update(ErrorResponse=_error_schema(), ChatCompletion=_completion_schema(True),
-                      Completion=_completion_schema(False))
+                      Completion=_completion_schema(False), Response=_response_schema())
     err = {"description": "an OpenAI error object",
            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
 
@@ -481,6 +513,8 @@ def openapi_document() -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": post(chat, "ChatCompletion", "a chat completion, routed by BEAR"),
             "/v1/completions": post(comp, "Completion", "a text completion, routed by BEAR"),
+            "/v1/responses": post(_responses_request_schema(), "Response",
+                                  "OpenAI's Responses API (stateless), routed by BEAR as a chat completion"),
             "/v1/models": get("the served models and the routing alias",
                               {"type": "object", "properties": {"object": {"type": "string"},
                                                                 "data": {"type": "array", "items": model_card}}},

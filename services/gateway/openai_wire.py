@@ -28,14 +28,19 @@ STATUS: dict[str, tuple[int, str]] = {
     ErrorCode.UNAVAILABLE: (503, "service_unavailable_error"),
     ErrorCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
     ErrorCode.INTERNAL: (500, "internal_error"),
+    # chunks of the answer lost in transit and not sent again: never a truncated 200 (issue 40)
+    ErrorCode.INCOMPLETE: (502, "api_error"),
 }
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
          405: "invalid_request_error", 408: "timeout_error", 409: "invalid_request_error",
          413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
-         500: "internal_error", 503: "service_unavailable_error", 504: "timeout_error"}
+         500: "internal_error", 502: "api_error", 503: "service_unavailable_error", 504: "timeout_error"}
 CODES = {400: "bad_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
          408: "request_timeout", 409: "duplicate", 413: "too_large", 415: "unsupported_media_type",
-         429: "overloaded", 500: "internal", 503: "unavailable", 504: "deadline_exceeded"}
+         429: "overloaded", 500: "internal", 502: "incomplete", 503: "unavailable", 504: "deadline_exceeded"}
+
+
+MODEL_NOT_FOUND = "model_not_found"  # OpenAI's code for a model it does not serve (the SDK's NotFoundError)
 
 
 class ApiError(Exception):
@@ -59,6 +64,8 @@ class ApiError(Exception):
         status, _ = STATUS.get(code, (500, "internal_error"))
         headers = {"Retry-After": str(retry_after_s)} if status in (429, 503) else None
         param = prompt_param if code == ErrorCode.CONTEXT_LENGTH_EXCEEDED else None
+        if code == ErrorCode.NOT_FOUND:  # the router's only not_found: no instance serves the model named
+            code, param = MODEL_NOT_FOUND, "model"
         return cls(status, error.message, code=code, headers=headers, param=param)
 
     def body(self) -> dict[str, Any]:

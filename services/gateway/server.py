@@ -24,11 +24,18 @@ from typing import Any
 
 import structlog
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
 from msgspec import UNSET
 
 from bear.client.submit import Inboxes, submit
 from bear.gateway.auth import ApiKeys
+from bear.gateway.connections import (
+    ConnectionGuard,
+    ConnectionLimits,
+    GuardedHandler,
+    default_total,
+    open_file_limit,
+)
+from bear.gateway.cors import CorsPolicy
 from bear.gateway.metrics import metrics
 from bear.gateway.openai_types import (
     Defaults,
@@ -42,6 +49,7 @@ from bear.gateway.openai_types import (
     router_messages,
 )
 from bear.gateway.openai_wire import (
+    MODEL_NOT_FOUND,
     Answer,
     ApiError,
     decision_headers,
@@ -51,14 +59,16 @@ from bear.gateway.openai_wire import (
     sse_error,
     usage_of,
 )
+from bear.gateway.responses import ResponsesAnswer, to_chat
 from bear.protocol.replies import Chunk, Done, Error, Routed
 from bear.protocol.subjects import Subjects
+from bear.router.fairshare import TENANT_HEADER
 from bear.router.registry import Registry
 from bear.runtime import tracing
 
 log = structlog.get_logger("bear.gateway")
 
-ENDPOINTS = ("chat", "completions")
+ENDPOINTS = ("chat", "completions", "responses")
 NATS_HEADROOM = 64 * 1024  # room for the submission's other fields within NATS's max_payload
 REQUEST_ID = "x-request-id"
 REQUEST_ID_KEY = web.RequestKey("request_id", str)
@@ -66,10 +76,11 @@ _CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # a client's id is echoe
 LINGER_S = 1.0  # after an error answered before the body was read: let the client read it, then close
 
 
-class _OpenAIErrorsHandler(RequestHandler):
+class _OpenAIErrorsHandler(GuardedHandler):
     """aiohttp's connection handler, but what its HTTP parser rejects (header folding, both
     Content-Length and Transfer-Encoding, an oversized header line) is answered with an OpenAI
-    error object too, not aiohttp's plain text."""
+    error object too, not aiohttp's plain text; and under the gateway's connection caps and
+    header timeout (bear.gateway.connections)."""
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -84,14 +95,21 @@ class _OpenAIErrorsHandler(RequestHandler):
 
 
 class _OpenAIErrorsServer(web.Server):
-    def __call__(self) -> RequestHandler:
+    guard: ConnectionGuard | None = None
+
+    def __call__(self) -> GuardedHandler:
         return _OpenAIErrorsHandler(self, loop=self._loop, **self._kwargs)
 
 
 class _Runner(web.AppRunner):
+    def __init__(self, app: web.Application, guard: ConnectionGuard | None, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._guard = guard
+
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _OpenAIErrorsServer  # the same server, its connections handled as above
+        server.guard = self._guard  # type: ignore[attr-defined]
         return server
 
 
@@ -118,6 +136,17 @@ class GatewayConfig:
     retry_after_s: int = 1
     down_after_s: float = 10.0  # registry heartbeat older than this: the instance is not listed
     drain_s: float = 5.0  # on SIGTERM: stop listening, let requests in progress end this long
+    header_timeout_s: float = 10.0  # a request's line and headers must arrive within this (then 408, closed); 0: off
+    max_conns_per_peer: int = 512  # open connections from one client address before 429 (closed; at most half the total); 0: no cap
+    max_connections: int | None = None  # open connections in all before 503; None: the open-file limit less 256; 0: none
+    cors: CorsPolicy = field(default_factory=CorsPolicy)  # browsers' cross-origin requests (off: no origins)
+
+    def connection_limits(self) -> ConnectionLimits:
+        total = default_total(open_file_limit()) if self.max_connections is None else self.max_connections
+        per_peer = self.max_conns_per_peer
+        if total and per_peer:  # one address never holds more than half of them: the others keep room
+            per_peer = min(per_peer, max(1, total // 2))
+        return ConnectionLimits(header_timeout_s=self.header_timeout_s, per_peer=per_peer, total=total)
 
 
 class Gateway:
@@ -136,13 +165,17 @@ class Gateway:
         self.inflight = 0
         self.started = int(time.time())
         self._runner: web.AppRunner | None = None
+        self.guard: ConnectionGuard | None = None  # made at start (it needs the running loop)
         self._tokenizers: Any = None  # bear.tokenizer.cache.TokenizerCache, made at the first /tokenize
 
     # ------------------------------------------------------------------ lifecycle
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors])
+        if self.cfg.cors.enabled:
+            app.on_response_prepare.append(self._cors_headers)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
@@ -159,15 +192,21 @@ class Gateway:
         await self.registry.start(observe=False)
         await self.inboxes.start()
         # handler_cancellation: a client that disconnects cancels its handler (and so its generation)
-        self._runner = _Runner(self.app(), access_log=None, handler_cancellation=True,
+        self.guard = ConnectionGuard(self.cfg.connection_limits(), self.m)
+        self._runner = _Runner(self.app(), self.guard, access_log=None, handler_cancellation=True,
                                shutdown_timeout=self.cfg.drain_s, keepalive_timeout=75.0, lingering_time=LINGER_S)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.cfg.host, self.cfg.port, backlog=1024).start()
-        log.info("gateway serving", url=self.base_url, auth=self.keys is not None, prefix=self.cfg.prefix)
+        lim = self.guard.limits
+        log.info("gateway serving", url=self.base_url, auth=self.keys is not None, prefix=self.cfg.prefix,
+                 header_timeout_s=lim.header_timeout_s, max_conns_per_peer=lim.per_peer, max_connections=lim.total,
+                 open_files=open_file_limit())
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()  # stops listening, lets requests in progress end (drain_s)
+        if self.guard is not None:
+            self.guard.close()
         if self._tokenizers is not None:
             await self._tokenizers.close()
         await self.inboxes.stop()
@@ -188,7 +227,7 @@ class Gateway:
             rid = os.urandom(16).hex()
         request[REQUEST_ID_KEY] = rid
         try:
-            resp = await handler(request)
+            resp = self.cfg.cors.preflight(request) or await handler(request)
         except ApiError as exc:
             resp = self._error(exc)
         except web.HTTPException as exc:
@@ -203,6 +242,9 @@ class Gateway:
             resp.headers[REQUEST_ID] = rid
         return resp
 
+    async def _cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        self.cfg.cors.decorate(request, response)
+
     def _error(self, exc: ApiError, force_close: bool = False) -> web.Response:
         resp = web.Response(body=dumps(exc.body()), status=exc.status, content_type="application/json",
                             headers=exc.headers)
@@ -216,6 +258,12 @@ class Gateway:
         why = self.keys.check(request.headers.get("Authorization"))
         if why is not None:
             raise ApiError(401, why, headers={"WWW-Authenticate": "Bearer"})
+
+    def _tenant(self, request: web.Request, headers: dict[str, str] | None) -> dict[str, str] | None:
+        """The submission's NATS headers: the trace context, and the tag of the request's API key
+        (``Bear-Tenant``: the routers' fair shares are per key, bear.router.fairshare)."""
+        tag = ApiKeys.tenant(request.headers.get("Authorization")) if self.keys is not None else ""
+        return {**(headers or {}), TENANT_HEADER: tag} if tag else headers
 
     async def _body(self, request: web.Request) -> bytes:
         limit = self.cfg.max_body_bytes
@@ -242,6 +290,18 @@ class Gateway:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, "completions")
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API, over the chat path (bear.gateway.responses)."""
+        return await self._complete(request, "responses")
+
+    def _parse(self, endpoint: str, body: bytes, headers: Any) -> Submission:
+        if endpoint == "responses":
+            chat, echoed = to_chat(body)
+            sub = parse_chat(chat, headers, self.cfg.defaults)
+            sub.responses = echoed
+            return sub
+        return (parse_chat if endpoint == "chat" else parse_completion)(body, headers, self.cfg.defaults)
+
     async def _complete(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         t0 = time.perf_counter()
         status = "500"
@@ -252,8 +312,7 @@ class Gateway:
                 if self.inflight >= self.cfg.max_inflight:
                     raise ApiError(429, "gateway at its in-flight limit", headers={"Retry-After": str(self.cfg.retry_after_s)})
                 body = await self._body(request)
-                parse = parse_chat if endpoint == "chat" else parse_completion
-                sub = parse(body, request.headers, self.cfg.defaults)
+                sub = self._parse(endpoint, body, request.headers)
                 if len(body) + NATS_HEADROOM > self.nc.max_payload:
                     raise ApiError(413, f"request of {len(body)} bytes does not fit a NATS message "
                                         f"({self.nc.max_payload} bytes)")
@@ -292,12 +351,13 @@ class Gateway:
         span.set(**{"bear.query_id": qid})
         it = submit(self.nc, sub.prompt, messages=sub.messages, ttft_target_s=sub.ttft_target_s,
                     max_tokens=sub.max_tokens, lam=sub.lam, query_id=qid, model=sub.route_model,
-                    sampling=sub.sampling, engine=sub.engine, headers=span.headers, subjects=self.subjects,
+                    sampling=sub.sampling, engine=sub.engine, headers=self._tenant(request, span.headers),
+                    subjects=self.subjects,
                     accept_timeout_s=self.cfg.accept_timeout_s, idle_timeout_s=self.cfg.idle_timeout_s,
                     inboxes=self.inboxes)
         routed: Routed | None = None
         resp: web.StreamResponse | None = None
-        answer: Answer | None = None
+        answer: Answer | ResponsesAnswer | None = None
         texts: list[str] = []
         raw: list[list[Any]] = []  # the engine's choices, chunk by chunk (non-streaming, engine fields)
         relayed = False
@@ -358,8 +418,8 @@ class Gateway:
                         await resp.write_eof()
                         return resp
                     if isinstance(m, Error):
-                        err = ApiError.from_router(m, self.cfg.retry_after_s,
-                                                   "messages" if sub.chat else "prompt")
+                        err = ApiError.from_router(m, self.cfg.retry_after_s, "input" if sub.responses is not None
+                                                   else "messages" if sub.chat else "prompt")
                         span.error(err.message)
                         return await self._fail(resp, err)
         except TimeoutError:
@@ -389,8 +449,11 @@ class Gateway:
             await resp.write_eof()
         return resp
 
-    def _new_answer(self, sub: Submission, qid: str, routed: Routed | None, done: Done | None = None) -> Answer:
+    def _new_answer(self, sub: Submission, qid: str, routed: Routed | None,
+                    done: Done | None = None) -> Answer | ResponsesAnswer:
         model = (done and done.model) or (routed and routed.model) or sub.model
+        if sub.responses is not None:
+            return ResponsesAnswer(qid, int(time.time()), str(model), sub.responses)
         prompt = routed.prompt_tokens if routed is not None else 0
         return Answer(sub.chat, qid, int(time.time()), str(model), sub.include_usage, sub.continuous_usage, prompt)
 
@@ -446,7 +509,8 @@ class Gateway:
         else:
             ids = models.get(name) or [i.id for i in self.registry.healthy() if i.predictor_model == name]
             if not ids:
-                raise ApiError(404, f"the model {name!r} is not served by any healthy instance", param="model")
+                raise ApiError(404, f"the model {name!r} is not served by any healthy instance", param="model",
+                               code=MODEL_NOT_FOUND)
             entry = self._model_entry(name, ids)
         return web.Response(body=dumps(entry), content_type="application/json")
 
@@ -460,7 +524,8 @@ class Gateway:
         insts = [i for i in self.registry.healthy()
                  if name == self.cfg.defaults.alias or name in (i.model, i.predictor_model)]
         if not insts:
-            raise ApiError(404, f"the model {name!r} is not served by any healthy instance", param="model")
+            raise ApiError(404, f"the model {name!r} is not served by any healthy instance", param="model",
+                               code=MODEL_NOT_FOUND)
         ids = {i.tokenizer for i in insts}
         if "" in ids:
             raise ApiError(404, f"an instance of {name!r} registered no tokenizer", param="model")

@@ -62,26 +62,55 @@ class LoadResult:
         return s
 
 
-def make_queries(n: int, seed: int, tasks: tuple[str, ...] | None, models: tuple[str, ...]) -> list[LoadQuery]:
+PROMPT_SPECIAL_TOKENS = 16  # tokens a prompt may gain beyond its bytes (BOS and the like) where a context binds
+DRAW_ROUNDS = 50  # rounds of n draws before a load in a small context gives up
+
+
+class DoesNotFit(ValueError):
+    """No (or too few) prompts of the task mix fit the context the load is bound to."""
+
+
+def fits(prompt: str, context: int | None) -> bool:
+    """Whether the prompt surely fits ``context`` tokens with one output token: its UTF-8 bytes
+    bound its length under any byte-level tokenizer (merges only shorten), plus a few special
+    tokens; the text alone says nothing more without the engine's tokenizer."""
+    return context is None or len(prompt.encode()) + PROMPT_SPECIAL_TOKENS < context
+
+
+def make_queries(n: int, seed: int, tasks: tuple[str, ...] | None, models: tuple[str, ...],
+                 context: int | None = None) -> tuple[list[LoadQuery], int]:
+    """``n`` queries of the synthetic mix and how many draws were left out as too long for a
+    ``context``-token engine (None: no bound). ``DoesNotFit`` when fewer than ``n`` fit in
+    ``DRAW_ROUNDS`` rounds of draws."""
     from bear.load.targets import ttft_target_s
     from bear.predictor.synth import TASKS, generate
 
     rng = np.random.default_rng(seed + 1)
-    recs = list(generate(n, seed=seed, models=models, tasks=tasks or TASKS))
-    out = []
+    out: list[LoadQuery] = []
     m = len(models)
-    for i in range(n):
-        group = recs[i * m:(i + 1) * m]
-        r0 = group[0]
-        ptoks = int(r0.prompt_tokens or 1)
-        out.append(LoadQuery(query_id=f"load-{seed}-{i}-{time.time_ns() % 10**9}", task=r0.task, prompt=r0.prompt,
-                             prompt_tokens=ptoks, quality={r.model: r.quality for r in group},
-                             target_s=float(ttft_target_s(ptoks, rng)[0])))
-    return out
+    left_out = 0
+    for r in range(DRAW_ROUNDS):
+        recs = list(generate(n, seed=seed + 7919 * r, models=models, tasks=tasks or TASKS))
+        for i in range(n):
+            group = recs[i * m:(i + 1) * m]
+            r0 = group[0]
+            if not fits(r0.prompt, context):
+                left_out += 1
+                continue
+            ptoks = int(r0.prompt_tokens or 1)
+            out.append(LoadQuery(query_id=f"load-{seed}-{len(out)}-{time.time_ns() % 10**9}", task=r0.task,
+                                 prompt=r0.prompt, prompt_tokens=ptoks, quality={r.model: r.quality for r in group},
+                                 target_s=float(ttft_target_s(ptoks, rng)[0])))
+            if len(out) == n:
+                return out, left_out
+    shortest = min(len(q.prompt.encode()) for q in out) if out else None
+    raise DoesNotFit(f"only {len(out)} of {n} prompts of the task mix fit a {context}-token context in "
+                     f"{DRAW_ROUNDS * n} draws{f' (shortest {shortest} bytes)' if shortest else ''}: choose tasks "
+                     "with shorter prompts (--tasks) or engines with a longer context")
 
 
 async def run_load(nc: Any, queries: list[LoadQuery], times: np.ndarray, *, lam: float = 5e-4, max_tokens: int = 4096,
-                   on_event: Callable[[str, LoadResult], None] | None = None, subjects: Any = None,
+                   fit_context: bool = True, on_event: Callable[[str, LoadResult], None] | None = None, subjects: Any = None,
                    accept_timeout_s: float = 2.0, idle_timeout_s: float = 30.0) -> LoadResult:
     from bear.client.submit import submit
     from bear.protocol.replies import Done, Error
@@ -92,7 +121,8 @@ async def run_load(nc: Any, queries: list[LoadQuery], times: np.ndarray, *, lam:
     async def one(q: LoadQuery) -> None:
         terminal = 0
         async for msg in submit(nc, q.prompt, ttft_target_s=q.target_s, max_tokens=max_tokens, lam=lam,
-                                query_id=q.query_id, subjects=subjects, accept_timeout_s=accept_timeout_s, idle_timeout_s=idle_timeout_s):
+                                query_id=q.query_id, subjects=subjects, accept_timeout_s=accept_timeout_s, idle_timeout_s=idle_timeout_s,
+                                fit_context=fit_context):
             if isinstance(msg, Done):
                 terminal += 1
                 model = str(msg.predictor_model or msg.model).rsplit("/", 1)[-1]

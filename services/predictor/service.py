@@ -34,7 +34,8 @@ from bear.protocol.deadline import Deadline
 from bear.protocol.errors import BearError, ErrorCode, ErrorReply, error_reply
 from bear.protocol.messages import encode
 from bear.protocol.predict import PredictRequest, decode_predict
-from bear.protocol.subjects import Subjects
+from bear.protocol.subjects import PREDICTOR_QUEUE, Subjects
+from bear.runtime.identity import own_name
 from bear.runtime.metrics import start_metrics_server
 from bear.runtime.service import connect, stop_event
 from bear.runtime.shutdown import close_nats
@@ -43,7 +44,7 @@ log = structlog.get_logger(__name__)
 
 REQUEST_SCHEMA = schemas.PREDICT
 REPLY_SCHEMA = schemas.PREDICTION
-QUEUE_GROUP = "bear-predictor"
+QUEUE_GROUP = PREDICTOR_QUEUE  # the only group its identity may take bear.predict in (bear.runtime.nats_auth)
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,9 @@ class PredictorService:
     """Owns the nats.micro service, the thread pool and the in-flight bound."""
 
     def __init__(self, predictor: Predictor, subjects: Subjects | None = None,
-                 limits: ServiceLimits | None = None, metrics: bool = True) -> None:
+                 limits: ServiceLimits | None = None, metrics: bool = True, replica: str = "") -> None:
         self.predictor = predictor
+        self.replica = replica  # said in every reply (``by``): which identity answered
         self.subjects = subjects or Subjects()
         self.limits = limits or ServiceLimits()
         self._pool = ThreadPoolExecutor(max_workers=self.limits.workers, thread_name_prefix="predict")
@@ -150,6 +152,8 @@ class PredictorService:
         }
         if req.id is not UNSET:
             body["id"] = req.id
+        if self.replica:
+            body["by"] = self.replica
         return body
 
     async def _handle(self, request: Any) -> None:
@@ -227,7 +231,7 @@ async def serve(nats_url: str, predictor: Predictor, limits: ServiceLimits, pref
     start_metrics_server(metrics_port, metrics_host)
     stop = stop_event()
     nc = await connect(nats_url, "bear-predictor")
-    svc = PredictorService(predictor, Subjects(prefix), limits)
+    svc = PredictorService(predictor, Subjects(prefix), limits, replica=own_name())
     await svc.start(nc)
     # Everything allocated so far (modules, the boosters, numpy) lives as long as the process: keep
     # it out of the cyclic GC, so that a full collection (measured ~0.1 s over the ~66k objects of a

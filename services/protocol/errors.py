@@ -22,6 +22,9 @@ class ErrorCode(StrEnum):
     NOT_FOUND = "not_found"  # unknown instance / model
     INTERNAL = "internal"  # a bug: logged with a traceback
     DUPLICATE = "duplicate"  # a resubmitted query_id that is (or was) already executed
+    # chunks of the answer were lost in transit (a NATS restart) and not sent again: the client
+    # library's, its message names the chunks lost (an answer never ends ``done`` with a gap)
+    INCOMPLETE = "incomplete"
 
 
 class ErrorBody(ByName, msgspec.Struct):

@@ -122,10 +122,16 @@ class Calibration(Message, tag=schemas.CALIBRATION, kw_only=True):
     # the instance's recent BEA estimates' error as a distribution: observed / predicted TTFT at
     # each level of TTFT_RATIO_LEVELS (bear.calibrator.ttft_error); what P(on time) is read from
     ttft_ratio_q: tuple[float, ...] | None = None
+    # the path around the replayed scheduler (dispatch → engine receipt, engine first token → first
+    # byte at the router: HTTP, API server, tokenisation, IPC, relay), fitted from outcomes as
+    # path_s0 + path_per_token_s · prompt tokens (bear.calibrator.path); None: not measured
+    path_s0: float | None = None
+    path_per_token_s: float | None = None
+    path_n: NonNegInt = 0
 
     def __post_init__(self) -> None:
         _finite(*self.beta, *(self.gamma or ()), self.theta, self.updated, self.ttft_mape, self.ttft_bias, self.scale,
-                self.length_scale, self.length_sigma)
+                self.length_scale, self.length_sigma, self.path_s0, self.path_per_token_s)
         if any(b < 0 for b in (*self.beta, *(self.gamma or ()))):
             raise ValueError("beta and gamma must be non-negative")
         if self.profile is not None and (len(self.profile) not in (4, 8)
@@ -149,6 +155,13 @@ class Calibration(Message, tag=schemas.CALIBRATION, kw_only=True):
     def coefficients(self) -> list[float]:
         """What libbea's replay takes: β, then γ when the fit found a roofline."""
         return [*self.beta, *self.gamma] if self.gamma is not None else list(self.beta)
+
+    def path_s(self, prompt_tokens: float) -> float:
+        """Seconds the path outside the replay adds to a query of ``prompt_tokens`` here (0: not
+        measured); never negative, so an estimate only grows by it."""
+        if self.path_s0 is None:
+            return 0.0
+        return max(0.0, self.path_s0 + (self.path_per_token_s or 0.0) * max(0.0, prompt_tokens))
 
     def prefill_tps(self) -> float:
         """θ of eq. 8: the measured one, else what β implies for a nominal prompt."""
@@ -279,9 +292,17 @@ class Outcome(Message, tag=schemas.OUTCOME, kw_only=True):
     # per sequence: the tokens the answer had and the length the dispatch predicted (None: unknown)
     output_tokens: NonNegInt | None = None
     predicted_output_tokens: NonNegInt | None = None
+    # predicted_ttft_s in its parts (None: an older router): the query's time in the router before
+    # the estimate, the estimate's engine part (the replay), the path term it added; and the
+    # prompt length it was made for — the calibrator fits the path from observed − elapsed − engine
+    elapsed_s: float | None = None
+    engine_ttft_s: float | None = None
+    path_s: float | None = None
+    prompt_tokens: NonNegInt | None = None
 
     def __post_init__(self) -> None:
-        _finite(self.ttft_s, self.tpot_s, self.predicted_ttft_s, self.t)
+        _finite(self.ttft_s, self.tpot_s, self.predicted_ttft_s, self.t, self.elapsed_s, self.engine_ttft_s,
+                self.path_s)
 
 
 class ResyncRequest(Message, tag=schemas.RESYNC, kw_only=True):
@@ -300,6 +321,10 @@ class ResyncRequest(Message, tag=schemas.RESYNC, kw_only=True):
 KvMessage = KvEvents | KvState  # what ``bear.kv.<instance>`` carries
 
 
+MAX_AHEAD = 1024  # dispatches a request may queue ahead per instance
+MAX_PARTS = 128  # more queries in one estimate request
+
+
 class EstimateQuery(msgspec.Struct, kw_only=True):
     id: str = "__query__"
     prompt_tokens: NonNegInt
@@ -316,6 +341,27 @@ class EstimateCandidate(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokenizer: str | None = None  # which of the request's ``tokens`` lists is this instance's prompt
 
 
+class EstimatePart(msgspec.Struct, kw_only=True):
+    """One more query estimated in the same request (``EstimateRequest.also``): a burst decided in
+    order asks an instance about the next queries in one round trip (bear.router.sequencer)."""
+
+    query: EstimateQuery
+    instances: Annotated[list[Id | EstimateCandidate], msgspec.Meta(min_length=1)]
+    tokens: dict[Id, PackedTokenIds | Annotated[list[TokenId], msgspec.Meta(max_length=MAX_PROMPT_TOKEN_IDS)]] = (
+        msgspec.field(default_factory=dict))
+    ahead: dict[Id, Annotated[list[Dispatch], msgspec.Meta(max_length=MAX_AHEAD)]] = msgspec.field(
+        default_factory=dict)
+    # what is queued ahead of it: "own" its ``ahead``; "request" the request's ``ahead`` (the
+    # router's reservations, sent once); "chain" the request's ``ahead``, then the ``then`` of the
+    # request and of every earlier "chain" part, in order (a burst's queries before it, each as it
+    # would be dispatched) — a chain of n queries costs n dispatches on the wire, not n²/2
+    queue: Literal["own", "request", "chain"] = "own"
+    then: Dispatch | None = None  # this query as it would be dispatched, queued ahead of the later "chain" parts
+
+    def candidates(self) -> list[EstimateCandidate]:
+        return [c if isinstance(c, EstimateCandidate) else EstimateCandidate(instance=c) for c in self.instances]
+
+
 class EstimateRequest(Message, tag=schemas.ESTIMATE, kw_only=True):
     """``bear.estimate``: the TTFT of one query at each candidate instance."""
 
@@ -326,15 +372,43 @@ class EstimateRequest(Message, tag=schemas.ESTIMATE, kw_only=True):
     # little-endian uint32 (``bear.protocol.token_ids``), or the older list of ints
     tokens: dict[Id, PackedTokenIds | Annotated[list[TokenId], msgspec.Meta(max_length=MAX_PROMPT_TOKEN_IDS)]] = (
         msgspec.field(default_factory=dict))
+    # per instance, the caller's dispatches there that the estimator may not hold yet — the
+    # router's recent decisions (its reservations) and, for a burst decided in order, the
+    # queries before this one it would send there: queued ahead of the query after the ones the
+    # estimator knows (a request_id it already holds is its own: skipped) — bear.router.sequencer
+    ahead: dict[Id, Annotated[list[Dispatch], msgspec.Meta(max_length=MAX_AHEAD)]] = msgspec.field(
+        default_factory=dict)
+    # more queries, each estimated as the first is (their rows in ``EstimateReply.also``, in order)
+    also: Annotated[list[EstimatePart], msgspec.Meta(max_length=MAX_PARTS)] = msgspec.field(default_factory=list)
+    then: Dispatch | None = None  # the query as it would be dispatched: ahead of every "chain" part in ``also``
 
     def __post_init__(self) -> None:
-        for tid, ids in self.tokens.items():
+        for tid, ids in [*self.tokens.items(), *(kv for part in self.also for kv in part.tokens.items())]:
             if isinstance(ids, bytes) and len(ids) % 4:
                 raise ValueError(f"tokens[{tid!r}]: packed token ids are 4 bytes each (little-endian uint32); "
                                  f"got {len(ids)} bytes")
 
     def candidates(self) -> list[EstimateCandidate]:
         return [c if isinstance(c, EstimateCandidate) else EstimateCandidate(instance=c) for c in self.instances]
+
+    def aheads(self) -> list[dict[str, list[Dispatch]]]:
+        """What is queued ahead of the query and of each part in ``also`` (``EstimatePart.queue``),
+        per instance; raises ValueError past ``MAX_AHEAD`` at an instance."""
+        out = [self.ahead]
+        thens = [self.then] if self.then is not None else []
+        for part in self.also:
+            if part.queue == "own":
+                ahead = part.ahead
+            elif part.queue == "request":
+                ahead = self.ahead
+            else:
+                ahead = {c.instance: [*self.ahead.get(c.instance, ()), *thens] for c in part.candidates()}
+                if part.then is not None:
+                    thens.append(part.then)
+            if any(len(ds) > MAX_AHEAD for ds in ahead.values()):
+                raise ValueError(f"at most {MAX_AHEAD} dispatches queued ahead per instance")
+            out.append(ahead)
+        return out
 
 
 class EstimateRow(msgspec.Struct, kw_only=True, omit_defaults=False):
@@ -372,6 +446,7 @@ class EstimateReply(Message, tag=schemas.ESTIMATE_REPLY, kw_only=True):
     estimates: list[EstimateRow]
     at: float = 0.0  # the worker's clock the estimates are for (snapshot ages are measured to it)
     service_s: float | None = None
+    also: list[list[EstimateRow]] = msgspec.field(default_factory=list)  # the rows of EstimateRequest.also
 
 
 T = TypeVar("T")

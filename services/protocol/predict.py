@@ -66,6 +66,9 @@ class PredictedModel(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
 class Prediction(Message, tag=schemas.PREDICTION, kw_only=True):
     models: dict[str, PredictedModel]
     id: str | UnsetType = UNSET
+    # the replica that answered: its NATS identity (``predictor-1``), a claim the router logs with a
+    # reply it refuses (bear.router.reply_bounds) — which identity to revoke; absent: not said
+    by: str | UnsetType = UNSET
 
 
 _FIELDS = {

@@ -64,7 +64,8 @@ class Routed(Reply, tag=schemas.ROUTED, kw_only=True):
 
 class Chunk(Reply, tag=schemas.CHUNK, kw_only=True):
     """One piece of the answer: ``text``, or with engine fields the engine chunk's ``choices``
-    verbatim (``text`` then unset)."""
+    verbatim (``text`` then unset). ``seq`` numbers an answer's chunks 0, 1, 2, …: the client
+    library yields them in that order and asks for any it missed (``bear.protocol.submit.Resend``)."""
 
     seq: int = 0
     text: str | UnsetType = UNSET
@@ -74,7 +75,8 @@ class Chunk(Reply, tag=schemas.CHUNK, kw_only=True):
 
 
 class Done(Reply, tag=schemas.DONE, kw_only=True):
-    """The answer is complete (terminal)."""
+    """The answer is complete (terminal): ``chunks`` says how many ``Chunk`` messages it had, so
+    that a client can tell a lost last chunk from the end (issue 40)."""
 
     instance: str = ""
     model: str = ""
@@ -90,6 +92,7 @@ class Done(Reply, tag=schemas.DONE, kw_only=True):
     decision_s: float | None = None
     query_id: str = ""
     nonce: str | UnsetType = UNSET
+    chunks: int | UnsetType = UNSET  # the answer's Chunk messages (seq 0 … chunks-1); unset: an older router
 
     @property
     def terminal(self) -> bool:

@@ -24,6 +24,7 @@ KV_RESYNC = "bear.kv.resync/1"
 # Client ↔ router (bear.submit[.<client>], bear.cancel, the client's inbox)
 SUBMIT = "bear.submit/1"
 CANCEL = "bear.cancel/1"
+RESEND = "bear.resend/1"  # on bear.cancel: chunks of an answer that did not arrive, sent again
 ROUTED = "bear.routed/1"
 CHUNK = "bear.chunk/1"
 DONE = "bear.done/1"
@@ -45,7 +46,7 @@ STACK = "bear.stack/1"  # the stack's discovery/state file (bear.stack.discovery
 
 ALL: tuple[str, ...] = (
     SNAPSHOT, DELTA, BATCH, RESYNC, INSTANCE, PROVISIONED, CALIBRATION, KV, KV_STATE, KV_RESYNC,
-    SUBMIT, CANCEL, ROUTED, CHUNK, DONE, ERROR, DISPATCH, OUTCOME, PREDICT, PREDICTION, ESTIMATE,
+    SUBMIT, CANCEL, RESEND, ROUTED, CHUNK, DONE, ERROR, DISPATCH, OUTCOME, PREDICT, PREDICTION, ESTIMATE,
     ESTIMATE_REPLY, IDENTITY, PREDICTOR, TOKENIZER, STACK,
 )
 REPLY_STREAM: tuple[str, ...] = (ROUTED, CHUNK, DONE, ERROR)

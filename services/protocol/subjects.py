@@ -11,6 +11,14 @@ DELTA_SCHEMA = schemas.DELTA
 BATCH_SCHEMA = schemas.BATCH
 CANCEL_SCHEMA = schemas.CANCEL
 
+# The queue groups of the request subjects (one name, whatever the prefix): a predictor or an
+# estimator identity may subscribe to its request subject only as a member of its group
+# (bear.runtime.nats_auth), so a leaked one gets its share of the requests and never a copy of all.
+# The shards' workers share one group name too: a message on ``bear.estimate.<k>`` matches only
+# shard k's subscriptions (and a wildcard one's, which the group then splits with them).
+PREDICTOR_QUEUE = "bear-predictor"
+ESTIMATOR_QUEUE = "bear-estimator"
+
 
 def inbox_owner(inbox: str) -> str:
     """The identity whose private inbox prefix ``inbox`` lies under (``_INBOX_<name>.…`` →

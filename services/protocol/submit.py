@@ -1,4 +1,4 @@
-"""``bear.submit/1`` and ``bear.cancel/1`` as typed messages (docs/contract.md §1): what a client
+"""``bear.submit/1``, ``bear.cancel/1`` and ``bear.resend/1`` as typed messages (docs/contract.md §1): what a client
 sends a router. The client library builds ``Submit``; the router decodes it once
 (``decode_submit``), the struct checking every field's type, range and finiteness — what the
 router's hand checks did before (issue 25) — with the same ``bad_request`` messages.
@@ -30,8 +30,9 @@ NonNegNumber = Annotated[float, msgspec.Meta(ge=0.0)]
 
 class Submit(Message, tag=schemas.SUBMIT, kw_only=True, omit_defaults=True):
     """``bear.submit[.<client>]``: one query. Exactly one of ``prompt`` and ``messages``; unset
-    numbers take the router's defaults; ``max_tokens_rest``: no cap of the client's (up to the
-    rest of the chosen engine's context), which excludes ``max_tokens``."""
+    numbers take the router's defaults; ``max_tokens_rest``: up to the rest of the chosen engine's
+    context, and with ``max_tokens`` at most that many (the output fitted into the context: vLLM
+    would refuse a ``max_tokens`` beyond the rest)."""
 
     query_id: ShortText
     prompt: str | None = None
@@ -57,8 +58,6 @@ class Submit(Message, tag=schemas.SUBMIT, kw_only=True, omit_defaults=True):
                 raise ValueError(_MESSAGES[key])
         if self.deadline is not None and not math.isfinite(self.deadline):
             raise ValueError(_MESSAGES["deadline"])
-        if self.max_tokens_rest and self.max_tokens is not None:
-            raise ValueError(_MESSAGES["max_tokens_rest|max_tokens"])
         if self.max_tokens is not None and self.max_tokens >= MAX_TOKENS_LIMIT:
             raise ValueError(_MESSAGES["max_tokens<"])
 
@@ -69,6 +68,22 @@ class Cancel(Message, tag=schemas.CANCEL, kw_only=True):
 
     query_id: str
     inbox: Annotated[str, msgspec.Meta(min_length=1)]
+
+
+MAX_RESEND_RANGES = 64  # ranges of chunk seqs in one bear.resend/1
+SeqRange = tuple[Annotated[int, msgspec.Meta(ge=0, lt=2**31)], Annotated[int, msgspec.Meta(ge=0, lt=2**31)]]
+
+
+class Resend(Message, tag=schemas.RESEND, kw_only=True):
+    """On ``bear.cancel`` (every router hears it): the chunks of ``query_id``'s answer to
+    ``inbox`` whose ``seq`` lies in one of the ``missing`` ranges (``[first, end)``) did not
+    arrive — the router that keeps them (``bear.router.client_stream.AnswerKeeper``) publishes
+    them to ``inbox`` again. ``nonce`` is the submit's: only the client that holds it is served."""
+
+    query_id: ShortText
+    inbox: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+    nonce: Nonce
+    missing: Annotated[list[SeqRange], msgspec.Meta(min_length=1, max_length=MAX_RESEND_RANGES)]
 
 
 # The bad_request message of each field (the router's wording before the struct; clients see it).
@@ -88,7 +103,6 @@ _MESSAGES: dict[str, str] = {
     "session": f"session must be a non-empty string (≤ {MAX_ID_CHARS} chars)",
     "nonce": f"nonce must be a non-empty string (≤ {MAX_NONCE_CHARS} chars)",
     "max_tokens_rest": "max_tokens_rest must be a boolean",
-    "max_tokens_rest|max_tokens": "max_tokens_rest and max_tokens exclude each other",
     "sampling": "sampling must be a map",
     "engine": "engine must be a map",
 }
@@ -96,6 +110,7 @@ _FIELD = re.compile(r"`\$\.([A-Za-z_]+)")
 _MISSING = re.compile(r"Object missing required field `([A-Za-z_]+)`")
 _SUBMIT = msgspec.msgpack.Decoder(Submit)
 _CANCEL = msgspec.msgpack.Decoder(Cancel)
+_RESEND = msgspec.msgpack.Decoder(Resend)
 
 
 def decode_submit(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Submit:
@@ -130,5 +145,15 @@ def decode_cancel(data: bytes) -> Cancel | None:
         return None
     try:
         return _CANCEL.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+
+
+def decode_resend(data: bytes) -> Resend | None:
+    """``data`` as a ``Resend``, or None (a malformed one, or a ``bear.cancel/1``: dropped silently)."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        return None
+    try:
+        return _RESEND.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None

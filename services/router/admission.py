@@ -14,6 +14,12 @@ client can go elsewhere — when
   nearer than the decision is expected to take (recent decisions' EWMA plus the lag) — the
   admission by deadline. A deadline already past is ``deadline_exceeded``: nobody waits for it.
 
+Under pressure (``max_inflight``, ``max_deciding``, the loop's lag) the refusal goes to the
+identity holding more than its share of the queries in progress, not to whoever arrives next
+(``bear.router.fairshare``): an identity under its share is still taken (at most
+``2 × max_inflight`` in progress), and each identity may have a limit of its own
+(``identity_limit``), whatever the load.
+
 After the estimate, the instances predicted to start the query after its client's deadline are
 dropped, and the query is refused when none is left (``bear.router.filters.DeadlineFilter``): it
 would run for nobody.
@@ -26,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 from bear.protocol.errors import ErrorCode
+from bear.router.fairshare import FairShare, Shares
 
 LAG_PROBE_S = 0.02
 LAG_DECAY = 0.8  # per probe: a lag spike fades within ~0.2 s once the loop keeps up again
@@ -35,12 +42,13 @@ DECISION_EWMA = 0.05
 @dataclass
 class Refusal:
     code: ErrorCode
-    reason: str  # metric label: max_inflight | max_deciding | loop_lag | deadline | expired
+    reason: str  # metric label: max_inflight | max_deciding | loop_lag | deadline | expired | identity_limit | identities
     message: str
 
 
 class Admission:
-    def __init__(self, *, max_inflight: int, max_deciding: int, shed_lag_s: float) -> None:
+    def __init__(self, *, max_inflight: int, max_deciding: int, shed_lag_s: float, shares: Shares | None = None) -> None:
+        self.fair = FairShare(shares)
         self.max_inflight = max_inflight
         self.max_deciding = max_deciding
         self.shed_lag_s = shed_lag_s
@@ -65,20 +73,44 @@ class Admission:
     def expected_wait_s(self) -> float:
         return self.decision_s + self.lag
 
-    def refuse(self, inflight: int, deadline: float | None, now: float) -> Refusal | None:
-        """Why a submit arriving now is not taken (None: take it)."""
+    def pressure(self, inflight: int) -> str | None:
+        """Why the router would refuse anyone now (None: it takes what comes)."""
+        if inflight >= self.max_inflight:
+            return "max_inflight"
+        if self.deciding >= self.max_deciding:
+            return "max_deciding"
+        if self.lag > self.shed_lag_s:
+            return "loop_lag"
+        return None
+
+    def refuse(self, inflight: int, deadline: float | None, now: float, identity: str = "") -> Refusal | None:
+        """Why a submit of ``identity`` arriving now is not taken (None: take it; the caller then
+        counts it in ``fair.add(identity)`` and ``fair.remove`` when it ends)."""
         if deadline is not None and now >= deadline:
             return Refusal(ErrorCode.DEADLINE_EXCEEDED, "expired",
                            "the client's deadline passed before the router got to the query; not executed")
-        if inflight >= self.max_inflight:
-            return Refusal(ErrorCode.OVERLOADED, "max_inflight", f"router at max_inflight ({self.max_inflight})")
-        if self.deciding >= self.max_deciding:
-            return Refusal(ErrorCode.OVERLOADED, "max_deciding",
-                           f"router deciding {self.deciding} queries (max_deciding {self.max_deciding})")
-        if self.lag > self.shed_lag_s:
-            return Refusal(ErrorCode.OVERLOADED, "loop_lag", f"router event loop {self.lag * 1e3:.0f} ms behind")
+        reason = self.fair.verdict(identity, self.pressure(inflight), self.max_inflight)
+        if reason is not None:
+            return Refusal(ErrorCode.OVERLOADED, reason, self._message(reason, identity, inflight))
         if deadline is not None and deadline - now < self.expected_wait_s():
             return Refusal(ErrorCode.OVERLOADED, "deadline",
                            f"{(deadline - now) * 1e3:.0f} ms left of the client's deadline; deciding takes "
                            f"≈{self.expected_wait_s() * 1e3:.0f} ms here")
         return None
+
+    def _message(self, reason: str, identity: str, inflight: int) -> str:
+        held = self.fair.inflight.get(identity, 0)
+        who = f"identity {identity!r}" if identity else "the anonymous identity"
+        if reason == "identity_limit":
+            return f"{who} has {held} queries in progress here, its limit ({self.fair.shares.limit(identity)})"
+        if reason == "identities":
+            return "router tracking too many identities with queries in progress"
+        if reason == "max_inflight":
+            why = f"router at max_inflight ({self.max_inflight})"
+        elif reason == "max_deciding":
+            why = f"router deciding {self.deciding} queries (max_deciding {self.max_deciding})"
+        else:
+            why = f"router event loop {self.lag * 1e3:.0f} ms behind"
+        if identity or len(self.fair.inflight) > 1:
+            why += f"; {who} holds {held} of {self.fair.total} queries in progress, its share {self.fair.share(identity):.0f}"
+        return why

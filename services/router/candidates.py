@@ -77,26 +77,40 @@ class LocalLoad:
     running: dict[str, int] = field(default_factory=dict)
 
 
+def prediction_at(inst: InstanceView, prompt_tokens: int, preds: Mapping[str, ModelPrediction] | None,
+                  default_output_tokens: int, exact_tokens: Mapping[str, int] | None = None) -> ModelPrediction:
+    """The prediction a query is decided (and dispatched) on at ``inst``: its model's, else the
+    fallback, with the instance's exact prompt length where its tokenizer counted it."""
+    p = preds.get(inst.predictor_model) if preds else None
+    if p is None:
+        p = fallback_prediction(prompt_tokens, inst.price_in, inst.price_out, default_output_tokens)
+    exact = exact_tokens.get(inst.id) if exact_tokens else None
+    if exact is not None and exact != p.prompt_tokens:
+        p = replace(p, prompt_tokens=exact)
+    return p
+
+
 def build_candidates(prompt_tokens: int, insts: Sequence[InstanceView],
                      preds: Mapping[str, ModelPrediction] | None, rows: Mapping[str, EstimateRow] | None,
                      now: float, *, default_output_tokens: int, local: LocalLoad | None = None,
                      exact_tokens: Mapping[str, int] | None = None,
-                     sequences: int = 1) -> tuple[list[Candidate], dict[str, ModelPrediction]]:
+                     sequences: int = 1,
+                     elapsed_s: float | Mapping[str, float] = 0.0) -> tuple[list[Candidate], dict[str, ModelPrediction]]:
     """One Candidate per instance, and the prediction each used (by instance id). Prompt lengths
     are per instance: ``exact_tokens`` (its tokenizer's count), else the prediction's (per model),
     else ``prompt_tokens``. ``sequences``: the engine generates that many answers (``n``), each
-    paid for: the cost counts the predicted output once per sequence, the prompt once."""
+    paid for: the cost counts the predicted output once per sequence, the prompt once.
+    ``elapsed_s``: how long the query had been in the router when the estimator was asked (one
+    figure, or per instance: a sequenced decision's estimates were asked at different times) — its
+    target runs from its submit, the estimate's engine part from then, so every TTFT is the sum."""
     cands: list[Candidate] = []
     used: dict[str, ModelPrediction] = {}
     for inst in insts:
-        p = preds.get(inst.predictor_model) if preds else None
-        if p is None:
-            p = fallback_prediction(prompt_tokens, inst.price_in, inst.price_out, default_output_tokens)
+        p = prediction_at(inst, prompt_tokens, preds, default_output_tokens, exact_tokens)
         exact = exact_tokens.get(inst.id) if exact_tokens else None
-        if exact is not None and exact != p.prompt_tokens:
-            p = replace(p, prompt_tokens=exact)
         used[inst.id] = p
         theta = inst.calibration.prefill_tps()
+        waited = elapsed_s if isinstance(elapsed_s, float | int) else elapsed_s.get(inst.id, 0.0)
         p50, p90 = inst.obs.percentiles()
         ttft95, tpot90 = inst.obs.semantic_router_percentiles()
         extra = (sequences - 1) * p.out_len * inst.price_out if sequences > 1 and math.isfinite(p.out_len) else 0.0
@@ -112,7 +126,11 @@ def build_candidates(prompt_tokens: int, insts: Sequence[InstanceView],
             c.block_size, c.kv_blocks_used, c.kv_blocks_total = row.block_size, row.kv_blocks_used, row.kv_blocks_total
             c.pending_prefill_tokens = row.pending_prefill_tokens
             c.pending_decode_tokens = float(row.pending_decode_tokens)
-            c.ttft = row.ttft_s if row.ttft_s is not None else math.inf
+            if row.ttft_s is not None:  # the replay's engine TTFT, plus the path around it (bear.calibrator.path)
+                c.ttft_path = inst.calibration.path_s(p.prompt_tokens) if row.method == "bea" else 0.0
+                c.ttft = waited + row.ttft_s + c.ttft_path
+            else:
+                c.ttft = math.inf
             c.ttft_method = row.method
             c.ttft_calibration = row.calibration
             if row.method == "bea" and row.calibration != "nominal":
@@ -121,10 +139,11 @@ def build_candidates(prompt_tokens: int, insts: Sequence[InstanceView],
             local = local or LocalLoad()
             c.n_running = local.running.get(inst.id, 0)
             c.pending_prefill_tokens = local.pending_prefill_tokens.get(inst.id, 0)
-            c.ttft = libbea.prefill_throughput_ttft(c.pending_prefill_tokens, p.prompt_tokens, theta)
+            c.ttft = waited + libbea.prefill_throughput_ttft(c.pending_prefill_tokens, p.prompt_tokens, theta)
             c.ttft_method = "router-eq8"
-        c.ttft_prefill = libbea.prefill_throughput_ttft(c.pending_prefill_tokens,
-                                                        max(1, p.prompt_tokens - c.prefix_hit_tokens), theta)
+        c.ttft_elapsed = waited
+        c.ttft_prefill = waited + libbea.prefill_throughput_ttft(c.pending_prefill_tokens,
+                                                                    max(1, p.prompt_tokens - c.prefix_hit_tokens), theta)
         cands.append(c)
     return cands, used
 

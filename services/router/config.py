@@ -23,6 +23,13 @@ class RouterConfig:
     max_inflight: int = 4096  # queries in progress (streaming included) before `overloaded`
     max_deciding: int = 256  # queries being decided (before dispatch) before `overloaded`
     shed_lag_s: float = 1.0  # event-loop lag beyond which new submits are refused (GC and a busy host stay below)
+    # fair shares between identities (bear.router.fairshare): weights and own limits per identity
+    # (a client identity, or <relay>/<tenant> for a trusted relay's tenants: gateway/<key digest>)
+    identity_weights: dict[str, float] = field(default_factory=dict)
+    identity_limits: dict[str, int] = field(default_factory=dict)
+    identity_limit: int = 0  # queries in progress per identity without a limit of its own (0: none)
+    identity_weight: float = 1.0  # the weight of every identity without one of its own
+    fair_relays: tuple[str, ...] = ("gateway",)  # identities whose Bear-Tenant header names the tenant
     down_after_s: float = 10.0
     fail_backoff_s: float = 5.0  # an instance that refused a connection is avoided this long
     max_attempts: int = 2  # instances tried per query before an `unavailable` error
@@ -43,3 +50,8 @@ class RouterConfig:
     tokenize: bool = True  # exact prompt tokens (and prefix hits) where instances register a tokenizer
     prime_answers: bool = True  # encode each answer ahead of the next turn (TokenizerCache.prime)
     coalesce: bool = True  # the answer's chunks that arrived in one read go to the client as one message
+    # decisions in order, each seeing every dispatch this router made before it (bear.router.sequencer);
+    # False: each query decided on its own estimate alone (concurrent decisions do not see each other)
+    sequence: bool = True
+    sequence_chain: int = 8  # waiting queries a fresh estimate at the chosen instance covers too
+    reserve_s: float = 0.25  # this router's dispatches are sent with every estimate this long

@@ -3,7 +3,10 @@
 key exists) owns the query; any resubmission finds the key and is not executed again. Keys expire
 after ``ttl_s``. When JetStream does not answer within ``timeout_s`` (NATS restarting), the router
 falls back to its own memory of recent ids — it still never runs an id twice itself — and counts
-the fallback (``bear_router_dedup_fallback_total``)."""
+the fallback (``bear_router_dedup_fallback_total``). The same when JetStream cannot write the
+bucket (a full disk: nats-server 2.15 then acknowledges nothing on that stream until it restarts):
+the router goes on, ``bear_router_degraded{part="dedup"}`` is 1 and one warning line says so, one
+more when a claim is written again."""
 
 from __future__ import annotations
 
@@ -13,7 +16,11 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+import structlog
+
 from bear.runtime.kv import DEDUP_TTL_S, ensure_kv
+
+log = structlog.get_logger("bear.router")
 
 LOCAL_IDS = 100_000
 
@@ -27,6 +34,8 @@ class Deduplicator:
         self._kv: Any = None
         self._local: OrderedDict[str, float] = OrderedDict()
         self.fallbacks = 0
+        self.failing = False  # the last claim fell back
+        self._since = 0  # fallbacks since claims last worked
 
     @staticmethod
     def key(query_id: str, client: str = "") -> str:
@@ -56,12 +65,36 @@ class Deduplicator:
             async with asyncio.timeout(self.timeout_s):  # no extra task per claim, unlike wait_for
                 kv = self._kv if self._kv is not None else await self._bucket()
                 await kv.create(k, owner.encode())
+            self._working()
             return True
         except KeyWrongLastSequenceError:
+            self._working()
             return False
         except Exception as exc:  # JetStream unavailable: this router's memory is the fallback
             if "wrong last sequence" in str(exc).lower():
                 return False
             self._kv = None
-            self.fallbacks += 1
+            self._fell_back(exc)
             return True
+
+    def _fell_back(self, exc: Exception) -> None:
+        from bear.router.outcomes import metrics
+
+        self.fallbacks += 1
+        self._since += 1
+        m = metrics()
+        m.dedup_fallback.inc()
+        if not self.failing:
+            self.failing = True
+            m.degraded.labels(part="dedup").set(1)
+            log.warning("dedup claims failing (JetStream not answering or not writing the bucket); routing goes on "
+                        "with this router's memory of recent ids", bucket=self.bucket, error=repr(exc)[:200])
+
+    def _working(self) -> None:
+        if self.failing:
+            from bear.router.outcomes import metrics
+
+            self.failing = False
+            metrics().degraded.labels(part="dedup").set(0)
+            log.warning("dedup claims written again", bucket=self.bucket, fell_back=self._since)
+            self._since = 0

@@ -41,18 +41,38 @@ class Query:
     inbox: str = ""  # where the answer goes (a cancel must name it)
     deciding: bool = True  # counted in Admission.deciding until dispatched or finished
     session: str | None = None  # the conversation it belongs to (session-affinity routing)
-    # max_tokens_rest: no cap of the client's; the engine generates up to the rest of its context
-    # (vLLM's default), and ``max_tokens`` is the largest such rest, for the estimate
+    # max_tokens_rest: the engine generates up to the rest of its context (vLLM's default), at most
+    # ``max_tokens_cap`` when the client gave one; ``max_tokens`` is the largest such output, for the estimate
     rest_of_context: bool = False
+    max_tokens_cap: int | None = None
     nonce: str | None = None  # the client's per-query nonce, echoed in every message of the answer
     client: str = ""  # the client identity it came from (its submit subject's token; "": anonymous)
 
     def max_tokens_at(self, max_model_len: int | None, prompt_tokens: int) -> int | None:
         """The query's output cap at an instance: the client's ``max_tokens``, or with
-        ``rest_of_context`` the rest of that instance's context (None: its context is unknown)."""
+        ``rest_of_context`` the rest of that instance's context, at most ``max_tokens_cap`` (None:
+        its context is unknown and the client gave no cap)."""
         if not self.rest_of_context:
             return self.max_tokens
-        return max(1, max_model_len - prompt_tokens) if max_model_len else None
+        rest = max(1, max_model_len - prompt_tokens) if max_model_len else None
+        if self.max_tokens_cap is None or rest is None:
+            return rest if rest is not None else self.max_tokens_cap
+        return min(rest, self.max_tokens_cap)
+
+    def body_max_tokens(self, max_model_len: int | None, prompt_tokens: int, exact: bool) -> int | None:
+        """``max_tokens`` of the engine request (None: none sent, the engine's own rest of its
+        context). With ``rest_of_context`` and a cap: the cap fitted into the rest where the prompt's
+        length there is exact, the cap where it is below the estimated rest, else none (a cap sent
+        past the true rest would be refused by vLLM)."""
+        if not self.rest_of_context:
+            return self.max_tokens
+        cap = self.max_tokens_cap
+        if cap is None or not max_model_len:
+            return cap
+        rest = max_model_len - prompt_tokens
+        if exact:
+            return max(1, min(cap, rest))
+        return cap if cap < rest else None
 
     @property
     def skips_prefix_cache(self) -> bool:
@@ -81,14 +101,15 @@ def parse_submit(data: bytes, cfg: RouterConfig) -> Query:
     if s.messages is not None:
         for m in s.messages:
             check_json(m, "messages", MAX_MESSAGE_DEPTH)
-    max_tokens = REST_UNKNOWN_MAX_TOKENS if s.max_tokens_rest else \
-        cfg.default_max_tokens if s.max_tokens is None else s.max_tokens
+    cap = None if s.max_tokens is None else int(s.max_tokens)
+    max_tokens = cap if cap is not None else REST_UNKNOWN_MAX_TOKENS if s.max_tokens_rest else cfg.default_max_tokens
     q = Query(query_id=s.query_id, prompt=s.prompt, messages=s.messages,
               ttft_target_s=cfg.default_ttft_target_s if s.ttft_target_s is None else float(s.ttft_target_s),
               max_tokens=int(max_tokens), lam=cfg.lam if s.lam is None else float(s.lam),
               prompt_tokens=s.prompt_tokens, model=s.model, sampling=check_sampling(s.sampling),
               engine=check_engine(s.engine), deadline=s.deadline, session=s.session,
-              rest_of_context=s.max_tokens_rest, nonce=s.nonce)
+              rest_of_context=s.max_tokens_rest, max_tokens_cap=cap if s.max_tokens_rest else None,
+              nonce=s.nonce)
     if len(q.text.encode()) > MAX_PROMPT_BYTES:
         raise BearError(ErrorCode.TOO_LARGE, f"prompt larger than {MAX_PROMPT_BYTES} bytes")
     check_streamable(q.engine, chat=s.messages is not None)

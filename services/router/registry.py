@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
@@ -128,6 +129,9 @@ class Registry:
         self._sub: Any = None
         self.loaded = asyncio.Event()
         self.on_tokenizer: Any = None  # called with each tokenizer id an entry names (to fetch it early)
+        # True while JetStream is not writing (the router's dedup claims failing: a full disk): the
+        # heartbeats are stale because the broker cannot store them, not because the instances died
+        self.store_failing: Callable[[], bool] | None = None
 
     def _reject(self, reason: str, key: str, detail: str = "") -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
@@ -163,10 +167,11 @@ class Registry:
     def healthy(self) -> list[InstanceInfo]:
         """The instances to route to. While NATS is away, or shortly after it came back, every
         heartbeat goes stale together: that is the broker's silence, not the instances dying, so
-        each heartbeat is then judged against the newest one seen instead of the clock."""
+        each heartbeat is then judged against the newest one seen instead of the clock — and so
+        while JetStream does not store what it is sent (``store_failing``: a full disk)."""
         now = time.time()
         ref = now
-        if self._broker_silent():
+        if self._broker_silent() or (self.store_failing is not None and self.store_failing()):
             ref = min(now, max((i.heartbeat for i in self.instances.values()), default=now))
         return [i for i in sorted(self.instances.values(), key=lambda i: i.id) if i.healthy(ref, self.down_after_s)]
 

@@ -36,7 +36,17 @@ from bear.protocol.engine_fields import (
     sequences,
 )
 from bear.protocol.errors import BearError, ErrorCode
-from bear.protocol.messages import EstimateCandidate, EstimateQuery, EstimateRow, Outcome, encode
+from bear.protocol.messages import (
+    Calibration,
+    Dispatch,
+    EstimateCandidate,
+    EstimatePart,
+    EstimateQuery,
+    EstimateReply,
+    EstimateRow,
+    Outcome,
+    encode,
+)
 from bear.protocol.replies import Chunk, Done, Routed
 from bear.protocol.subjects import Subjects
 from bear.protocol.token_ids import count
@@ -49,8 +59,9 @@ from bear.router.candidates import (
     build_candidates,
     dispatch_for,
     dispatch_tokens,
+    prediction_at,
 )
-from bear.router.client_stream import ClientStream, TerminalResender
+from bear.router.client_stream import AnswerKeeper, ClientStream, TerminalResender
 from bear.router.config import RouterConfig
 from bear.router.decide import Refused, decide, profile_for, screen
 from bear.router.dedup import Deduplicator
@@ -62,11 +73,14 @@ from bear.router.dispatch import (
     request_body,
     stream_completion,
 )
+from bear.router.fairshare import Shares, identity_of
 from bear.router.outcomes import OutcomeLog
 from bear.router.policies import Candidate, Decision, Policy, QueryContext, make_policy
 from bear.router.predict import ask_estimator, ask_predictor
 from bear.router.query import Query, parse_submit, peek_deadline, peek_ids
 from bear.router.registry import InstanceInfo, Registry
+from bear.router.reply_bounds import ReplyGuard
+from bear.router.sequencer import Pending, Reservations, Sequencer
 from bear.runtime import tracing
 from bear.runtime.service import connect, stop_event
 from bear.runtime.shutdown import cancel_all, close_nats
@@ -90,12 +104,19 @@ class RouterService:
         self.registry = Registry(nc, self.subjects, down_after_s=self.cfg.down_after_s, aliases=self.cfg.aliases,
                                  allowed_base_urls=self.cfg.allowed_base_urls, provisioning=self.cfg.provisioning)
         self.admission = Admission(max_inflight=self.cfg.max_inflight, max_deciding=self.cfg.max_deciding,
-                                   shed_lag_s=self.cfg.shed_lag_s)
+                                   shed_lag_s=self.cfg.shed_lag_s, shares=Shares(
+                                       self.cfg.identity_weights, self.cfg.identity_limits,
+                                       default_weight=self.cfg.identity_weight,
+                                       default_limit=self.cfg.identity_limit))
         shards = max(1, self.cfg.estimator_shards)
+        # replies no real predictor or estimator sends are refused and counted (a leaked credential: issue 40)
+        self.guard = ReplyGuard(calibration_of=self._calibration_of)
         self.estimators = [EstimatorClient(nc, self.subjects, try_timeout_s=self.cfg.estimate_try_s,
-                                           subject=self.subjects.estimate_shard(k, shards)) for k in range(shards)]
+                                           subject=self.subjects.estimate_shard(k, shards),
+                                           check=self.guard.estimate_check) for k in range(shards)]
         self.dedup = Deduplicator(nc, self.subjects.queries_bucket, ttl_s=self.cfg.dedup_ttl_s,
                                   timeout_s=self.cfg.dedup_timeout_s)
+        self.registry.store_failing = lambda: self.dedup.failing  # heartbeats stale for JetStream's sake (issue 40)
         self.tokenizers = TokenizerCache(nc, self.subjects.tokenizers_bucket, sources=lambda bid: [
             i.id for i in self.registry.instances.values() if i.tokenizer == bid])
         if self.cfg.tokenize:
@@ -103,6 +124,11 @@ class RouterService:
         self.outcomes = OutcomeLog(self.cfg.outcome_log)
         self.m = self.outcomes.m
         self.local = LocalLoad(defaultdict(int), defaultdict(int))  # in flight here: the eq. 8 fallback
+        # this router's recent dispatches, sent with every estimate; decisions in order (the sequencer)
+        self.reservations = Reservations(keep_s=self.cfg.reserve_s)
+        self.sequencer = (Sequencer(self.reservations, monotone=self.policy.monotone, chain=self.cfg.sequence_chain,
+                                    ask_parts=self._ask_parts)
+                          if self.cfg.sequence and self.profile.needs_estimate else None)
         self._tasks: set[asyncio.Task[None]] = set()
         self._by_query: dict[str, asyncio.Task[None]] = {}  # query_id → the task serving it here
         self._inboxes: dict[str, str] = {}  # query_id → its answer's inbox, while served here
@@ -116,6 +142,7 @@ class RouterService:
         self._lag_task: asyncio.Task[None] | None = None
         self._resend_task: asyncio.Task[None] | None = None
         self.resender = TerminalResender(nc, self.subjects.terminals_bucket)  # terminals again after a reconnect
+        self.keeper = AnswerKeeper(nc)  # the chunks relayed, for a client that missed some (bear.resend/1)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -147,6 +174,8 @@ class RouterService:
             _, pending = await asyncio.wait(list(self._tasks), timeout=drain_s)
             await cancel_all(pending)
         await self.registry.stop()
+        if self.sequencer is not None:
+            await self.sequencer.stop()
         await cancel_all([t for t in (self._lag_task, self._resend_task) if t is not None])
         await self.tokenizers.close()
         if self._session is not None:
@@ -162,19 +191,25 @@ class RouterService:
         if client is None:  # not the submitter's own inbox: answered nowhere (issue 26)
             self._refuse_reply(msg.subject, msg.reply)
             return
-        refusal = self.admission.refuse(len(self._tasks), peek_deadline(msg.data), time.time())
+        ident = identity_of(client, msg.headers, self.cfg.fair_relays)  # whose share it counts in
+        refusal = self.admission.refuse(len(self._tasks), peek_deadline(msg.data), time.time(), ident)
         if refusal is not None:
             self.m.loop_lag.set(self.admission.lag)
             qid, nonce = peek_ids(msg.data)
             await ClientStream(self.nc, msg.reply, qid, nonce=nonce,
                                terminals=self.subjects.terminals_bucket).error(refusal.code, refusal.message)
-            self.m.queries.labels(status=str(refusal.code)).inc()
             self.m.shed.labels(reason=refusal.reason).inc()
+            # in the outcome log too (counted there in bear_router_queries_total): what a client was
+            # refused is read beside what was served, not only in the metrics
+            self.outcomes.record({"query_id": qid, "t": time.time(), "status": str(refusal.code),
+                                  "reason": refusal.message, "admission": refusal.reason, "client": ident})
             return
         self.admission.deciding += 1
+        self.admission.fair.add(ident)
         task = asyncio.create_task(self._serve(msg.data, msg.reply, t0, msg.headers, client))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _t: self.admission.fair.remove(ident))
 
     def _refuse_reply(self, subject: str, reply: str) -> None:
         """A submit whose reply subject is not below its submitter's inbox prefix (a service's
@@ -188,8 +223,12 @@ class RouterService:
                         reply=reply[:128], refused_so_far=self.refused_replies)
 
     async def _on_cancel(self, msg: Any) -> None:
-        """``bear.cancel/1``: remembered (``router.cancels``); the query aborted if served here."""
+        """``bear.cancel/1``: remembered (``router.cancels``); the query aborted if served here.
+        ``bear.resend/1`` (the same subject): the chunks asked for sent again, if kept here."""
         qid = self.cancels.hear(msg.data)
+        if qid is None:
+            await self.keeper.hear(msg.data)
+            return
         task = self._by_query.get(qid) if qid is not None else None
         if task is not None and self.cancels.cancelled(qid, self._inboxes.get(qid, "")):  # type: ignore[arg-type]
             task.cancel()
@@ -200,7 +239,8 @@ class RouterService:
 
     async def _serve(self, data: bytes, inbox: str, t0: float, headers: dict[str, str] | None = None,
                      client: str = "") -> None:
-        out = ClientStream(self.nc, inbox, "", self.resender.recent, terminals=self.subjects.terminals_bucket)
+        out = ClientStream(self.nc, inbox, "", self.resender.recent, terminals=self.subjects.terminals_bucket,
+                           keeper=self.keeper)
         self.m.inflight.inc()
         q: Query | None = None
         try:
@@ -260,6 +300,11 @@ class RouterService:
             log.warning("tokenize failed", query_id=q.query_id, error=repr(exc))
             return {}
 
+    def _calibration_of(self, instance: str) -> Calibration | None:
+        """This router's calibration of ``instance`` (None: not registered): the estimate floor's."""
+        info = self.registry.instances.get(instance)
+        return info.calibration if info is not None else None
+
     async def _requests_written(self) -> None:
         """Let the claim and predictor requests just published reach the socket before the loop
         is busy tokenising (nats-py writes them from its flusher task, which runs only when the
@@ -277,9 +322,14 @@ class RouterService:
         t = time.perf_counter()
         pred = _traced("router.predict", q.trace, lambda h: ask_predictor(
             self.nc, self.subjects.predict, q.text, models, self.cfg.predict_budget_s,
-            try_timeout_s=self.cfg.predict_try_s, prompt_tokens=q.prompt_tokens, query_id=q.query_id, headers=h))
+            try_timeout_s=self.cfg.predict_try_s, prompt_tokens=q.prompt_tokens, query_id=q.query_id, headers=h,
+            guard=self.guard))
         tokens: dict[str, bytes] = {}
         tokenize_s = 0.0
+        est_cands: list[EstimateCandidate] = []
+        est_query: EstimateQuery | None = None
+        versions: dict[str, int] = {}
+        sent = t
 
         async def tokenize_then_estimate() -> Any:
             nonlocal tokens, tokenize_s
@@ -288,13 +338,18 @@ class RouterService:
             tokenize_s = time.perf_counter() - t_tok
             if not estimate:
                 return None
-            cands = [EstimateCandidate(instance=i.id, tokenizer=i.tokenizer, prompt_tokens=count(tokens[i.tokenizer]))
-                     if i.tokenizer in tokens else EstimateCandidate(instance=i.id) for i in insts]
+            nonlocal est_cands, est_query, versions, sent
+            est_cands = [EstimateCandidate(instance=i.id, tokenizer=i.tokenizer, prompt_tokens=count(tokens[i.tokenizer]))
+                         if i.tokenizer in tokens else EstimateCandidate(instance=i.id) for i in insts]
+            est_query = EstimateQuery(id=q.query_id, prompt_tokens=ptoks, max_tokens=q.max_tokens,
+                                      priority=engine_priority(q.engine), sequences=sequences(q.engine),
+                                      skip_reading_prefix_cache=q.skips_prefix_cache)
+            ids = [i.id for i in insts]
+            versions, sent = self.reservations.versions(ids), time.perf_counter()
+            ahead = self.reservations.at(ids, time.time())
             return await _traced("router.estimate", q.trace, lambda h: ask_estimator(
-                self.estimators, EstimateQuery(id=q.query_id, prompt_tokens=ptoks, max_tokens=q.max_tokens,
-                                              priority=engine_priority(q.engine), sequences=sequences(q.engine),
-                                              skip_reading_prefix_cache=q.skips_prefix_cache),
-                cands, self.cfg.estimate_budget_s, headers=h, tokens=tokens))
+                self.estimators, est_query, est_cands, self.cfg.estimate_budget_s, headers=h, tokens=tokens,
+                ahead=ahead))
 
         (claimed, tc), (preds, tp), (reply, te) = await asyncio.gather(
             _clocked(self.dedup.claim(q.query_id, self.name, q.client)), _clocked(pred), _clocked(tokenize_then_estimate()))
@@ -303,7 +358,8 @@ class RouterService:
         return Asked(claimed, preds, rows, claim_s=tc - t, predict_s=tp - t, estimate_s=te - t,
                      estimated_at=reply.at if reply is not None else None, exact_tokens=exact, tokenize_s=tokenize_s,
                      tokens=tokens,
-                     estimator_service_s=reply.service_s if reply is not None else None)
+                     estimator_service_s=reply.service_s if reply is not None else None,
+                     reply=reply, est_query=est_query, est_cands=est_cands, versions=versions, estimate_sent=sent)
 
     def _context(self, q: Query, ptoks: int) -> QueryContext:
         """What the decision knows of ``q``: the tokens it needs in a context are the client's
@@ -353,16 +409,28 @@ class RouterService:
             fallbacks.append("estimator")
             self.m.fallbacks.labels(kind="estimator").inc()
         asked.decided_at = time.time()
+        elapsed = (asked.estimate_sent if rows is not None else time.perf_counter()) - t0  # in the router before it
         cands, used = build_candidates(ptoks, insts, preds, rows, asked.decided_at,
                                        default_output_tokens=self.cfg.default_output_tokens, local=self.local,
-                                       exact_tokens=asked.exact_tokens, sequences=sequences(q.engine))
+                                       exact_tokens=asked.exact_tokens, sequences=sequences(q.engine),
+                                       elapsed_s=elapsed)
         excluded: set[str] = set()
         attempts: list[dict[str, Any]] = []
         for attempt in range(1, self.cfg.max_attempts + 1):
             live = [c for c in cands if c.instance not in excluded]
             if not live:
                 break
-            if q.deadline is not None and time.time() > q.deadline - DISPATCH_MARGIN_S:
+            request_id = f"bear-{uuid.uuid4().hex}"
+            d: Decision | Refused | None = None
+            if not self._deadline_passed(q):
+                if attempt == 1 and self.sequencer is not None and asked.reply is not None:
+                    # in order behind the decisions before it; the dispatch is published in turn
+                    d, cands, used = await self._decide_in_order(q, ctx, insts, ptoks, asked, dropped, request_id, t0)
+                else:
+                    d = decide(self.profile, ctx, live, asked.decided_at if attempt == 1 else time.time(), dropped)
+                    if not isinstance(d, Refused):
+                        await self._publish(q, d, used, asked, request_id)
+            if d is None:
                 # the client has given up (or will before the answer starts): do not execute
                 await out.error(ErrorCode.DEADLINE_EXCEEDED, "the client's deadline passed before dispatch; "
                                                              "not executed")
@@ -370,21 +438,13 @@ class RouterService:
                 self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "deadline_exceeded",
                                       "policy": self.policy.name, "attempt": attempt, "target_s": q.ttft_target_s})
                 return
-            d = decide(self.profile, ctx, live, asked.decided_at if attempt == 1 else time.time(), dropped)
             if isinstance(d, Refused):  # every instance is predicted to start it after its client has given up
                 await self._refuse(q, out, d, attempt=attempt, prompt_tokens=ptoks, decided_at=asked.decided_at,
-                                   estimated_at=asked.estimated_at)
+                                   estimated_at=asked.estimated_at,
+                                   ttft_elapsed={c.instance: c.ttft_elapsed for c in cands})
                 return
             inst = self.registry.get(d.candidate.instance)
             p = used[inst.id]
-            request_id = f"bear-{uuid.uuid4().hex}"
-            dispatch = dispatch_for(
-                q.query_id, request_id, p, q.max_tokens_at(inst.max_model_len, p.prompt_tokens), time.time(),
-                d.candidate.prefix_hit_tokens,
-                dispatch_tokens(asked.tokens, inst.tokenizer, rows.get(inst.id) if rows else None),
-                sequences=sequences(q.engine), skip_reading_prefix_cache=q.skips_prefix_cache)
-            await self.nc.publish(self.subjects.dispatch(inst.id), encode(dispatch))
-            q.served_by, q.predicted_output = inst.id, dispatch.predicted_output_tokens
             decision_s = time.perf_counter() - t0
             if q.deciding:
                 q.deciding = False
@@ -422,12 +482,92 @@ class RouterService:
         self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "unavailable",
                               "policy": self.policy.name, "attempts": attempts, "target_s": q.ttft_target_s})
 
+    async def _ask_parts(self, instance: str, parts: list[EstimatePart]) -> EstimateReply | None:
+        """A sequencer's chain at one instance: every part in one request to its shard."""
+        client = self.estimators[Subjects.shard_of(instance, len(self.estimators))]
+        first = parts[0]
+        try:
+            return await client.estimate(first.query, list(first.instances), budget_s=self.cfg.estimate_budget_s,
+                                         tokens=first.tokens, ahead=first.ahead, also=parts[1:],  # type: ignore[arg-type]
+                                         then=first.then)
+        except Exception:  # BearError, NATS away: the sequencer decides on what it has
+            return None
+
+    @staticmethod
+    def _deadline_passed(q: Query) -> bool:
+        return q.deadline is not None and time.time() > q.deadline - DISPATCH_MARGIN_S
+
+    async def _publish(self, q: Query, d: Decision, used: dict[str, ModelPrediction], asked: Asked,
+                       request_id: str) -> Dispatch:
+        """``bear.dispatch.<instance>`` of the decision, reserved for the estimates after it."""
+        inst = self.registry.get(d.candidate.instance)
+        p = used[inst.id]
+        dispatch = dispatch_for(
+            q.query_id, request_id, p, q.max_tokens_at(inst.max_model_len, p.prompt_tokens), time.time(),
+            d.candidate.prefix_hit_tokens,
+            dispatch_tokens(asked.tokens, inst.tokenizer, asked.rows.get(inst.id) if asked.rows else None),
+            sequences=sequences(q.engine), skip_reading_prefix_cache=q.skips_prefix_cache)
+        await self.nc.publish(self.subjects.dispatch(inst.id), encode(dispatch))
+        self.reservations.add(inst.id, dispatch)
+        q.served_by, q.predicted_output = inst.id, dispatch.predicted_output_tokens
+        return dispatch
+
+    async def _decide_in_order(self, q: Query, ctx: QueryContext, insts: list[InstanceInfo], ptoks: int,
+                               asked: Asked, dropped: dict[str, str], request_id: str, t0: float,
+                               ) -> tuple[Decision | Refused | None, list[Candidate], dict[str, ModelPrediction]]:
+        """The decision through the sequencer (``bear.router.sequencer``): on the estimates asked
+        so far, asked again where they miss a decision made before it; published in turn. None:
+        the client's deadline passed while it waited."""
+        assert self.sequencer is not None and asked.est_query is not None
+        by_id = {i.id: i for i in insts}
+        cand_of = {c.instance: c for c in asked.est_cands}
+        query = asked.est_query
+
+        def decide_on(rows: dict[str, EstimateRow], elapsed: dict[str, float]) -> tuple[Any, str | None]:
+            now = time.time()
+            if self._deadline_passed(q):
+                return (None, [], {}), None
+            asked.decided_at = now
+            cands, used = build_candidates(ptoks, insts, asked.preds, rows, now,
+                                           default_output_tokens=self.cfg.default_output_tokens, local=self.local,
+                                           exact_tokens=asked.exact_tokens, sequences=sequences(q.engine),
+                                           elapsed_s=elapsed)
+            d = decide(self.profile, ctx, cands, now, dropped)
+            return (d, cands, used), None if isinstance(d, Refused) else d.candidate.instance
+
+        def hypothetical(i: str) -> Dispatch:
+            inst = by_id[i]
+            p = prediction_at(inst, ptoks, asked.preds, self.cfg.default_output_tokens, asked.exact_tokens)
+            es = pending.estimates.get(i)
+            return dispatch_for(q.query_id, request_id, p, q.max_tokens_at(inst.max_model_len, p.prompt_tokens),
+                                time.time(), es[-1].row.prefix_hit_tokens if es else 0, sequences=sequences(q.engine),
+                                skip_reading_prefix_cache=q.skips_prefix_cache)
+
+        async def ask(instances: list[str], ahead: dict[str, list[Dispatch]]) -> EstimateReply | None:
+            return await ask_estimator(self.estimators, query, [cand_of[i] for i in instances if i in cand_of],
+                                       self.cfg.estimate_budget_s, tokens=asked.tokens, ahead=ahead)
+
+        async def commit(result: Any) -> None:
+            d, _, used = result
+            await self._publish(q, d, used, asked, request_id)
+
+        def part(instances: list[str], ahead: dict[str, list[Dispatch]]) -> EstimatePart:
+            cs = [cand_of[i] for i in instances if i in cand_of]
+            toks = {c.tokenizer: asked.tokens[c.tokenizer] for c in cs if c.tokenizer in asked.tokens}
+            return EstimatePart(query=query, instances=list(cs), tokens=toks, ahead=ahead)  # type: ignore[arg-type]
+
+        pending = Pending(q.query_id, list(by_id), decide_on, hypothetical, ask, commit, t0, part=part)
+        pending.add_reply(asked.reply, asked.versions, asked.estimate_sent - t0)
+        result = await self.sequencer.decide(pending)
+        asked.asks = pending.asks
+        return result  # type: ignore[no-any-return]
+
     async def _stream(self, q: Query, out: ClientStream, inst: InstanceInfo, d: Decision, p: ModelPrediction,
                       request_id: str, uncached: int, t0: float, decision_s: float, asked: Asked,
                       fallbacks: list[str], cands: list[Candidate], attempt: int) -> None:
         # the rest of the context: no max_tokens in the body, so the engine applies its own rest
-        path, body = request_body(inst.model, q.prompt, q.messages, None if q.rest_of_context else q.max_tokens,
-                                  {**q.sampling, **q.engine})
+        cap = q.body_max_tokens(inst.max_model_len, p.prompt_tokens, inst.id in asked.exact_tokens)
+        path, body = request_body(inst.model, q.prompt, q.messages, cap, {**q.sampling, **q.engine})
         raw = bool(q.engine)  # engine fields may shape the answer (choices, tool calls): relay it verbatim
         first: float | None = None
         usage: dict[str, int] = {}
@@ -515,7 +655,9 @@ class RouterService:
             await self.nc.publish(self.subjects.outcome(inst.id), encode(Outcome(
                 instance=inst.id, ttft_s=ttft, tpot_s=tpot, predicted_ttft_s=_finite(d.candidate.ttft),
                 method=d.candidate.ttft_method, completed=True, t=time.time(),
-                output_tokens=min(round(per_seq), 2**31 - 1), predicted_output_tokens=q.predicted_output)))
+                output_tokens=min(round(per_seq), 2**31 - 1), predicted_output_tokens=q.predicted_output,
+                elapsed_s=d.candidate.ttft_elapsed, path_s=d.candidate.ttft_path, prompt_tokens=p.prompt_tokens,
+                engine_ttft_s=_finite(d.candidate.ttft - d.candidate.ttft_elapsed - d.candidate.ttft_path))))
         await out.finish(Done(instance=inst.id, model=inst.model, predictor_model=inst.predictor_model, ttft_s=ttft,
                               target_s=q.ttft_target_s, on_time=on_time, utility=utility,
                               predicted_utility=d.candidate.utility(q.lam), predicted_ttft_s=_finite(predicted),
@@ -536,10 +678,10 @@ class RouterService:
             "decided_at": asked.decided_at, "estimated_at": asked.estimated_at, "deadline": q.deadline,
             "predict_s": asked.predict_s, "estimate_s": asked.estimate_s, "claim_s": asked.claim_s,
             "tokenize_s": asked.tokenize_s, "estimator_service_s": asked.estimator_service_s,
-            "fallbacks": fallbacks, "dropped": d.dropped, "attempt": attempt, "usage": usage, "request_id": request_id,
+            "fallbacks": fallbacks, "dropped": d.dropped, "attempt": attempt, "asked_again": asked.asks, "usage": usage, "request_id": request_id,
             "chunks": seq, "candidates": {c.instance: {
                 "model": c.model, "acc": c.acc, "cost": c.cost, "out_len": c.out_len, "out_p90": c.out_p90,
-                "ttft": c.ttft, "method": c.ttft_method, "calibration": c.ttft_calibration,
+                "ttft": c.ttft, "ttft_elapsed": c.ttft_elapsed, "ttft_path": c.ttft_path, "method": c.ttft_method, "calibration": c.ttft_calibration,
                 "ttft_prefill": c.ttft_prefill, "n_running": c.n_running,
                 "n_waiting": c.n_waiting, "pending_prefill_tokens": c.pending_prefill_tokens,
                 "pending_decode_tokens": c.pending_decode_tokens, "prefill_tps": c.prefill_tps, "tpot": c.tpot,
@@ -567,6 +709,12 @@ class Asked:
     tokenize_s: float = 0.0  # of estimate_s: tokenising the query (before the estimator was asked)
     estimator_service_s: float | None = None  # of estimate_s: the worker's own time on the request
     tokens: dict[str, bytes] = field(default_factory=dict)  # tokenizer id → the prompt's packed ids
+    reply: EstimateReply | None = None
+    est_query: EstimateQuery | None = None  # what the estimator was asked (a sequenced decision asks again)
+    est_cands: list[EstimateCandidate] = field(default_factory=list)
+    versions: dict[str, int] = field(default_factory=dict)  # the instances' commits here when it was asked
+    estimate_sent: float = 0.0  # perf_counter when the estimate was asked
+    asks: int = 0  # estimates asked again by the sequencer (decisions before it changed the picture)
 
     @property
     def wait_s(self) -> float:

@@ -88,3 +88,15 @@ def load_identity(path: str | Path) -> Identity:
 def creds_from_env() -> str | None:
     """``$BEAR_NATS_CREDS`` (a path), or None when unset or empty."""
     return os.environ.get(CREDS_ENV) or None
+
+
+def own_name(creds: str | Path | None = None) -> str:
+    """The name of the identity a process connects as (``creds``, else ``$BEAR_NATS_CREDS``):
+    what a replicated service says it is in its replies (``estimator-1``); "" without one."""
+    path = creds if creds is not None else creds_from_env()
+    if not path:
+        return ""
+    try:
+        return load_identity(path).name
+    except BearError:
+        return ""

@@ -14,22 +14,43 @@ snapshots, batch records, prefix-cache events and registry key, and answers (res
 requests for itself. JetStream API rights name the exact streams a part uses and never
 include deleting, purging or reconfiguring one: only ``admin`` (``bear up`` itself, or the
 operator's provisioning step) creates the KV buckets. The subjects each rule came from were found
-by watching a real nats-server serve nats-py's KV calls (tests/security)."""
+by watching a real nats-server serve nats-py's KV calls (tests/security).
+
+The predictor and the estimator subscribe to their request subjects only as members of their
+queue group (a ``"<subject> <queue>"`` subscribe permission: a plain subscription, or one in any
+other group — which would get a copy of every request — is refused), so a leaked service
+credential sees its share of the prompts and answers only those, never all of them first
+(issue 40). Where a deployment runs several replicas of a service, each gets its own identity
+(``<service>-<k>``: ``replicas``), so a leaked one is revoked alone (``revoke``)."""
 
 from __future__ import annotations
 
 import base64
 import json
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bear.protocol.subjects import Subjects
+from bear.protocol.subjects import ESTIMATOR_QUEUE, PREDICTOR_QUEUE, Subjects
 from bear.runtime.identity import Identity, new_identity
 
 ACCOUNT = "BEAR"
 SERVICES = ("router", "predictor", "estimator", "calibrator", "gateway", "client")
 INSTANCE_PREFIX = "instance-"
+SHARED_CLIENT = "client"  # the identity every command in a `bear up` directory shares (shared_client_note)
+
+
+def shared_client_note(auth_dir: str | Path = "<auth>") -> str:
+    """What the shared ``client`` identity lets its holders do, and how to give each user their
+    own (issue 40: a second user of the same identity read 840 messages of another's streams) —
+    printed where it is made (``bear up``'s banner, ``bear nats config``) and in auth.conf."""
+    return (f"`{SHARED_CLIENT}` is one identity for every command run with it (in the `bear up` directory: all of "
+            f"them): each can subscribe to its whole inbox prefix `_INBOX_{SHARED_CLIENT}.>` and so read the answers "
+            f"streamed to the others. Give each user or application its own: `bear up --client alice` (or `bear nats "
+            f"config --client alice`), then `bear submit --nats-creds {auth_dir}/alice.json …`")
+REPLICATED = ("predictor", "estimator")  # services whose replicas may each have an identity of their own
 
 
 @dataclass(frozen=True)
@@ -119,13 +140,13 @@ def permissions(role: str, name: str, subjects: Subjects | None = None, instance
                      f"$KV.{s.terminals_bucket}.*",  # terminal records (published, not acked)
                      *(f"_INBOX_{c}.>" for c in clients)),
             subscribe=(s.submit, s.submit_all, s.cancel, s.outcome_all, inbox))
-    if role == "predictor":
-        return Permissions(subscribe=(s.predict, "$SRV.>", inbox), responses=True)
+    if role == "predictor":  # its requests only as a member of the queue group (issue 40)
+        return Permissions(subscribe=(f"{s.predict} {PREDICTOR_QUEUE}", "$SRV.>", inbox), responses=True)
     if role == "estimator":
         return Permissions(
             publish=(*_kv_read(s.instances_bucket), *_kv_read(s.calibration_bucket), s.kv_resync("*"), s.resync("*")),
-            subscribe=(s.estimate, f"{s.estimate}.*", s.delta_all, s.snapshot_all, s.dispatch_all, s.kv_all, "$SRV.>",
-                       inbox),
+            subscribe=(f"{s.estimate} {ESTIMATOR_QUEUE}", f"{s.estimate}.* {ESTIMATOR_QUEUE}", s.delta_all,
+                       s.snapshot_all, s.dispatch_all, s.kv_all, "$SRV.>", inbox),
             responses=True)
     if role == "calibrator":  # reads an instance's entry too: a profiled calibration is the refit's prior
         return Permissions(publish=tuple(_kv_claim(s.calibration_bucket)),
@@ -149,6 +170,25 @@ def permissions(role: str, name: str, subjects: Subjects | None = None, instance
 
 def instance_identity_name(instance: str) -> str:
     return f"{INSTANCE_PREFIX}{instance}"
+
+
+def replica_identity_name(service: str, k: int) -> str:
+    """The identity of replica ``k`` of a replicated service (``estimator-1``)."""
+    return f"{service}-{k}"
+
+
+def replica_names(service: str, replicas: int) -> list[str]:
+    """The identities of ``replicas`` replicas of ``service``: the service's own name for one
+    (what a deployment of one replica always had), else ``<service>-0 …``."""
+    return [service] if replicas <= 1 else [replica_identity_name(service, k) for k in range(replicas)]
+
+
+_REPLICA = re.compile(r"^(predictor|estimator)-\d+$")
+
+
+def is_service_name(name: str) -> bool:
+    """``name`` is (or would be) a service's identity: not free for a client application."""
+    return name in ("admin", *SERVICES[:4]) or name.startswith(INSTANCE_PREFIX) or bool(_REPLICA.match(name))
 
 
 @dataclass
@@ -185,32 +225,40 @@ def server_config(users: list[tuple[Identity, Permissions]]) -> str:
              "# Generated; the public keys only — each identity's seed is in its own 0600 file.",
              "accounts {", f"  {ACCOUNT} {{", "    jetstream: enabled", "    users: ["]
     for ident, perms in users:
-        lines.append(f"      # {ident.name}")
+        lines.append(f"      # {ident.name}" + (" — shared by every command that uses it: each reads the others' answers; "
+                                                  "one identity per user instead (--client NAME)"
+                                                  if ident.name == SHARED_CLIENT else ""))
         lines.append(f"      {{ nkey: {json.dumps(ident.public_key)}, permissions: {_conf_value(perms.as_config())} }}")
     lines += ["    ]", "  }", "}", ""]
     return "\n".join(lines)
 
 
 def plan(instances: list[str], clients: tuple[str, ...] = ("client", "gateway"),
-         services: tuple[str, ...] = ("router", "predictor", "estimator", "calibrator")) -> list[tuple[str, str, str | None]]:
-    """(identity name, role, instance id) of a deployment: admin, each service, each client
-    application (role client, or gateway for ``gateway``), each instance."""
+         services: tuple[str, ...] = ("router", "predictor", "estimator", "calibrator"),
+         replicas: Mapping[str, int] | None = None) -> list[tuple[str, str, str | None]]:
+    """(identity name, role, instance id) of a deployment: admin, each service (one identity
+    per replica where ``replicas`` asks for several: ``replica_names``), each client application
+    (role client, or gateway for ``gateway``), each instance."""
+    bad = sorted(set(replicas or {}) - set(REPLICATED))
+    if bad:
+        raise ValueError(f"replicas of {', '.join(bad)}: only {', '.join(REPLICATED)} have replica identities")
     out: list[tuple[str, str, str | None]] = [("admin", "admin", None)]
-    out += [(svc, svc, None) for svc in services]
+    out += [(name, svc, None) for svc in services for name in replica_names(svc, (replicas or {}).get(svc, 1))]
     out += [(c, "gateway" if c == "gateway" else "client", None) for c in clients]
     out += [(instance_identity_name(i), "instance", i) for i in instances]
     return out
 
 
 def generate(directory: Path, instances: list[str], subjects: Subjects | None = None, *,
-             clients: tuple[str, ...] = ("client", "gateway")) -> AuthFiles:
-    """Fresh identities for ``instances`` and every service (plus ``clients``) under
-    ``directory`` (mode 0700; files 0600), and ``auth.conf``, the server's accounts block."""
+             clients: tuple[str, ...] = ("client", "gateway"), replicas: Mapping[str, int] | None = None) -> AuthFiles:
+    """Fresh identities for ``instances`` and every service (plus ``clients``; per replica where
+    ``replicas`` asks for several, e.g. ``{"estimator": 2}``: ``estimator-0``, ``estimator-1``)
+    under ``directory`` (mode 0700; files 0600), and ``auth.conf``, the server's accounts block."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     directory.chmod(0o700)
     files = AuthFiles(directory, directory / "auth.conf")
     users = []
-    for name, role, inst in plan(instances, clients):
+    for name, role, inst in plan(instances, clients, replicas=replicas):
         ident = new_identity(name)
         files.creds[name] = ident.save(directory / f"{name}.json")
         users.append((ident, permissions(role, name, subjects, inst, (*clients, "admin"))))  # admin probes too
@@ -218,3 +266,34 @@ def generate(directory: Path, instances: list[str], subjects: Subjects | None = 
     fd_path.write_text(server_config(users))
     fd_path.chmod(0o600)
     return files
+
+
+def revoke(files: AuthFiles, names: Iterable[str]) -> list[str]:
+    """Take identities out of the server's accounts block (and delete their files): a leaked
+    replica's credential is revoked alone, the other replicas keep theirs. The server applies it
+    on a configuration reload (``nats-server --signal reload``, SIGHUP: ``LocalNatsServer.reload``),
+    which closes the revoked identity's connections; a replacement replica needs a fresh identity.
+    Returns the names that were taken out."""
+    drop = set(names)
+    lines = files.config.read_text().splitlines()
+    out: list[str] = []
+    gone: list[str] = []
+    skip = False
+    for line in lines:
+        if skip:  # the user entry after the comment naming it (server_config writes one line each)
+            skip = False
+            continue
+        head = line.strip()
+        name = head[2:].split(" ", 1)[0] if head.startswith("# ") else ""  # "# <name>[ — a note]"
+        if name in drop and line.startswith("      #"):
+            gone.append(name)
+            skip = True
+            continue
+        out.append(line)
+    files.config.write_text("\n".join(out) + "\n")
+    files.config.chmod(0o600)
+    for name in gone:
+        path = files.creds.pop(name, None)
+        if path is not None:
+            path.unlink(missing_ok=True)
+    return gone

@@ -96,6 +96,13 @@ class LocalNatsServer:
         self.stop()
         self.start()
 
+    def reload(self) -> None:
+        """Make the server read its configuration again (SIGHUP: ``nats-server --signal reload``),
+        e.g. after ``bear.runtime.nats_auth.revoke``: connections of identities no longer listed
+        are closed, the others stay."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGHUP)
+
     def close(self) -> None:
         self.stop()
         if self._own_dir:

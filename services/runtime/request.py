@@ -5,6 +5,7 @@ and the caller gets the reply bytes or one coded ``BearError``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ class RequestStats:
 
     tries: int = 0
     timeouts: int = 0  # tries that got no answer in their timeout
+    refused: int = 0  # answers ``accept`` refused (no real responder sends them)
 
 
 class _ErrorProbe(msgspec.Struct):
@@ -40,10 +42,13 @@ def error_in(data: bytes) -> BearError | None:
 
 async def request(nc: Any, subject: str, payload: bytes, *, deadline: Deadline, try_timeout_s: float,
                   retries: int = 1, headers: dict[str, str] | None = None,
-                  stats: RequestStats | None = None) -> bytes:
+                  stats: RequestStats | None = None, accept: Callable[[bytes], bool] | None = None) -> bytes:
     """The reply to ``payload`` (an error reply is returned as is, unless it says ``overloaded``
-    and a retry is left). Raises BearError: ``unavailable`` (no responder, connection closed) or
-    ``deadline_exceeded`` (every try timed out)."""
+    and a retry is left). ``accept``: a reply it refuses (one no real responder sends: a leaked
+    credential's, bear.router.reply_bounds) counts as no answer — tried again while a retry is
+    left (the queue group hands it to another member). Raises BearError: ``unavailable`` (no
+    responder, connection closed), ``deadline_exceeded`` (every try timed out) or ``bad_request``
+    (the last answer refused)."""
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
 
@@ -70,7 +75,14 @@ async def request(nc: Any, subject: str, payload: bytes, *, deadline: Deadline, 
         err = error_in(data)
         if err is not None and err.code == ErrorCode.OVERLOADED and attempt < retries:
             continue
+        if accept is not None and err is None and not accept(data):
+            if stats is not None:
+                stats.refused += 1
+            data, last = b"", BearError(ErrorCode.BAD_REQUEST, f"refused reply on {subject}")
+            continue
         return data
+    if isinstance(last, BearError):
+        raise last
     if data:
         return data  # the last answer was `overloaded`
     raise BearError(ErrorCode.DEADLINE_EXCEEDED, f"no answer on {subject} in time: {last!r}")

@@ -183,7 +183,10 @@ class SimApi:
             ids = self.prompt_ids(body, chat)
             ptoks = len(ids) if ids else prompt_tokens_of(body, chat)
             if ptoks >= self.sim.max_model_len:
-                raise ApiError(400, f"prompt of {ptoks} tokens does not fit max_model_len {self.sim.max_model_len}")
+                # vLLM 0.32's wording (vllm/renderers/params.py): clients such as LiteLLM recognise it
+                raise ApiError(400, f"This model's maximum context length is {self.sim.max_model_len} tokens. However, "
+                                    f"your prompt contains {ptoks} input tokens, which exceeds this limit even without "
+                                    "any output tokens. Please reduce the length of the input prompt.")
             room = self.sim.max_model_len - ptoks
             raw_max = body.get("max_completion_tokens") if chat else None
             if raw_max is None:

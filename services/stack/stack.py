@@ -45,13 +45,15 @@ from bear.runtime import aio
 from bear.runtime.children import spawn
 from bear.runtime.identity import CREDS_ENV
 from bear.runtime.metrics import LOOPBACK, port_free, port_in_use_error
-from bear.runtime.nats_auth import AuthFiles, generate, instance_identity_name
+from bear.runtime.nats_auth import REPLICATED, AuthFiles, generate, instance_identity_name, replica_names
 from bear.runtime.nats_server import LocalNatsCluster, LocalNatsServer, free_port
 
 # the tiny model's engine: small batches, and tool calls served (a named tool_choice needs a
 # parser in vLLM 0.32; ``pythonic`` needs no special tokens, which the tiny tokenizer lacks)
 VLLM_TINY_ARGS = ("--max-model-len", "2048", "--max-num-batched-tokens", "256", "--max-num-seqs", "8",
                   "--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
+DRAIN_S = 10.0  # bear up's stop: the gateway's and routers' answers in flight relayed this long at most
+STOP_GRACE_S = 5.0  # … then every other child this long before it is killed
 PAPER_POOL = ("qwen3-0.6b-h100", "qwen3-8b-h100", "qwen3-32b-2xh100-tp2")
 INSTANCE_NAMES = {"qwen3-0.6b-h100": "qwen0-6b-0", "qwen3-8b-h100": "qwen8b-0", "qwen3-32b-2xh100-tp2": "qwen32b-0"}
 _RUN_NAME = re.compile(r"^\d{8}-\d{6}-(\d+)-[0-9a-f]{4}$")
@@ -130,6 +132,8 @@ class StackConfig:
     nats_url: str | None = None
     profiles: tuple[str, ...] = PAPER_POOL
     estimator_workers: int = 1
+    snapshot_max_age_s: float = 1.0  # the estimators' --max-age: older snapshots use the analytic fallback
+    predictors: int = 1  # predictor processes (one queue group); several: one identity each (predictor-<k>)
     routers: int = 1
     policy: str = "bear"
     router_args: list[str] = field(default_factory=list)
@@ -161,6 +165,7 @@ class StackConfig:
     nats_cluster: int = 1  # nodes of the local NATS; > 1: a cluster on loopback, KV buckets replicated
     restart_backoff_s: tuple[float, float] = (1.0, 30.0)  # first and longest wait before a restart
     healthy_after_s: float = 60.0  # a child that ran this long starts its backoff afresh
+    disk_low_mib: int = 64  # less free space than this under the run directory is reported (0: not checked)
 
 
 class Stack:
@@ -178,6 +183,9 @@ class Stack:
         self.auth: AuthFiles | None = None  # the NATS identities (None: insecure or anonymous)
         self.engine_keys: dict[str, str] = {}  # instance → the API key its engine requires
         self.bindings: list[Any] = []  # what each instance is provisioned with (bear.protocol.provisioned)
+        self.sweeper: Any = None  # bear.tokenizer.store.ChunkSweeper: orphan tokenizer chunks purged as admin
+        self.disk_low = False  # the run directory's disk is (nearly) full: reported, then acted on when freed
+        self._disk_told = 0.0  # monotonic time of the last line about it
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = cfg.workdir / "runs" / f"{stamp}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
 
@@ -241,10 +249,24 @@ class Stack:
                 "auth": "nkeys" if self.auth is not None else "none",
                 "client_creds": str(client.resolve()) if client is not None else None,
                 "instances": {i: f"http://127.0.0.1:{p}/v1" for i, p in self.instances.items()},
+                "load_context": self.load_context(),
                 "metrics": [f"http://{host}:{p}/metrics" for p in self.metrics_ports()],
                 "run_dir": str(self.run_dir.resolve()), "logs": str(self.log_dir.resolve()),
                 "outcome_logs": [str(self.outcome_log(i).resolve()) for i in range(self.cfg.routers)],
                 "pids": pids}
+
+    def load_context(self) -> int | None:
+        """The context in tokens a load through this stack fits its prompts into (``bear load
+        --context``): vLLM's ``--max-model-len``, which every instance here runs with. None for sim
+        engines — their 40,960-token context holds the synthetic mix's longest prompt with 4,096
+        output tokens — and for vLLM left at the model's own default (unknown here)."""
+        return _option_int(self._vllm_args(), "--max-model-len") if self.cfg.backend == "vllm" else None
+
+    def _vllm_args(self) -> list[str]:
+        """The vLLM arguments of every instance (the tiny model's defaults unless given)."""
+        if self.cfg.vllm_args is not None:
+            return list(self.cfg.vllm_args)
+        return list(VLLM_TINY_ARGS) if self.tiny else []
 
     def plan(self) -> None:
         cfg = self.cfg
@@ -265,9 +287,15 @@ class Stack:
                                                   str(cfg.seed * 100 + k), *key, *cfg.sim_args),
                     instance_identity_name(inst))
         assert cfg.predictor_dir is not None
-        self._child("predictor", self._bear("predictor", *common, "--model-dir", str(cfg.predictor_dir)), "predictor")
+        # one identity per replica where there are several (bear.runtime.nats_auth.replica_names): a
+        # leaked one is revoked alone, and each says which it is in its replies (issue 40)
+        predictors = replica_names("predictor", cfg.predictors)
+        for name in predictors:
+            self._child(name, self._bear("predictor", *common, "--model-dir", str(cfg.predictor_dir)), name)
+        estimators = replica_names("estimator", cfg.estimator_workers)
         for i in range(cfg.estimator_workers):
-            self._child(f"estimator-{i}", self._bear("estimator", *common, "--workers", "1"), "estimator")
+            argv = self._bear("estimator", *common, "--workers", "1", "--max-age", f"{cfg.snapshot_max_age_s:g}")
+            self._child(f"estimator-{i}", argv, estimators[i])
         if cfg.calibrator:
             self._child("calibrator", self._bear("calibrator", "--nats", self.url, "--log-format", "json",
                                                  "--log-level", cfg.log_level), "calibrator")
@@ -325,10 +353,7 @@ class Stack:
 
         cfg = self.cfg
         assert cfg.vllm_python is not None and cfg.vllm_model is not None
-        if cfg.vllm_args is not None:
-            args = list(cfg.vllm_args)
-        else:
-            args = list(VLLM_TINY_ARGS) if self.tiny else []
+        args = self._vllm_args()
         self.served_model = "tiny" if self.tiny else cfg.vllm_model.name
         for k in range(cfg.vllm_instances):
             inst, port, shm = f"vllm-{k}", free_port(), f"bear-vllm-{k}-{uuid.uuid4().hex[:8]}"
@@ -411,6 +436,12 @@ class Stack:
             self._wait_vllm_healthy()
         aio.run(wait_ready(self.url, list(self.instances), cfg.prefix, timeout_s, self, self.gateway_url,
                            creds=self.creds("admin")))
+        if self.nats is not None or self.cluster is not None or self.auth is not None:  # admin's rights are ours
+            from bear.runtime.service import connect
+            from bear.tokenizer.store import ChunkSweeper
+
+            self.sweeper = ChunkSweeper(self.url, self.creds("admin"), Subjects(cfg.prefix).tokenizers_bucket,
+                                         connect=connect).start()
 
     def _set_up_auth(self) -> None:
         """The identities: generated for the local server (unless ``insecure``), or read from
@@ -420,7 +451,8 @@ class Stack:
             return
         if self.nats is not None or self.cluster is not None:
             self.auth = generate(self.auth_path, list(self.instances), Subjects(cfg.prefix),
-                                 clients=tuple(dict.fromkeys(("client", "gateway", *cfg.clients))))
+                                 clients=tuple(dict.fromkeys(("client", "gateway", *cfg.clients))),
+                                 replicas={"predictor": cfg.predictors, "estimator": cfg.estimator_workers})
             for node in [self.nats] if self.nats is not None else self.cluster.nodes:  # type: ignore[union-attr]
                 node.config = self.auth.config
         elif cfg.auth_dir is not None:
@@ -431,6 +463,8 @@ class Stack:
         for c in self.children.values():
             if c.identity:
                 path = self.auth.creds.get(c.identity)
+                if path is None and (svc := c.identity.rsplit("-", 1)[0]) in REPLICATED:
+                    path = self.auth.creds.get(svc)  # an auth_dir with one shared identity per service
                 if path is None:
                     raise StackError(f"no NATS identity {c.identity!r} for {c.name} in {self.auth.directory}")
                 c.env[CREDS_ENV] = str(path)
@@ -495,7 +529,7 @@ class Stack:
         """Restart what died, each child with its own exponential backoff (``restart_backoff_s``;
         a child that ran ``healthy_after_s`` starts afresh) — one dead part never takes the stack
         down. Returns one line per event (a death noticed, a restart made) for the console."""
-        events = []
+        events = self.check_disk()
         now = time.monotonic()
         first, longest = self.cfg.restart_backoff_s
         if self.nats is not None and self.nats.proc is not None and self.nats.proc.poll() is not None:
@@ -517,13 +551,72 @@ class Stack:
                 events.append(f"{c.name} restarted (restart {c.restarts})")
         return events
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        for c in reversed(list(self.children.values())):
-            c.signal(signal.SIGTERM)
-            if c.name.startswith("router") or c.name == "gateway":  # these drain before their dependencies go
-                _wait(c, grace_s)
-        for c in reversed(list(self.children.values())):
-            _wait(c, grace_s)
+    def free_bytes(self) -> tuple[int, Path]:
+        """The least free space (bytes available to this user) of the file systems the stack
+        writes: its run directory (logs, outcome logs) and the local nats-server's JetStream store."""
+        paths = [self.run_dir] + ([Path(self.nats.store_dir)] if self.nats is not None else [])
+        best: tuple[int, Path] | None = None
+        for p in paths:
+            try:
+                st = os.statvfs(p)
+            except OSError:
+                continue
+            free = st.f_bavail * st.f_frsize
+            if best is None or free < best[0]:
+                best = (free, p)
+        return best if best is not None else (1 << 62, self.run_dir)
+
+    def check_disk(self) -> list[str]:
+        """The disk condition as lines for the console (issue 40): one when free space falls under
+        ``disk_low_mib`` (JetStream then fails writing the registry and dedup buckets, the logs
+        and outcome logs lose lines), a reminder every 30 s while it lasts, and one when space is
+        back (twice the threshold) — then the local nats-server is restarted, store kept: a
+        JetStream stream that failed a write on a full disk stays failed until its server
+        restarts (nats-server 2.15: "critical write error"), and with the registry's stream so,
+        every heartbeat goes stale and every query is ``unavailable``."""
+        low_b = self.cfg.disk_low_mib << 20
+        if low_b <= 0:
+            return []
+        free, path = self.free_bytes()
+        now = time.monotonic()
+        mib = free >> 20
+        if not self.disk_low and free < low_b:
+            self.disk_low, self._disk_told = True, now
+            return [f"disk full: {mib} MiB free under {path} (less than {self.cfg.disk_low_mib} MiB): JetStream "
+                    "cannot write the registry and dedup buckets, logs and outcome logs lose lines; free space there "
+                    "(nats-server is restarted once it is back)"]
+        if self.disk_low and free < 2 * low_b:
+            if now - self._disk_told >= 30.0:
+                self._disk_told = now
+                return [f"disk still full: {mib} MiB free under {path}"]
+            return []
+        if not self.disk_low:
+            return []
+        self.disk_low = False
+        lines = [f"disk space back: {mib} MiB free under {path}"]
+        if self.nats is not None and self.nats.proc is not None and self.nats.proc.poll() is None:
+            self.nats.restart()
+            lines.append("nats-server restarted (store kept): JetStream streams that failed writing while the disk "
+                         "was full stay failed until their server restarts")
+        return lines
+
+    def stop(self, drain_s: float = DRAIN_S, grace_s: float = STOP_GRACE_S) -> None:
+        """Everything down within ``drain_s + grace_s`` (and NATS's own stop): the gateway and
+        the routers first, together, their answers in flight relayed for up to ``drain_s``; then
+        every other child, killed if still running ``grace_s`` later. One deadline per stage, not
+        one per child: each child's wait used to restart the clock, and a loaded vLLM stack took
+        ≈25 s to stop (issue 41)."""
+        if self.sweeper is not None:
+            self.sweeper.stop()
+            self.sweeper = None
+        children = list(reversed(list(self.children.values())))
+        front = [c for c in children if c.name.startswith("router") or c.name == "gateway"]
+        for stage, wait_s in ((front, drain_s), ([c for c in children if c not in front], grace_s)):
+            for c in stage:
+                c.signal(signal.SIGTERM)
+            deadline = time.monotonic() + wait_s
+            for c in stage:
+                _wait(c, max(0.0, deadline - time.monotonic()))
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
@@ -622,6 +715,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _wait(c: Child, grace_s: float) -> None:
+    """Until ``c`` exits, killed (its process group with it) after ``grace_s``."""
     if c.proc is None:
         return
     try:
@@ -704,3 +798,16 @@ async def _healthy(url: str) -> bool:
             return r.status == 200
     except (aiohttp.ClientError, TimeoutError):
         return False
+
+
+def _option_int(args: list[str], name: str) -> int | None:
+    """The integer value of ``name`` in a command line (``--name N`` or ``--name=N``; the last wins)."""
+    value = None
+    for k, a in enumerate(args):
+        raw = a.split("=", 1)[1] if a.startswith(name + "=") else args[k + 1] if a == name and k + 1 < len(args) else None
+        if raw is not None:
+            try:
+                value = int(raw)
+            except ValueError:
+                value = None
+    return value

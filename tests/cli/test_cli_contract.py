@@ -41,6 +41,12 @@ def test_unreachable_nats_fails_fast_in_one_line(bear, args) -> None:
     assert not (bear.cwd / ".bear-up").exists()  # bear up started nothing
 
 
+def test_a_load_no_prompt_of_fits_is_one_line_before_anything_is_sent(bear) -> None:
+    """Checked before the connection: the unreachable NATS is never tried (exit 1, not 3)."""
+    assert_one_line_error(bear("load", "--duration", "1", "--context", "20", "--nats", UNREACHABLE), 1,
+                          "fit a 20-token context", "--tasks")
+
+
 def test_env_url_wins_over_the_state_file_and_flag_over_both(bear) -> None:
     os.environ["BEAR_STATE_DIR"] = str(bear.state_dir)
     try:
@@ -89,6 +95,10 @@ def test_stale_state_file_is_ignored_and_removed(bear) -> None:
     (("up", "--backend", "tpu"), ["--backend", "'sim'", "'vllm'"]),
     (("up", "--routers", "0"), ["--routers"]),
     (("up", "--estimator-workers", "0"), ["--estimator-workers"]),
+    (("up", "--snapshot-max-age", "0"), ["--snapshot-max-age"]),
+    (("load", "--context", "1"), ["--context"]),
+    (("gateway", "--nats", UNREACHABLE, "--no-auth", "--allowed-origins", "https://x"),
+     ["--allowed-origins", "JSON list"]),
     (("up", "--metrics-port", "70000"), ["--metrics-port"]),
     (("up", "--vllm-model", "."), ["need --backend vllm"]),
     (("up", "--backend", "vllm", "--vllm-python", "/nonexistent/python"), ["not an executable"]),

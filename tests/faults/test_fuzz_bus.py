@@ -47,7 +47,7 @@ from bear.sim.profile import load_profile
 
 from bus_fuzz import hostile, kv_key
 from fake_engine import FakeEngine
-from waiting import wait_until
+from waiting import HANG_S, wait_until
 
 S = Subjects()
 N = 2000  # messages per subject and per bucket
@@ -280,7 +280,7 @@ async def fuzz_submits(nc: Any, msgs: list[bytes], wave: int = 250) -> Counter[s
             await nc.publish(S.submit, m, reply=inbox)
         for inbox, m in batch:
             try:
-                await asyncio.wait_for(done[inbox].wait(), 10.0)
+                await asyncio.wait_for(done[inbox].wait(), HANG_S)
             except TimeoutError:
                 raise AssertionError(f"no terminal answer to {m[:200]!r}: {streams.get(inbox)}") from None
             last = streams[inbox][-1]

@@ -65,11 +65,11 @@ async def test_done_published_while_nats_restarts_reaches_the_client(tmp_path: P
         got: list[Reply] = []
 
         async def run_client() -> None:
-            async for m in submit(client, "hello", idle_timeout_s=HANG_S, accept_timeout_s=5.0, resubmits=0):
+            async for m in submit(client, "hello", idle_timeout_s=HANG_S, accept_timeout_s=HANG_S, resubmits=0):
                 got.append(m)
 
         task = asyncio.create_task(run_client())
-        msg = await asyncio.wait_for(submits.get(), 10.0)
+        msg = await asyncio.wait_for(submits.get(), HANG_S)
         q = unpack_map(msg.data)
         out = _stream(router, msg.reply, q["query_id"], q["nonce"])
         await out.send(Routed(instance="a", attempt=1))

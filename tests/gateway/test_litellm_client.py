@@ -54,3 +54,21 @@ async def test_litellm_tool_calls_and_n(remote, provider: str) -> None:
     r = await litellm.acompletion(model=f"{provider}/Qwen/Qwen3-0.6B", api_base=remote.base_url, api_key=KEY,
                                   messages=CHAT, n=2, max_tokens=3)
     assert [c.index for c in r.choices] == [0, 1]
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+async def test_litellm_prompt_overflow_is_context_window_exceeded(remote, provider: str) -> None:
+    """A prompt beyond the engine's context alone (no max_tokens): the engine refuses it, and the
+    gateway words it as vLLM does, so that LiteLLM's matcher recognises the overflow."""
+    long = [{"role": "user", "content": "word " * 60_000}]  # > 40,960 tokens however counted
+    with pytest.raises(litellm.ContextWindowExceededError) as e:
+        await litellm.acompletion(model=f"{provider}/Qwen/Qwen3-0.6B", api_base=remote.base_url, api_key=KEY,
+                                  messages=long, max_tokens=1, num_retries=0)
+    assert "maximum context length" in str(e.value)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+async def test_litellm_unknown_model_is_not_found(remote, provider: str) -> None:
+    with pytest.raises(litellm.NotFoundError):
+        await litellm.acompletion(model=f"{provider}/no-such-model", api_base=remote.base_url, api_key=KEY,
+                                  messages=CHAT, max_tokens=1, num_retries=0)

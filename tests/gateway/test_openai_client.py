@@ -105,7 +105,8 @@ async def test_naming_a_model_restricts_the_candidates(remote) -> None:
             assert raw.headers["x-bear-instance"] == "sim-big" and raw.parse().model == "Qwen/Qwen3-8B"
         with pytest.raises(openai.NotFoundError) as e:
             await c.chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=1)
-        assert "no-such-model" in e.value.message and e.value.body["code"] == "not_found"
+        assert "no-such-model" in e.value.message and e.value.body["code"] == "model_not_found"  # OpenAI's code
+        assert e.value.body["param"] == "model"
         with pytest.raises(openai.NotFoundError):
             await c.models.retrieve("no-such-model")
 

@@ -39,9 +39,21 @@ def _fields(d: dict) -> dict:
 def test_routed_and_done_are_the_bytes_the_router_built(nonce: str | None) -> None:
     for kind, d in ((Routed, ROUTED), (Done, DONE)):
         want = _stamped(d, nonce=nonce)
+        if kind is Done:  # since issue 40 a router's done says how many chunks the answer had, last
+            want["chunks"] = 3
         got = encode_reply(kind(**_fields(want)))
-        assert got == pack(want), kind
+        assert _entries(got) == _entries(pack(want)), kind
         assert decode_reply(got) == kind(**_fields(want))
+
+
+def _entries(data: bytes) -> bytes:
+    """A msgpack map's entries, byte for byte, without its header: msgspec sizes the header for
+    all of a struct's fields (a map16 once a struct has more than 15, as ``Done`` since issue 40),
+    packing a dict for the entries it has."""
+    if data[0] & 0xF0 == 0x80:  # fixmap
+        return data[1:]
+    assert data[0] == 0xDE, "a map16"
+    return data[3:]
 
 
 def test_chunks_are_the_bytes_the_router_built() -> None:

@@ -40,7 +40,6 @@ def test_a_submit_round_trips_and_omits_what_is_unset() -> None:
     ({"max_tokens": 0}, "max_tokens must be a number ≥ 1"),
     ({"max_tokens": 2**31}, "max_tokens must be < 2^31"),
     ({"max_tokens_rest": 1}, "max_tokens_rest must be a boolean"),
-    ({"max_tokens_rest": True, "max_tokens": 5}, "max_tokens_rest and max_tokens exclude each other"),
     ({"prompt_tokens": -1}, "prompt_tokens must be a non-negative integer"),
     ({"prompt_tokens": False}, "prompt_tokens must be a non-negative integer"),
     ({"model": ""}, "model must be a non-empty string"),

@@ -200,7 +200,9 @@ async def test_live_router_and_offline_evaluation_decide_alike(nats_server, tmp_
                  for m, (a, mean, p90, pt, c) in PREDICTIONS.items()}
 
         def offline_candidates(profile: Any, qid: str, prompt_tokens: int, estimated_at: float | None,
-                               decided_at: float) -> list[Any]:
+                               decided_at: float, elapsed: dict[str, float] | float = 0.0) -> list[Any]:
+            """``elapsed``: the time the live query had spent in the router when each instance was
+            estimated (its record's ``ttft_elapsed``: host timing, taken as the live router measured it)."""
             rows = None
             if profile.needs_estimate:
                 assert estimated_at is not None
@@ -208,7 +210,7 @@ async def test_live_router_and_offline_evaluation_decide_alike(nats_server, tmp_
                 rows = {r.instance: r for r in estimate(q, [EstimateCandidate(instance=i) for i in sorted(MODELS)],
                                                         offline, estimated_at, CFG)}
             cands, _ = build_candidates(prompt_tokens, infos, preds, rows, decided_at,
-                                        default_output_tokens=RouterConfig().default_output_tokens)
+                                        default_output_tokens=RouterConfig().default_output_tokens, elapsed_s=elapsed)
             return cands
 
         routed: list[str] = []  # the queries dispatched so far
@@ -238,7 +240,10 @@ async def test_live_router_and_offline_evaluation_decide_alike(nats_server, tmp_
             profile = profile_for(make_policy(policy, **params))
             ctx = QueryContext(qid, 0.4, 5e-4, rec["prompt_tokens"], model=model,
                                context_tokens=(prompt_tokens or 0) + MAX_TOKENS, deadline=rec["deadline"])
-            cands = offline_candidates(profile, qid, rec["prompt_tokens"], rec["estimated_at"], rec["decided_at"])
+            elapsed = ({i: c["ttft_elapsed"] for i, c in rec["candidates"].items()} if "candidates" in rec
+                       else rec.get("ttft_elapsed", {}))
+            cands = offline_candidates(profile, qid, rec["prompt_tokens"], rec["estimated_at"], rec["decided_at"],
+                                       elapsed)
             d = decide(profile, ctx, cands, rec["decided_at"])
             assert rec["dropped"] == d.dropped, (policy, qid)
             if isinstance(d, Refused):

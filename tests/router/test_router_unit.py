@@ -66,10 +66,28 @@ def test_max_tokens_rest_is_the_rest_of_each_instance_context() -> None:
     assert q.max_tokens_at(50, 100) == 1  # a prompt that fills the context still asks one token
     capped = parse_submit(pack({"query_id": "b", "prompt": "hi", "max_tokens": 7}), cfg)
     assert not capped.rest_of_context and capped.max_tokens_at(4096, 100) == 7
-    for bad in ({"max_tokens_rest": 1}, {"max_tokens_rest": True, "max_tokens": 5}):
-        with pytest.raises(BearError) as e:
-            parse_submit(pack({"query_id": "c", "prompt": "x", **bad}), cfg)
-        assert e.value.code == "bad_request"
+    with pytest.raises(BearError) as e:
+        parse_submit(pack({"query_id": "c", "prompt": "x", "max_tokens_rest": 1}), cfg)
+    assert e.value.code == "bad_request"
+
+
+@pytest.mark.parametrize(("ctx", "prompt", "exact", "at", "body"), [
+    (2048, 100, True, 500, 500),  # the cap fits the rest: the cap, sent
+    (2048, 1800, True, 248, 248),  # the rest is shorter: fitted, sent (vLLM would refuse 500)
+    (2048, 1800, False, 248, None),  # … with an estimated prompt: nothing sent, the engine's own rest
+    (2048, 100, False, 500, 500),  # an estimated rest above the cap: the cap
+    (2048, 2048, True, 1, 1),  # a full context still asks one token (the engine refuses the prompt)
+    (None, 100, True, 500, 500),  # no registered context: the cap
+])
+def test_max_tokens_fitted_into_the_context(ctx: int | None, prompt: int, exact: bool, at: int,
+                                            body: int | None) -> None:
+    """``max_tokens_rest`` with ``max_tokens``: the cap fitted into each instance's context."""
+    q = parse_submit(pack({"query_id": "f", "prompt": "x", "max_tokens_rest": True, "max_tokens": 500}), RouterConfig())
+    assert q.rest_of_context and q.max_tokens_cap == 500 and q.max_tokens == 500
+    assert q.max_tokens_at(ctx, prompt) == at
+    assert q.body_max_tokens(ctx, prompt, exact) == body
+    plain = parse_submit(pack({"query_id": "g", "prompt": "x", "max_tokens": 500}), RouterConfig())
+    assert plain.max_tokens_at(ctx, prompt) == plain.body_max_tokens(ctx, prompt, exact) == 500
 
 
 def test_instance_rate_window_and_ttft_percentiles() -> None:

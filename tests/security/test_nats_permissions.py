@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from bear.protocol.errors import BearError
-from bear.protocol.subjects import Subjects
+from bear.protocol.subjects import ESTIMATOR_QUEUE, PREDICTOR_QUEUE, Subjects
 from bear.runtime.kv import ensure_kv, provision, watch_kv
-from bear.runtime.nats_auth import AuthFiles, generate
+from bear.runtime.nats_auth import AuthFiles, generate, revoke
 from bear.runtime.nats_server import LocalNatsServer
 from bear.runtime.service import connect
 
@@ -228,7 +228,7 @@ async def test_inboxes_are_private(env: Env) -> None:
     assert inbox.startswith("_INBOX_client.")
     sub = await client.subscribe(inbox)
     await client.publish(S.submit_as("client"), b"query", reply=inbox)  # its own submit subject
-    await asyncio.wait_for(answered.wait(), 3.0)
+    await asyncio.wait_for(answered.wait(), HANG_S)
     for nc in snoopers:  # injection: publishing straight into the client's inbox
         await _publish(nc, inbox, b"forged answer")
     await client.flush()  # everything routed to the client by now (the chunks, any forgery) is queued
@@ -300,7 +300,7 @@ async def test_each_part_can_do_its_job(env: Env) -> None:
         task = asyncio.create_task(watch_kv(nc.jetstream(), bucket, lambda k, v, seen=seen: seen.append(k),
                                             on_loaded=loaded.set, nc=nc))
         try:
-            await asyncio.wait_for(loaded.wait(), 5.0)
+            await asyncio.wait_for(loaded.wait(), HANG_S)
         finally:
             task.cancel()
         assert seen == ["a"], (who, bucket)
@@ -340,3 +340,109 @@ async def test_prefix_cache_events_and_tokenizer_bundles(env: Env) -> None:
     await obs.put("b", TokenizerBundle(b'{"model": {"forged": 1}}', None, {}).to_bytes())
     assert await get_bundle(router.jetstream(timeout=3.0), S.tokenizers_bucket, bid, ["b"]) is None
     # (writing under a's name is refused: tests/security/test_store_limits.py)
+
+
+# ----------------------------------------------------------------------------- issue 40, item 3
+async def _serve_in_group(nc: Any, subject: str, queue: str, got: list[bytes]) -> Any:
+    """A queue member that answers (and records) every request it is handed."""
+    async def answer(msg: Any) -> None:
+        got.append(msg.data)
+        await msg.respond(b"answer")
+
+    sub = await nc.subscribe(subject, queue=queue, cb=answer)
+    await nc.flush()
+    return sub
+
+
+@pytest.mark.parametrize(("who", "subject", "group"), [
+    ("predictor", S.predict, PREDICTOR_QUEUE), ("estimator", S.estimate, ESTIMATOR_QUEUE),
+    ("estimator", S.estimate_shard(2, 4), ESTIMATOR_QUEUE)])
+async def test_a_service_takes_its_requests_only_in_its_queue_group(env: Env, who: str, subject: str,
+                                                                    group: str) -> None:
+    """A leaked predictor or estimator credential that subscribes outside its queue group — a plain
+    subscription, a wildcard one, or its own group (which gets a copy of everything) — gets no
+    request; in the service's group the same identity is served its requests."""
+    genuine = await env.nc(who)
+    served: list[bytes] = []
+    await _serve_in_group(genuine, subject, group, served)
+    leak = await env.nc(who)
+    copies: list[Any] = []
+
+    async def copy(msg: Any) -> None:
+        copies.append(msg)
+
+    stolen = []
+    for pattern, queue in ((subject, ""), (">", ""), ("bear.*", ""), (f"{S.estimate}.*", ""), (subject, "rogue"),
+                           (subject, f"{group}-2")):
+        with contextlib.suppress(Exception):
+            stolen.append(await leak.subscribe(pattern, queue=queue, cb=copy))
+    await leak.flush()
+    router = await env.nc("router")
+    for k in range(5):
+        assert (await router.request(subject, b"prompt %d" % k, timeout=HANG_S)).data == b"answer"
+    await _settled(leak, *stolen)
+    assert copies == [] and len(served) == 5
+
+
+async def test_a_leaked_replica_sees_only_its_share(tmp_path: Path) -> None:
+    """With 2 replicas, each its own identity: the leaked one (replica 0) is refused the plain
+    subscription and, as a member of the queue group, is handed its requests only — every request
+    goes to exactly one member, so what it sees and answers is a split with the genuine replica,
+    never all of them (and never a copy of the genuine one's)."""
+    files = generate(tmp_path / "auth", [], replicas={"predictor": 2, "estimator": 2})
+    assert {"predictor-0", "predictor-1", "estimator-0", "estimator-1"} <= set(files.creds)
+    assert "predictor" not in files.creds and "estimator" not in files.creds
+    with LocalNatsServer(config=files.config) as srv:
+        e = Env(srv, files)
+        try:
+            router = await e.nc("router")
+            for svc, subject, group in (("predictor", S.predict, PREDICTOR_QUEUE),
+                                        ("estimator", S.estimate, ESTIMATOR_QUEUE)):
+                genuine, leaked = await e.nc(f"{svc}-1"), await e.nc(f"{svc}-0")
+                seen_plain: list[Any] = []
+
+                async def plain(msg: Any, into: list[Any] = seen_plain) -> None:
+                    into.append(msg)
+
+                plain_sub = await leaked.subscribe(subject, cb=plain)
+                by_genuine: list[bytes] = []
+                by_leak: list[bytes] = []
+                await _serve_in_group(genuine, subject, group, by_genuine)
+                leak_sub = await _serve_in_group(leaked, subject, group, by_leak)
+                n = 40
+                for k in range(n):
+                    assert (await router.request(subject, b"prompt %d" % k, timeout=HANG_S)).data == b"answer"
+                await _settled(leaked, plain_sub, leak_sub)
+                assert seen_plain == []  # the plain subscription was refused
+                assert len(by_leak) + len(by_genuine) == n  # each request to one member: no copies
+                assert set(by_leak).isdisjoint(by_genuine)
+                assert 0 < len(by_leak) < n  # a split (2^-39 odds of one member getting all 40)
+        finally:
+            await e.close()
+
+
+async def test_revoking_a_replica_ends_it_alone(tmp_path: Path) -> None:
+    """``revoke`` + a configuration reload closes the leaked replica's connections and refuses
+    its credential from then on; the other replica keeps serving."""
+    files = generate(tmp_path / "auth", [], replicas={"predictor": 2})
+    with LocalNatsServer(config=files.config) as srv:
+        e = Env(srv, files)
+        try:
+            leaked_file = files.path("predictor-0")
+            leaked_copy = tmp_path / "leaked.json"  # what the attacker holds
+            leaked_copy.write_bytes(leaked_file.read_bytes())
+            leaked = await e.nc("predictor-0")
+            genuine = await e.nc("predictor-1")
+            by_genuine: list[bytes] = []
+            await _serve_in_group(genuine, S.predict, PREDICTOR_QUEUE, by_genuine)
+            assert revoke(files, ["predictor-0"]) == ["predictor-0"]
+            assert "predictor-0" not in files.creds and not leaked_file.exists()
+            srv.reload()
+            await wait_until(lambda: not leaked.is_connected, what="the revoked replica's connection closed")
+            with pytest.raises(BearError, match="authorization violation"):
+                await connect(srv.url, "leaked-again", creds=leaked_copy, connect_within_s=2.0)
+            router = await e.nc("router")
+            assert (await router.request(S.predict, b"q", timeout=HANG_S)).data == b"answer"
+            assert genuine.is_connected and by_genuine == [b"q"]
+        finally:
+            await e.close()

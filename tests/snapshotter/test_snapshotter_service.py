@@ -25,7 +25,7 @@ from bear.snapshotter.service import Snapshotter, SnapshotterConfig
 from bear.snapshotter.shm import ShmReader, ShmWriter, shm_path
 
 from delta_check import check_mirror
-from waiting import wait_until, wait_until_sync
+from waiting import HANG_S, wait_until, wait_until_sync
 
 FAKES = Path(__file__).with_name("snapshotter_fakes.py")
 
@@ -97,7 +97,7 @@ async def service(nats_server: LocalNatsServer, shm_name: str) -> AsyncIterator[
     task = asyncio.create_task(svc.run())
     yield svc
     svc.stop()
-    await asyncio.wait_for(task, 10)
+    await asyncio.wait_for(task, HANG_S)
 
 
 async def _status(js_kv: object) -> dict:
@@ -372,7 +372,7 @@ async def test_a_reader_behind_publishes_every_step_through_a_small_buffer(
         assert n_dropped() == 0
     finally:
         svc.stop()
-        await asyncio.wait_for(task, 10)
+        await asyncio.wait_for(task, HANG_S)
         w.close()
         await nc.close()
 
@@ -450,7 +450,7 @@ async def test_superseded_steps_skip_the_pool_description_while_it_is_slow(
         assert svc._pool is not None and svc._pool.synced
     finally:
         svc.stop()
-        await asyncio.wait_for(task, 10)
+        await asyncio.wait_for(task, HANG_S)
         w.close()
         await nc.close()
 
@@ -509,7 +509,7 @@ async def test_pool_deltas_keep_a_consumers_table_by_deltas(nats_server: LocalNa
         assert libbea.snapshot_difference(held[0], libbea.Snapshot.from_dict(ref)) is None
     finally:
         svc.stop()
-        await asyncio.wait_for(task, 10)
+        await asyncio.wait_for(task, HANG_S)
         w.close()
         await nc.close()
 
@@ -528,4 +528,4 @@ async def test_a_loop_that_fails_stops_the_snapshotter_loudly(tmp_path: Path) ->
 
     svc._read_loop = broken  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match=r"read loop failed.*not JSON serializable"):
-        await asyncio.wait_for(svc.run(), 10)
+        await asyncio.wait_for(svc.run(), HANG_S)

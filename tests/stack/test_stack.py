@@ -73,7 +73,7 @@ class Progress:
 async def load(st: Stack, rate: float, seconds: float, seed: int, during=None):
     """Run a Poisson load; ``during(progress)`` runs beside it (the faults, at points of the load)."""
     n = round(rate * seconds)
-    qs = make_queries(n, seed, None, MODELS)
+    qs, _ = make_queries(n, seed, None, MODELS)
     times = arrivals("poisson", rate, n, seed=seed)
     prog = Progress(qs)
 

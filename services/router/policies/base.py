@@ -32,7 +32,11 @@ class Candidate:
     out_len: float = 0.0  # predicted output tokens (mean)
     out_p90: float = 0.0
     # estimator (per instance)
-    ttft: float = math.inf  # BEA estimate, or the analytic fallback (see ttft_method)
+    ttft: float = math.inf  # BEA estimate, or the analytic fallback (see ttft_method), from the query's submit
+    # of ``ttft``: the time the query had already spent in the router when it was estimated (the
+    # estimate's engine part runs from then; 0 in ``bear eval``, whose decisions take no time)
+    ttft_elapsed: float = 0.0
+    ttft_path: float = 0.0  # the path term in ttft (Calibration.path_s: outside the replayed scheduler)
     ttft_method: str = "none"
     # the β behind ``ttft``: nominal (the instance was never calibrated: the estimate may be off by
     # any factor, so nothing is refused on it), profiled or online (EstimateRow.calibration)
@@ -104,6 +108,11 @@ class Policy:
     # whether the policy reads the estimator's row (TTFT, queue, KV, prefix hit): a policy that
     # does not is decided without asking the estimator at all (its candidates' load is eq. 8's)
     needs_estimate: ClassVar[bool] = True
+    # whether a higher TTFT estimate at an instance can only make that instance less likely to be
+    # chosen, never another's choice change (bear.router.sequencer: a decision on an exact estimate
+    # at the chosen instance and lower bounds elsewhere is then exact); False: every estimate is
+    # made exact before the policy decides
+    monotone: ClassVar[bool] = False
 
     def latency_estimate(self, c: Candidate) -> float:
         """The TTFT-like latency this policy believes for ``c`` (nan when it has none): what the

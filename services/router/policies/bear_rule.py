@@ -27,6 +27,7 @@ from bear.router.policies.on_time import p_on_time
 class BearPolicy(Policy):
     name: ClassVar[str] = "bear"
     uses_error_distribution: ClassVar[bool] = True  # the ratio deciles describe this rule's estimate (BEA)
+    monotone: ClassVar[bool] = True  # a later estimate only shrinks the feasible set (P(on time) falls with it)
 
     def __init__(self, overflow: float = 1.0, confidence: float = 0.0) -> None:
         if overflow not in (0, 1):

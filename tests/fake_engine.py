@@ -20,12 +20,17 @@ from bear.runtime.nats_server import free_port
 
 class FakeEngine:
     """Answers every completion with ``tokens`` tokens, or refuses with ``refuse = (status,
-    message)``; records each request's id and Authorization header."""
+    message)``; records each request's id and Authorization header. ``held``: every answer waits
+    until ``release`` is set (queries kept in flight for as long as a test needs)."""
 
-    def __init__(self, tokens: int = 3, refuse: tuple[int, str] | None = None, stall: bool = False) -> None:
+    def __init__(self, tokens: int = 3, refuse: tuple[int, str] | None = None, stall: bool = False,
+                 held: bool = False) -> None:
         self.tokens = tokens
         self.refuse = refuse
         self.stall = stall  # accept the request and never produce a token (an engine buried in work)
+        self.release = asyncio.Event()
+        if not held:
+            self.release.set()
         self.aborted = 0  # stalled requests whose client closed the connection
         self.port = free_port()
         self.requests: list[tuple[str, str]] = []  # (X-Request-Id, Authorization)
@@ -38,6 +43,7 @@ class FakeEngine:
         if self.refuse is not None:
             status, message = self.refuse
             return web.json_response({"object": "error", "message": message, "code": status}, status=status)
+        await self.release.wait()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         if self.stall:  # until the client goes away (aiohttp does not cancel a handler then)
