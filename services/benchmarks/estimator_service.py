@@ -38,12 +38,19 @@ def make_snapshot(instance: str, residents: int, seed: int) -> dict[str, Any]:
     return eng.snapshot(instance, "Qwen/Qwen3-8B", time.time())
 
 
-async def _client(url: str, seconds: float, concurrency: int, instances: list[str], seed: int) -> dict[str, Any]:
-    import nats
+async def _connect(url: str, creds: str | None) -> Any:
+    """A NATS connection (a cluster's comma-separated URLs too) as the identity ``creds`` names
+    (None: $BEAR_NATS_CREDS, as every command; "": none, the bench's own local server)."""
+    from bear.runtime.service import connect
 
+    return await connect(url, "bear-bench-estimator-service", creds=creds)
+
+
+async def _client(url: str, seconds: float, concurrency: int, instances: list[str], seed: int,
+                  creds: str | None = None) -> dict[str, Any]:
     from bear.estimator.client import EstimatorClient
 
-    nc = await nats.connect(url)
+    nc = await _connect(url, creds)
     cli = EstimatorClient(nc, try_timeout_s=1.0)
     rng = np.random.default_rng(seed)
     rtts: list[float] = []
@@ -74,14 +81,13 @@ async def _client(url: str, seconds: float, concurrency: int, instances: list[st
     return {"n": len(rtts), "elapsed": elapsed, "rtts": rtts, "service": service, "methods": methods, "errors": errors}
 
 
-def _client_proc(url: str, seconds: float, concurrency: int, instances: list[str], seed: int, out: Any) -> None:
-    out.put(aio.run(_client(url, seconds, concurrency, instances, seed)))
+def _client_proc(url: str, seconds: float, concurrency: int, instances: list[str], seed: int, out: Any,
+                 creds: str | None = None) -> None:
+    out.put(aio.run(_client(url, seconds, concurrency, instances, seed, creds)))
 
 
-async def _publisher(url: str, snaps: list[dict[str, Any]], stop: asyncio.Event) -> None:
-    import nats
-
-    nc = await nats.connect(url)
+async def _publisher(url: str, snaps: list[dict[str, Any]], stop: asyncio.Event, creds: str | None = None) -> None:
+    nc = await _connect(url, creds)
     subjects = Subjects()
     while not stop.is_set():
         for s in snaps:
@@ -107,7 +113,9 @@ def run_bench(nats_url: str | None, *, seconds: float = 5.0, concurrency: int = 
 
     server = None
     worker = None
+    creds: str | None = None  # a given NATS: the identity of $BEAR_NATS_CREDS (--nats-creds)
     if nats_url is None:
+        creds = ""  # its own server has no identities
         server = LocalNatsServer().start()
         nats_url = server.url
         draws = [] if length_draws is None else ["--length-draws", str(length_draws)]
@@ -115,7 +123,8 @@ def run_bench(nats_url: str | None, *, seconds: float = 5.0, concurrency: int = 
                                    "warning", *draws])
     try:
         pid = worker.pid if worker is not None else None
-        return aio.run(_run(nats_url, seconds, concurrency, n_instances, residents, clients, latency_seconds, pid))
+        return aio.run(_run(nats_url, seconds, concurrency, n_instances, residents, clients, latency_seconds, pid,
+                            creds))
     finally:
         if worker is not None:
             worker.terminate()
@@ -125,16 +134,14 @@ def run_bench(nats_url: str | None, *, seconds: float = 5.0, concurrency: int = 
 
 
 async def _run(url: str, seconds: float, concurrency: int, n_instances: int, residents: int,
-               clients: int, latency_seconds: float, worker_pid: int | None) -> dict[str, Any]:
-    import nats
-
+               clients: int, latency_seconds: float, worker_pid: int | None, creds: str | None = None) -> dict[str, Any]:
     from bear.estimator.client import EstimatorClient
 
     snaps = [make_snapshot(f"bench-{i}", residents, i) for i in range(n_instances)]
     instances = [s["instance"] for s in snaps]
     stop = asyncio.Event()
-    pub = asyncio.create_task(_publisher(url, snaps, stop))
-    nc = await nats.connect(url)
+    pub = asyncio.create_task(_publisher(url, snaps, stop, creds))
+    nc = await _connect(url, creds)
     cli = EstimatorClient(nc, try_timeout_s=0.5)
     t_end = time.time() + 20
     while True:  # warm up until the worker(s) answer with BEA for every instance
@@ -150,12 +157,13 @@ async def _run(url: str, seconds: float, concurrency: int, n_instances: int, res
         await asyncio.sleep(0.1)
     await nc.close()
     # Phase 1: unloaded latency (one request in flight).
-    lat = await _client(url, latency_seconds, 1, instances, 99) if latency_seconds > 0 else None
+    lat = await _client(url, latency_seconds, 1, instances, 99, creds) if latency_seconds > 0 else None
     # Phase 2: throughput under load from separate client processes.
     cpu0 = cpu_seconds(worker_pid, children=False) if worker_pid else None
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_client_proc, args=(url, seconds, max(1, concurrency // clients), instances, k, out))
+    procs = [ctx.Process(target=_client_proc, args=(url, seconds, max(1, concurrency // clients), instances, k, out,
+                                                         creds))
              for k in range(clients)]
     for p in procs:
         p.start()
