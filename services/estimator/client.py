@@ -4,7 +4,7 @@ benchmark and the tests."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -43,7 +43,7 @@ class EstimatorClient:
 
     async def estimate(self, query: EstimateQuery | dict[str, Any], instances: list[str | EstimateCandidate], *,
                        budget_s: float = 1.0, headers: dict[str, str] | None = None,
-                       tokens: dict[str, bytes | list[int]] | None = None,
+                       tokens: Mapping[str, bytes | list[int]] | None = None,
                        ahead: dict[str, list[Dispatch]] | None = None,
                        also: list[EstimatePart] | None = None, then: Dispatch | None = None) -> EstimateReply:
         """The reply (``estimates`` per instance); BearError on an error reply or no answer in time.
@@ -59,7 +59,7 @@ class EstimatorClient:
                 raise BearError(ErrorCode.BAD_REQUEST, f"query: {exc}") from exc
         deadline = Deadline.after(budget_s)
         req = EstimateRequest(query=query, instances=list(instances), deadline=deadline.at,
-                              tokens=tokens or {}, ahead=ahead or {}, also=also or [], then=then)
+                              tokens=dict(tokens or {}), ahead=ahead or {}, also=also or [], then=then)
         decoded: list[EstimateReply] = []
         check = self.check
 

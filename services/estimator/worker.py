@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -25,7 +26,7 @@ import structlog
 from bear.estimator.delta_ingest import release, resynced
 from bear.estimator.estimate import EstimatorConfig, finish, plan, run_jobs
 from bear.estimator.metrics import metrics
-from bear.estimator.state import StateStore
+from bear.estimator.state import InstanceState, StateStore
 from bear.protocol.deadline import Deadline
 from bear.protocol.errors import BearError, ErrorCode
 from bear.protocol.messages import (
@@ -37,8 +38,10 @@ from bear.protocol.messages import (
     EstimateRequest,
     EstimateRow,
     InstanceRecord,
+    KvEvents,
     KvMessage,
     KvResync,
+    KvState,
     ResyncRequest,
     decode,
     encode,
@@ -146,9 +149,15 @@ class EstimatorWorker:
         if st.gapped and instance not in self._resyncs and st.feed.wants_resync(st, time.monotonic()):
             task = asyncio.create_task(self._resync(instance, st))
             self._resyncs[instance] = task
-            task.add_done_callback(lambda _t, i=instance: self._resyncs.pop(i, None))
+            task.add_done_callback(self._resync_done(instance))
 
-    async def _resync(self, instance: str, st: Any) -> None:
+    def _resync_done(self, instance: str) -> Callable[[asyncio.Task[None]], None]:
+        def done(_task: asyncio.Task[None]) -> None:
+            self._resyncs.pop(instance, None)
+
+        return done
+
+    async def _resync(self, instance: str, st: InstanceState) -> None:
         """Ask the instance's publisher for its newest full snapshot (its delta chain broke here)."""
         snap = st.snap
         ask = ResyncRequest(instance=instance, consumer=self.name,
@@ -194,7 +203,7 @@ class EstimatorWorker:
     async def _on_kv(self, msg: Any) -> None:
         instance = Subjects.instance_of(msg.subject)
         try:
-            m = decode(KvMessage, msg.data)  # type: ignore[arg-type]
+            m: KvEvents | KvState = decode(KvMessage, msg.data)  # type: ignore[arg-type]  # msgspec decodes a union
         except BearError:
             self.m.kv_malformed.inc()
             return

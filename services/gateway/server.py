@@ -36,6 +36,8 @@ from bear.gateway.connections import (
     open_file_limit,
 )
 from bear.gateway.cors import CorsPolicy
+from bear.gateway.docs_page import CSP as DOCS_CSP
+from bear.gateway.docs_page import PAGE as DOCS_PAGE
 from bear.gateway.metrics import metrics
 from bear.gateway.openai_types import (
     Defaults,
@@ -184,6 +186,7 @@ class Gateway:
         app.router.add_route("POST", "/ping", self.ping)
         app.router.add_get("/version", self.version)
         app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_get("/docs", self.docs)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         return app
@@ -585,6 +588,10 @@ class Gateway:
         """The OpenAPI 3.1 document of what this gateway serves (its request bodies from the
         same msgspec types that decode them)."""
         return web.Response(body=dumps(openapi_document()), content_type="application/json")
+
+    async def docs(self, _: web.Request) -> web.Response:
+        """The API reference page (``bear.gateway.docs_page``: self-contained, no outside asset)."""
+        return web.Response(text=DOCS_PAGE, content_type="text/html", headers={"Content-Security-Policy": DOCS_CSP})
 
     async def health(self, _: web.Request) -> web.Response:
         ok = bool(self.nc.is_connected)

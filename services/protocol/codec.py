@@ -29,7 +29,8 @@ STRUCT_ENCODER = msgspec.msgpack.Encoder(enc_hook=plain_number)  # typed message
 
 def pack(obj: Any) -> bytes:
     """Encode ``obj`` (maps, lists, str, int, float, bool, None, bytes) as msgpack."""
-    return msgpack.packb(obj, use_bin_type=True)
+    out: bytes = msgpack.packb(obj, use_bin_type=True)
+    return out
 
 
 def unpack(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, max_depth: int = MAX_DEPTH) -> Any:

@@ -463,7 +463,8 @@ def decode(kind: type[T], data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) ->
     if dec is None:
         dec = _DECODERS[kind] = msgspec.msgpack.Decoder(kind)
     try:
-        return dec.decode(data)
+        out: T = dec.decode(data)
+        return out
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise BearError(ErrorCode.BAD_REQUEST, f"{getattr(kind, '__name__', kind)}: {exc}") from exc
 

@@ -40,7 +40,8 @@ class Reply(ByName, msgspec.Struct, kw_only=True, tag_field="v", forbid_unknown_
 
     def as_dict(self) -> dict[str, Any]:
         """The message as the map it is on the wire (``v`` included, unset fields left out)."""
-        return msgspec.to_builtins(self, enc_hook=plain_number)
+        out: dict[str, Any] = msgspec.to_builtins(self, enc_hook=plain_number)
+        return out
 
 
 class Routed(Reply, tag=schemas.ROUTED, kw_only=True):

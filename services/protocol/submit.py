@@ -135,7 +135,7 @@ def _message(detail: str) -> str:
     own = _MESSAGES.get(m.group(1)) if m is not None else None
     if own is None:
         return f"submit: {detail}"
-    return own if m.re is _MISSING else f"{own} ({detail})"
+    return own if m is not None and m.re is _MISSING else f"{own} ({detail})"
 
 
 def decode_cancel(data: bytes) -> Cancel | None:

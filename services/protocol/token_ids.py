@@ -8,9 +8,10 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
+from typing import Literal
 
 LITTLE = sys.byteorder == "little"
-U32 = "I" if array("I").itemsize == 4 else "L"  # the array/memoryview code of a uint32
+U32: Literal["I", "L"] = "I" if array("I").itemsize == 4 else "L"  # the array/memoryview code of a uint32
 
 
 def pack(ids: Iterable[int]) -> bytes:

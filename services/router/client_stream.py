@@ -197,9 +197,10 @@ class ClientStream:
 
     def _stamp(self, msg: Reply) -> bytes:
         """``msg`` with the query's id and the client's nonce (echoed in every message), encoded."""
-        msg.query_id = self.query_id
+        stamped: Any = msg  # every reply type (Routed, Chunk, Done, Error) has both fields
+        stamped.query_id = self.query_id
         if self.nonce is not None:
-            msg.nonce = self.nonce
+            stamped.nonce = self.nonce
         return encode_reply(msg)
 
     async def send(self, msg: Reply) -> None:

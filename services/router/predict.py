@@ -11,6 +11,7 @@ The fallbacks for either silence are applied where candidates are built (``route
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any
 
 from bear.estimator.client import EstimatorClient
@@ -59,7 +60,7 @@ async def ask_predictor(nc: Any, subject: str, prompt: str, models: list[str], b
 async def ask_estimator(clients: list[EstimatorClient], query: EstimateQuery,
                         instances: list[str] | list[EstimateCandidate], budget_s: float,
                         headers: dict[str, str] | None = None,
-                        tokens: dict[str, bytes | list[int]] | None = None,
+                        tokens: Mapping[str, bytes | list[int]] | None = None,
                         ahead: dict[str, list[Dispatch]] | None = None) -> EstimateReply | None:
     """The estimator's answer for every candidate: with one client (an unsharded pool) one request;
     with one client per shard, one request to each shard that owns a candidate, concurrently, and

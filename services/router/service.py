@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
+from msgspec import UNSET
 
 from bear.estimator.client import EstimatorClient
 from bear.protocol.engine_fields import priority as engine_priority
@@ -230,7 +231,7 @@ class RouterService:
             await self.keeper.hear(msg.data)
             return
         task = self._by_query.get(qid) if qid is not None else None
-        if task is not None and self.cancels.cancelled(qid, self._inboxes.get(qid, "")):  # type: ignore[arg-type]
+        if task is not None and self.cancels.cancelled(qid, self._inboxes.get(qid, "")):
             task.cancel()
 
     def _record_cancelled(self, q: Query, **extra: Any) -> None:
@@ -488,7 +489,7 @@ class RouterService:
         first = parts[0]
         try:
             return await client.estimate(first.query, list(first.instances), budget_s=self.cfg.estimate_budget_s,
-                                         tokens=first.tokens, ahead=first.ahead, also=parts[1:],  # type: ignore[arg-type]
+                                         tokens=first.tokens, ahead=first.ahead, also=parts[1:],
                                          then=first.then)
         except Exception:  # BearError, NATS away: the sequencer decides on what it has
             return None
@@ -602,8 +603,8 @@ class RouterService:
                                 local.pending_prefill_tokens[inst.id] -= uncached
                                 pending_open = False
                                 span.event("first_token")
-                            await out.send(Chunk(seq=seq, choices=piece.choices) if relay
-                                           else Chunk(seq=seq, text=piece.text))
+                            await out.send(Chunk(seq=seq, choices=UNSET if piece.choices is None else piece.choices)
+                                           if relay else Chunk(seq=seq, text=piece.text))
                             seq += 1
                             if relay:
                                 answer_chars = MAX_PRIMED_CHARS + 1  # choices and tool calls: not one text to prime

@@ -201,3 +201,32 @@ async def test_tokenize_and_detokenize_are_the_engines_ids(remote, tmp_path) -> 
             assert r.status == 400
     async with aiohttp.ClientSession() as s, s.post(root + "/tokenize", json={"prompt": "x"}) as r:
         assert r.status == 401  # the pool's tokenizer is behind the API key, as /v1 is
+
+
+async def test_docs_page_renders_from_its_own_origin_only(remote) -> None:
+    """``/docs`` (no key): one HTML page that loads nothing from anywhere else — every src and
+    href relative, its script fetching only ``openapi.json`` — and a CSP that allows only its own
+    origin, so it renders offline and behind a firewall."""
+    from html.parser import HTMLParser
+
+    root = remote.base_url.removesuffix("/v1")
+    async with aiohttp.ClientSession() as s, s.get(root + "/docs") as r:
+        assert r.status == 200 and r.content_type == "text/html"
+        csp = r.headers["Content-Security-Policy"]
+        page = await r.text()
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp
+
+    class Refs(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.refs: list[str] = []
+            self.scripts = 0
+
+        def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+            self.scripts += tag == "script"
+            self.refs += [v or "" for k, v in attrs if k in ("src", "href")]
+
+    p = Refs()
+    p.feed(page)
+    assert p.refs == ["openapi.json"] and p.scripts == 1  # the inline script; no external one
+    assert "://" not in page and 'fetch("openapi.json")' in page
