@@ -6,7 +6,7 @@ Encoding re-uses the ids of text an earlier prompt shared (``bear.tokenizer.chun
 8k-token prompt costs tens of milliseconds to encode in full, its new part well under one. A
 prompt with little new text (``INLINE_NEW_CHARS``) is encoded on the router's loop — a hop to a
 thread and back, and the GIL hand-over between them, cost more than that (measured:
-docs/results/prefix-cost-2026-12-01.md) —, any other in a small thread pool, off the loop. The ids come back packed, as the estimate
+docs/results/2026-12-01-prefix-cost.md) —, any other in a small thread pool, off the loop. The ids come back packed, as the estimate
 request carries them (``bear.protocol.token_ids``). Completions prompts
 are encoded as vLLM encodes them (special tokens added by the tokenizer's post-processor), chat
 messages through the bundle's chat template without added special tokens (``bear.tokenizer.chat``).

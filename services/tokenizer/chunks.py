@@ -54,7 +54,7 @@ def encode_ids(tok: Any, texts: list[str], specials: bool) -> list[list[int]]:
     ``encode`` holds the GIL for the whole call (an 8k-token prompt encoded in the router's
     thread pool stalled the router's event loop for 17 ms), its batch calls release it, and
     ``encode_batch_fast`` (tokenizers ≥ 0.21) skips the offsets no caller here needs — 35 % less
-    time (docs/results/prefix-cost-2026-12-01c.md). A batch is encoded in parallel
+    time (docs/results/2026-12-01-prefix-cost-c.md). A batch is encoded in parallel
     unless ``encode_on_calling_thread`` turned that off (``bear router`` does)."""
     fast = getattr(tok, "encode_batch_fast", None)
     encs = (fast or tok.encode_batch)(texts, add_special_tokens=specials)

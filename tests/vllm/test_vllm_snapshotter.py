@@ -64,7 +64,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         # of 300-1,300 tokens: two residents of ~1k tokens overflow the pool, so it preempts
         # however fast the host serves the load (quiet runs, arrivals with a preemption: 1 to 36
         # with 100-900-token prompts at 17-20 blocks, 6 to 28 with these; none at 40 blocks;
-        # docs/results/ci-kv-pressure-2026-12-02.md)
+        # docs/results/2026-12-02-ci-kv-pressure.md)
         "args": ["--max-model-len", "2048", "--max-num-batched-tokens", "512", "--max-num-seqs", "16",
                  "--num-gpu-blocks-override", "17", "--no-enable-prefix-caching"],
         "load": Load(n=150, rate=12.0, prompt=(300, 1300), output=(32, 200), seed=3),

@@ -1,7 +1,7 @@
 """A state's first estimates as the estimator worker makes them — the estimate (15 lengths drawn,
 with the shortcut) and then the point form the load counters and the step in flight read — on
 ``bear bench pool``'s synthetic busy pool after 40 steps, each on a fresh snapshot object:
-``python prepare-ab-2026-12-06.py BLOCKS REPS``. Prints the median and p90 of the two calls
+``python 2026-12-06-prepare-ab.py BLOCKS REPS``. Prints the median and p90 of the two calls
 together, and the longest the interpreter was held (a Python thread ticking every 0.2 ms beside
 the estimate: its longest gap, median over the reps). Run under two builds to compare them
 (2026-12-06-ledger-gpu-pools.md)."""

@@ -1,5 +1,5 @@
 """One estimate from a prepared state of ``bear bench pool``'s synthetic busy pool, median time:
-``python ledger-ab-2026-12-06.py BLOCKS REPS DRAWS`` (DRAWS 0: point lengths; else that many
+``python 2026-12-06-ledger-ab.py BLOCKS REPS DRAWS`` (DRAWS 0: point lengths; else that many
 lengths drawn, no shortcut). Run under two builds to compare them (2026-12-06-ledger-gpu-pools.md)."""
 
 from __future__ import annotations
