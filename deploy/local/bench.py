@@ -40,7 +40,8 @@ class Answer:
     query_id: str = ""
     instance: str = ""
     ttft_ms: float = 0.0
-    error: str = ""
+    error: str = ""  # the OpenAI error code (or the exception's name when no answer came)
+    message: str = ""  # the error's message
 
 
 @dataclass
@@ -75,10 +76,11 @@ async def _one(session: aiohttp.ClientSession, url: str, t0: float, timeout_s: f
             text = await r.text()
             if r.status != 200:
                 try:
-                    err = json.loads(text).get("error", {}).get("code", "") or text[:80]
+                    e = json.loads(text).get("error", {})
+                    err, message = e.get("code", "") or text[:80], str(e.get("message", ""))[:160]
                 except ValueError:
-                    err = text[:80]
-                return Answer(start, r.status, error=str(err))
+                    err, message = text[:80], ""
+                return Answer(start, r.status, error=str(err), message=message)
             return Answer(start, 200, r.headers.get("x-bear-query-id", ""), r.headers.get("x-bear-instance", ""),
                           float(r.headers.get("x-bear-ttft-ms") or 0.0))
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
@@ -135,7 +137,9 @@ def summary(load: Load) -> dict[str, Any]:
     for a in ok:
         inst[a.instance] = inst.get(a.instance, 0) + 1
     ttft = [a.ttft_ms for a in ok]
+    messages = sorted({a.message for a in load.failed() if a.message})[:5]
     return {"sent": len(load.answers), "answered": len(ok), "failed": len(load.answers) - len(ok), "errors": errors,
+            "unanswered": sum(1 for a in load.answers if a.status == 0), "messages": messages,
             "instances": inst, "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99)}
 
 
@@ -192,8 +196,9 @@ def cmd_faults(a: argparse.Namespace) -> dict[str, Any]:
                          "recovery_s": max((x.start for x in failed), default=kill_at) - kill_at}
         r = results[what]
         print(f"kill -9 {what:9s} ({container}): {r['answered']}/{r['sent']} answered, lost {r['lost']} "
-              f"{r['errors']}, duplicated {r['duplicated']}, pod back in {r['restart_s']:.1f} s, "
-              f"answers whole {r['recovery_s']:.1f} s after the kill")
+              f"{r['errors']} ({r['unanswered']} without an answer), duplicated {r['duplicated']}, pod back in "
+              f"{r['restart_s']:.1f} s, answers whole {r['recovery_s']:.1f} s after the kill"
+              + (f"; {r['messages']}" if r["messages"] else ""))
         time.sleep(a.settle)
     return results
 
