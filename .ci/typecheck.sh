@@ -7,6 +7,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 MYPY=${1:-$ROOT/.venv/bin/mypy}
+MYPY="$(cd "$(dirname "$MYPY")" && pwd)/$(basename "$MYPY")"  # absolute: it runs from the temporary tree
 tree=$(mktemp -d)
 trap 'rm -rf "$tree"' EXIT
 mkdir "$tree/bear"
