@@ -204,7 +204,7 @@ def run_population(reps: int, as_json: bool = False, print_table: bool = True) -
     """Median and p99 µs per estimate (timed in C++, one call at a time) over the population grid:
     against a prepared state with the point lengths, and — as the first estimate after each engine
     step, the state prepared in the call — with the point lengths and with the shipped length
-    draws (``EstimatorConfig.length_draws``, σ = DRAW_SIGMA)."""
+    draws (``EstimatorConfig.length_draws``, σ = DRAW_SIGMA), and the draws against a prepared state."""
     from bear.estimator.estimate import EstimatorConfig
 
     draws = EstimatorConfig().length_draws
@@ -217,10 +217,13 @@ def run_population(reps: int, as_json: bool = False, print_table: bool = True) -
         fresh = np.asarray(libbea.time_estimates(snap, query, BETA, reps, True, fresh=True))
         drawn = np.asarray(libbea.time_estimates(snap, query, BETA, reps, True, length_sigma=DRAW_SIGMA,
                                                  length_draws=draws, fresh=True))
+        drawn_prepared = np.asarray(libbea.time_estimates(snap, query, BETA, reps, True, length_sigma=DRAW_SIGMA,
+                                                          length_draws=draws))
         rows.append({"running": n_running, "waiting": n_waiting, "n_batches": ref["n_batches"], **_stats(samples),
                      "reps": reps, "length_draws": draws,
                      **{f"fresh_{k}": v for k, v in _stats(fresh).items()},
-                     **{f"drawn_{k}": v for k, v in _stats(drawn).items()}})
+                     **{f"drawn_{k}": v for k, v in _stats(drawn).items()},
+                     **{f"drawn_prepared_{k}": v for k, v in _stats(drawn_prepared).items()}})
     if print_table and not as_json:
         _print_population(rows)
     return rows
@@ -235,7 +238,9 @@ def _print_population(rows: list[dict[str, Any]]) -> None:
                        ("… the state prepared in the call (the first estimate after an engine step), "
                         "point lengths", "fresh_"),
                        (f"… the state prepared in the call, {rows[0]['length_draws'] if rows else 0} length draws "
-                        f"(σ {DRAW_SIGMA}, bear estimator's default)", "drawn_")):
+                        f"(σ {DRAW_SIGMA}, bear estimator's default)", "drawn_"),
+                       (f"… against a prepared state, {rows[0]['length_draws'] if rows else 0} length draws "
+                        f"(the shipped configuration)", "drawn_prepared_")):
         table = Table(title=title, caption=caption)
         table.add_column("running \\ waiting")
         for w in POPULATION_WAITING:

@@ -237,6 +237,20 @@ Prepared prepare(const Snapshot& s, const ReplayOptions& opt, std::shared_ptr<co
         if (r.output_tokens < r.max_tokens) p.draw_margin = std::min(p.draw_margin, least - r.output_tokens);
         ++i;
       }
+    // per draw: its margin (point and drawn lengths) and the fast path's group start
+    p.drawn_margins.assign(static_cast<size_t>(opt.length_draws), std::numeric_limits<int64_t>::max());
+    p.drawn_starts.reserve(static_cast<size_t>(opt.length_draws));
+    std::vector<SchedRequest> drawn = p.reqs;
+    for (size_t d = 0; d < static_cast<size_t>(opt.length_draws); ++d) {
+      int64_t& margin = p.drawn_margins[d];
+      for (size_t k = 0; k < n; ++k) {
+        const SchedRequest& r = p.reqs[k];
+        const int64_t t = p.drawn_targets[d * n + k];
+        drawn[k].target_out = t;
+        if (r.O < r.max_tokens) margin = std::min(margin, std::min(t, r.target_out) - r.O);
+      }
+      p.drawn_starts.push_back(decode_group_start(drawn, p.n_running, p.cfg));
+    }
   }
   p.tracked = s.has_pool || s.has_tracked;
   if (p.tracked) p.table = table ? std::move(table) : tracked_table(s, p);
@@ -261,6 +275,29 @@ void use_drawn_lengths(Prepared& d, const Prepared& p, int64_t draw) {
   const size_t from = static_cast<size_t>(draw - 1) * n;
   for (size_t i = 0; i < n; ++i) d.reqs[i].target_out = p.drawn_targets[from + i];
   d.decode_start = decode_group_start(d.reqs, d.n_running, d.cfg);
+}
+
+Prepared draw_form(const Prepared& p) {
+  Prepared d;
+  d.cfg = p.cfg;
+  d.free_blocks = p.free_blocks;
+  d.time = p.time;
+  d.reqs = p.reqs;
+  d.n_running = p.n_running;
+  d.has_inflight = p.has_inflight;
+  d.inflight_start = p.inflight_start;
+  d.inflight = p.inflight;
+  d.inflight_orphans = p.inflight_orphans;
+  d.tracked = p.tracked;
+  d.table = p.table;
+  return d;  // decode_start empty: use_draw points start_of_draw at the draw's
+}
+
+void use_draw(Prepared& d, const Prepared& p, int64_t draw) {
+  const size_t n = p.reqs.size();
+  const size_t from = static_cast<size_t>(draw - 1) * n;
+  for (size_t i = 0; i < n; ++i) d.reqs[i].target_out = p.drawn_targets[from + i];
+  d.start_of_draw = &p.drawn_starts[static_cast<size_t>(draw - 1)];
 }
 
 }  // namespace bea

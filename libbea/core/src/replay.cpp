@@ -218,7 +218,7 @@ inline __attribute__((always_inline)) Estimate estimate_from(const Prepared& p, 
   const int32_t query = enqueue(sched, q, ahead, p.time, opt, p.cfg.max_model_len, ledger);
   if (!p.cfg.async_scheduling) {
     std::optional<SyncFastPath> fast;
-    if (fast_path(p, opt)) fast.emplace(sched, p.decode_start);
+    if (fast_path(p, opt)) fast.emplace(sched, p.group_start());
     Estimate e = run_sync(sched, fast ? &*fast : nullptr, query, opt, 0.0, 0.0, p.time);
     if (e.status != Status::Ok) e.ttft_s = std::numeric_limits<double>::infinity();
     return e;
@@ -273,6 +273,17 @@ inline __attribute__((always_inline)) Estimate estimate_from(const Prepared& p, 
   est.status = Status::StepLimit;
   est.ttft_s = std::numeric_limits<double>::infinity();
   return est;
+}
+
+// The draw whose TTFT is the upper median (unschedulable and step-limited draws are +inf: they
+// sort last).
+Estimate upper_median(std::vector<Estimate> draws) {
+  std::vector<size_t> order(draws.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  const auto mid = order.begin() + static_cast<std::ptrdiff_t>(order.size() / 2);
+  std::nth_element(order.begin(), mid, order.end(),
+                   [&](size_t a, size_t b) { return draws[a].ttft_s < draws[b].ttft_s; });
+  return std::move(draws[*mid]);
 }
 
 void check_later(const Prepared& p, const ReplayOptions& opt) {
@@ -338,7 +349,7 @@ Estimate estimate_at_age(const Prepared& p, const Query& q, const ReplayOptions&
   if (fast_path(p, opt)) {  // the residents age on the fast path that then runs the estimate
     Scheduler sched(p.cfg);
     sched.load(p.reqs, p.n_running, p.free_blocks);
-    SyncFastPath fast(sched, p.decode_start);
+    SyncFastPath fast(sched, p.group_start());
     const AgeWindow w = advance_fast(fast, opt.beta, age_s);
     const int32_t query = enqueue(sched, q, ahead, p.time + age_s, opt, p.cfg.max_model_len, nullptr);
     e = run_sync(sched, &fast, query, opt, w.join_s, age_s, p.time);
@@ -360,27 +371,35 @@ Estimate estimate_with_lengths(const Prepared& p, const Query& q, const ReplayOp
     return age_s > 0.0 ? estimate_at_age(from, q, opt, age_s, ahead) : estimate(from, q, opt, ahead);
   };
   if (p.length_draws <= 0 || p.reqs.empty()) return one(p);
-  if (shortcut) {
-    // A resident gains at most one token a step (two with async scheduling's placeholder): if
-    // none can reach its end, point or drawn, within the steps the point replay ran to the
-    // query's first token, the draws run exactly these steps.
-    Estimate point = one(p);
-    if (point.status == Status::Ok && point.aged_steps + point.n_batches + 2 < p.draw_margin) return point;
+  if (!shortcut) {  // the reference: every draw replayed on a full copy of the form
+    std::vector<Estimate> draws;
+    draws.reserve(static_cast<size_t>(p.length_draws));
+    Prepared drawn = p;
+    for (int64_t d = 1; d <= p.length_draws; ++d) {
+      use_drawn_lengths(drawn, p, d);
+      draws.push_back(one(drawn));
+    }
+    return upper_median(std::move(draws));
   }
+  // A resident gains at most one token a step (two with async scheduling's placeholder): if none
+  // can reach its end, point or drawn, within the steps the point replay ran to the query's first
+  // token, the draws run exactly these steps. Per draw the same holds with that draw's margin: a
+  // draw whose residents are all beyond the point replay's reach gets the point estimate.
+  Estimate point = one(p);
+  const int64_t reach = point.aged_steps + point.n_batches + 2;
+  if (point.status == Status::Ok && reach < p.draw_margin) return point;
   std::vector<Estimate> draws;
   draws.reserve(static_cast<size_t>(p.length_draws));
-  Prepared drawn = p;  // one copy; each draw rewrites its lengths
+  Prepared drawn = draw_form(p);  // one copy (no names, no draw tables); each draw rewrites its lengths
   for (int64_t d = 1; d <= p.length_draws; ++d) {
-    use_drawn_lengths(drawn, p, d);
+    if (point.status == Status::Ok && reach < p.drawn_margins[static_cast<size_t>(d - 1)]) {
+      draws.push_back(point);
+      continue;
+    }
+    use_draw(drawn, p, d);
     draws.push_back(one(drawn));
   }
-  std::vector<size_t> order(draws.size());
-  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
-  const auto mid = order.begin() + static_cast<std::ptrdiff_t>(order.size() / 2);
-  // the upper median of the TTFTs (unschedulable and step-limited draws are +inf: they sort last)
-  std::nth_element(order.begin(), mid, order.end(),
-                   [&](size_t a, size_t b) { return draws[a].ttft_s < draws[b].ttft_s; });
-  return std::move(draws[*mid]);
+  return upper_median(std::move(draws));
 }
 
 }  // namespace bea

@@ -32,6 +32,10 @@ struct Prepared {
   std::vector<Item> inflight;       // items whose request is resident; others only cost time
   std::vector<std::pair<int64_t, int64_t>> inflight_orphans;  // (n, context) of unknown ids
   DecodeGroupStart decode_start;    // sync mode: the fast path's decode group at the start
+  // A draw's form (draw_form) points here at its draw's group start (Prepared::drawn_starts of
+  // the state it was made from) instead of holding a copy; null: decode_start.
+  const DecodeGroupStart* start_of_draw = nullptr;
+  const DecodeGroupStart& group_start() const { return start_of_draw != nullptr ? *start_of_draw : decode_start; }
   // The tracked-block table and the ledger's start (tracked_table.h; null: none, the count model
   // alone), shared by copies of this form (a draw's).
   bool tracked = false;  // Snapshot::has_tracked: estimates keep a TrackedLedger
@@ -43,6 +47,13 @@ struct Prepared {
   // The fewest tokens any request still has to generate before its end, point or drawn (the
   // shortcut of estimate_with_lengths); int64 max when nothing is drawn.
   int64_t draw_margin = std::numeric_limits<int64_t>::max();
+  // Per draw (index d − 1), computed once per state in prepare so that no estimate rebuilds them:
+  // the fast path's decode group start with that draw's lengths, and the fewest tokens any
+  // resident still has to generate before its end in that draw or at its point (a draw whose
+  // margin the point replay's steps do not reach runs the point replay's steps: its estimate is
+  // the point's; estimate_with_lengths).
+  std::vector<DecodeGroupStart> drawn_starts;
+  std::vector<int64_t> drawn_margins;
 };
 
 // `table`: the state's tracked table (tracked_table()) when one was built for another form of the
@@ -63,5 +74,15 @@ int64_t target_output(const Request& r, const ReplayOptions& opt);
 // options' σ, given that it exceeds what the resident has generated (docs/libbea.md, "Output
 // lengths drawn"; drawn once per state, in prepare, the same for every estimate against it).
 void use_drawn_lengths(Prepared& d, const Prepared& p, int64_t draw);
+
+// What a draw's replay reads of `p` (everything but the names and the draws themselves), for
+// use_draw: the one copy an estimate with draws makes (the names' strings and the draws' tables
+// are what made copying the whole form dear).
+Prepared draw_form(const Prepared& p);
+
+// `d` (draw_form(p)) with the lengths of draw `draw` (1 … p.length_draws) in place and its group
+// start taken from p.drawn_starts (no rebuild): the same replay as use_drawn_lengths gives.
+// `d` must not outlive `p`.
+void use_draw(Prepared& d, const Prepared& p, int64_t draw);
 
 }  // namespace bea
