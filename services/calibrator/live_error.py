@@ -28,7 +28,7 @@ from bear.calibrator.path import fit_path
 
 def _parts(rec: dict[str, Any]) -> tuple[str, float, float, float, float, float] | None:
     """(instance, prompt tokens, observed, elapsed, engine, path) of one BEA-estimated done record."""
-    if rec.get("status") != "done":
+    if rec.get("status") != "done" or rec.get("engine_streamed") is False:  # unstreamed: no first token seen
         return None
     inst = rec.get("instance")
     c = (rec.get("candidates") or {}).get(inst)

@@ -48,7 +48,7 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import structlog
@@ -60,6 +60,7 @@ from bear.protocol.messages import encode
 from bear.protocol.replies import Chunk, Done, Error, Reply, decode_reply, error_event
 from bear.protocol.subjects import Subjects
 from bear.protocol.submit import MAX_RESEND_RANGES, Cancel, Resend, Submit
+from bear.protocol.token_ids import pack
 
 log = structlog.get_logger("bear.client")
 
@@ -245,7 +246,7 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
                  headers: dict[str, str] | None = None, inboxes: Inboxes | None = None,
                  session: str | None = None, engine: dict[str, Any] | None = None,
                  recover_s: float = RECOVER_S, resume_s: float | None = None,
-                 fit_context: bool = False) -> AsyncIterator[Reply]:
+                 fit_context: bool = False, prompt_ids: Sequence[int] | None = None) -> AsyncIterator[Reply]:
     """``max_tokens`` None: up to the rest of the chosen engine's context (``max_tokens_rest``,
     vLLM's default); ``fit_context``: ``max_tokens`` is a cap, fitted into the rest of the chosen
     engine's context (where vLLM would refuse the request); ``model``: only that model's instances are candidates (served or predictor name);
@@ -257,6 +258,8 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
     own per call); ``recover_s``: the silence after which the terminal record is read (0: never),
     and how often a gap in the chunks is asked for again; ``resume_s`` (default ``RESUME_S``): how
     long a gap may stay open after the terminal message before the answer ends ``incomplete``.
+    ``prompt_ids``: a token-id prompt (the engine is sent these ids; ``prompt`` is their text where
+    known, the predictor's input; ``model`` is required).
     Yields the typed messages of ``bear.protocol.replies`` (``Routed``, ``Chunk``, ``Done``, ``Error``)."""
     from nats.errors import TimeoutError as NatsTimeout
 
@@ -268,8 +271,8 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
                      nonce=nonce, max_tokens=max_tokens, max_tokens_rest=max_tokens is None or fit_context,
                      messages=messages, prompt=None if messages is not None else prompt or "", lam=lam,
                      prompt_tokens=prompt_tokens, model=model, sampling=sampling or None, session=session,
-                     engine=engine or None)
-    except ValueError as exc:  # the router would refuse it (bear.protocol.submit): say why, send nothing
+                     engine=engine or None, prompt_ids=None if prompt_ids is None else pack(prompt_ids))
+    except (ValueError, OverflowError) as exc:  # the router would refuse it (bear.protocol.submit): say why, send nothing
         yield error_event(ErrorCode.BAD_REQUEST, str(exc), query_id=qid, client=True)
         return
     payload = encode(req)

@@ -225,6 +225,10 @@ class Submission:
     engine: dict[str, Any] = field(default_factory=dict)  # engine fields: the answer comes as the engine's choices
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
     responses: dict[str, Any] | None = None  # the Responses API's request fields a Response repeats (None: not it)
+    # completions whose prompt is not one string: each a text or token ids, each routed as its own
+    # query (bear.gateway.prompt_list); None: the one ``prompt``
+    prompts: list[str | list[int]] | None = None
+    prompt_ids: list[int] | None = None  # one prompt's token ids (``prompt`` is then their text)
 
 
 def _param_of(exc: msgspec.ValidationError) -> str | None:
@@ -386,16 +390,51 @@ def parse_chat(body: bytes, headers: Mapping[str, str], d: Defaults) -> Submissi
     return sub
 
 
+MAX_PROMPTS = 128  # prompts of one completions request: each is a query
+_PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
+def _token_ids(v: Any, where: str) -> list[int] | None:
+    """``v`` as a token-id prompt (a non-empty list of ids in [0, 2^31)), None when it is not a list of ints."""
+    if not isinstance(v, list) or not v or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        return None
+    if not all(0 <= t < 2**31 for t in v):
+        raise ApiError(400, f"{where}: token ids must lie in [0, 2^31)", param=where)
+    return v
+
+
+def prompts_of(prompt: str | list[Any]) -> list[str | list[int]]:
+    """vLLM's prompt forms as a list of prompts (each a text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    ids = _token_ids(prompt, "prompt")
+    if ids is not None:
+        return [ids]
+    if not prompt:
+        raise ApiError(400, f"prompt must be {_PROMPT_SHAPES}, not an empty list", param="prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request ({len(prompt)} given)", param="prompt")
+    out: list[str | list[int]] = []
+    for i, p in enumerate(prompt):
+        one = p if isinstance(p, str) else _token_ids(p, f"prompt[{i}]")
+        if one is None:
+            raise ApiError(400, f"prompt must be {_PROMPT_SHAPES}: prompt[{i}] is neither a string nor a "
+                                "non-empty list of token ids", param=f"prompt[{i}]")
+        out.append(one)
+    return out
+
+
 def parse_completion(body: bytes, headers: Mapping[str, str], d: Defaults) -> Submission:
     req: CompletionRequest = decode(body, CompletionRequest)
-    prompt = req.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise ApiError(400, "prompt must be one string: batches and token-id prompts are not supported "
-                                "(send one request per prompt)", param="prompt")
-        prompt = prompt[0]
+    prompts = prompts_of(req.prompt)
     sub = _common(req, False, headers, d, req.max_tokens, d.max_tokens_completions)
-    sub.prompt = prompt
+    if len(prompts) == 1 and isinstance(prompts[0], str):
+        sub.prompt = prompts[0]
+        return sub
+    if sub.route_model is None and any(not isinstance(p, str) for p in prompts):
+        raise ApiError(400, f"a token-id prompt must name its model, not the routing alias {d.alias!r}: "
+                            "token ids mean something to one tokenizer only", param="model")
+    sub.prompts = prompts
     return sub
 
 

@@ -61,7 +61,9 @@ from bear.gateway.openai_wire import (
     sse_error,
     usage_of,
 )
+from bear.gateway.prompt_list import PromptListAnswer, decode_ids, merged, one_prompt, query_ids
 from bear.gateway.responses import ResponsesAnswer, to_chat
+from bear.protocol.engine_fields import sequences
 from bear.protocol.replies import Chunk, Done, Error, Routed
 from bear.protocol.subjects import Subjects
 from bear.router.fairshare import TENANT_HEADER
@@ -309,6 +311,7 @@ class Gateway:
         t0 = time.perf_counter()
         status = "500"
         counted = False
+        weight = 1
         try:
             try:
                 self._authorize(request)
@@ -319,15 +322,20 @@ class Gateway:
                 if len(body) + NATS_HEADROOM > self.nc.max_payload:
                     raise ApiError(413, f"request of {len(body)} bytes does not fit a NATS message "
                                         f"({self.nc.max_payload} bytes)")
+                weight = len(sub.prompts) if sub.prompts is not None else 1  # a query per prompt
+                if weight > 1 and self.inflight + weight > self.cfg.max_inflight:
+                    raise ApiError(429, f"gateway at its in-flight limit ({weight} prompts)",
+                                   headers={"Retry-After": str(self.cfg.retry_after_s)})
             except ApiError as exc:
                 status = str(exc.status)
                 return self._error(exc, force_close=exc.close or exc.status in (408, 413))
-            self.inflight += 1
-            self.m.inflight.inc()
+            self.inflight += weight
+            self.m.inflight.inc(weight)
             counted = True
             with tracing.child(f"gateway {request.path}", request.headers, kind="server",
                                **{"http.route": request.path, "bear.model": sub.model}) as span:
-                resp = await self._answer(request, sub, span, t0, endpoint)
+                resp = await (self._answer_prompts(request, sub, span, t0, endpoint) if sub.prompts is not None
+                              else self._answer(request, sub, span, t0, endpoint))
                 span.set(**{"http.status_code": resp.status})
             status = str(resp.status)
             return resp
@@ -341,8 +349,8 @@ class Gateway:
             return gone.resp
         finally:
             if counted:
-                self.inflight -= 1
-                self.m.inflight.dec()
+                self.inflight -= weight
+                self.m.inflight.dec(weight)
             counter = self._counted.get((endpoint, status))
             if counter is None:
                 counter = self._counted[endpoint, status] = self.m.requests.labels(endpoint=endpoint, status=status)
@@ -352,12 +360,7 @@ class Gateway:
                       endpoint: str) -> web.StreamResponse:
         qid = os.urandom(16).hex()  # as unique as uuid4().hex, a sixth of its cost
         span.set(**{"bear.query_id": qid})
-        it = submit(self.nc, sub.prompt, messages=sub.messages, ttft_target_s=sub.ttft_target_s,
-                    max_tokens=sub.max_tokens, lam=sub.lam, query_id=qid, model=sub.route_model,
-                    sampling=sub.sampling, engine=sub.engine, headers=self._tenant(request, span.headers),
-                    subjects=self.subjects,
-                    accept_timeout_s=self.cfg.accept_timeout_s, idle_timeout_s=self.cfg.idle_timeout_s,
-                    inboxes=self.inboxes)
+        it = self._submit(request, sub, qid, span)
         routed: Routed | None = None
         resp: web.StreamResponse | None = None
         answer: Answer | ResponsesAnswer | None = None
@@ -442,6 +445,98 @@ class Gateway:
         # the iterator always ends with a terminal message; this is defensive
         return self._error(ApiError(500, "the router's stream ended without a terminal message"))
 
+    def _submit(self, request: web.Request, sub: Submission, qid: str, span: tracing.Span) -> Any:
+        """The router's answer stream of one submission (``bear.client.submit.submit``)."""
+        return submit(self.nc, sub.prompt, messages=sub.messages, ttft_target_s=sub.ttft_target_s,
+                      max_tokens=sub.max_tokens, lam=sub.lam, query_id=qid, model=sub.route_model,
+                      sampling=sub.sampling, engine=sub.engine, headers=self._tenant(request, span.headers),
+                      subjects=self.subjects, accept_timeout_s=self.cfg.accept_timeout_s,
+                      idle_timeout_s=self.cfg.idle_timeout_s, inboxes=self.inboxes, prompt_ids=sub.prompt_ids)
+
+    async def _answer_prompts(self, request: web.Request, sub: Submission, span: tracing.Span, t0: float,
+                              endpoint: str) -> web.StreamResponse:
+        """A completions request of several prompts or token ids (bear.gateway.prompt_list): a
+        query per prompt, their answers merged into one."""
+        prompts = sub.prompts or []
+        async def tokenizer() -> Any:
+            return (await self._tokenizer(sub.model))[0]
+
+        texts = await decode_ids(tokenizer, prompts)
+        qid, qids = query_ids(len(prompts))
+        span.set(**{"bear.query_id": qid, "bear.prompts": len(prompts)})
+        merged_answer = PromptListAnswer(len(prompts), sequences(sub.engine))
+        streams = [self._submit(request, one_prompt(sub, p, t), q, span) for p, t, q in zip(prompts, texts, qids,
+                                                                                          strict=True)]
+        resp: web.StreamResponse | None = None
+        answer: Answer | None = None
+        own = time.perf_counter() - t0
+        try:
+            async with contextlib.aclosing(merged(streams)) as replies, asyncio.timeout(self.cfg.request_timeout_s):
+                async for i, m in replies:
+                    if isinstance(m, Routed):
+                        merged_answer.prompts[i].routed = m
+                        continue
+                    if isinstance(m, Error):
+                        err = ApiError.from_router(m, self.cfg.retry_after_s, f"prompt[{i}]" if len(prompts) > 1
+                                                   else "prompt")
+                        span.error(err.message)
+                        return await self._fail(resp, err)
+                    choices = (merged_answer.chunk(i, m) if isinstance(m, Chunk)
+                               else merged_answer.finish(i, m) if isinstance(m, Done) else None)
+                    if choices is not None and not sub.stream:
+                        merged_answer.kept.append(choices)
+                    elif choices is not None:
+                        if resp is None:
+                            t_msg = time.perf_counter()
+                            answer = Answer(False, qid, int(time.time()), self._model_of(sub, merged_answer),
+                                            sub.include_usage, False)
+                            resp = await self._start_stream(request, qid, merged_answer.prompts[i].routed,
+                                                            {"x-bear-prompts": str(len(prompts))})
+                            self._first_byte(endpoint, t0, own, t_msg, span)
+                        assert answer is not None
+                        await resp.write(answer.choices_chunk(choices))
+                    if not merged_answer.finished:
+                        continue
+                    return await self._end_prompts(request, sub, merged_answer, qid, resp, answer, endpoint, t0, own,
+                                                   span)
+        except TimeoutError:
+            return await self._fail(resp, ApiError(504, f"no complete answer within {self.cfg.request_timeout_s:g} s"))
+        except ConnectionResetError:
+            assert resp is not None
+            raise ClientGone(resp) from None
+        return self._error(ApiError(500, "the router's stream ended without a terminal message"))
+
+    def _model_of(self, sub: Submission, a: PromptListAnswer) -> str:
+        for p in a.prompts:
+            m = (p.done and p.done.model) or (p.routed and p.routed.model)
+            if m:
+                return str(m)
+        return sub.model
+
+    async def _end_prompts(self, request: web.Request, sub: Submission, a: PromptListAnswer, qid: str,
+                           resp: web.StreamResponse | None, answer: Answer | None, endpoint: str, t0: float,
+                           own: float, span: tracing.Span) -> web.StreamResponse:
+        """Every prompt answered: the one body, or the stream's last chunks."""
+        t_msg = time.perf_counter()
+        usage = a.usage()
+        decisions = [decision_of(p.routed, p.done) for p in a.prompts if p.done is not None]
+        bear: dict[str, Any] = decisions[0] if len(decisions) == 1 else {"prompts": decisions}
+        first = a.prompts[0]
+        if answer is None:
+            answer = Answer(False, qid, int(time.time()), self._model_of(sub, a), sub.include_usage, False)
+        if not sub.stream:
+            headers = {**self._headers(qid, first.routed, first.done), "x-bear-prompts": str(len(a.prompts))}
+            out = web.Response(body=dumps(answer.body("", "stop", usage, bear, a.body_choices())),
+                               content_type="application/json", headers=headers)
+            self._first_byte(endpoint, t0, own, t_msg, span)
+            return out
+        if resp is None:  # no prompt produced a chunk
+            resp = await self._start_stream(request, qid, first.routed, {"x-bear-prompts": str(len(a.prompts))})
+            self._first_byte(endpoint, t0, own, t_msg, span)
+        await resp.write(answer.final_chunks("stop", usage, bear, relayed=True))
+        await resp.write_eof()
+        return resp
+
     async def _fail(self, resp: web.StreamResponse | None, err: ApiError) -> web.StreamResponse:
         """``err`` as the answer: its own HTTP status before the stream started, an SSE error event
         (and the end of the stream) after."""
@@ -467,9 +562,11 @@ class Gateway:
             h["x-bear-on-time"] = "true" if done.on_time else "false"
         return h
 
-    async def _start_stream(self, request: web.Request, qid: str, routed: Routed | None) -> web.StreamResponse:
+    async def _start_stream(self, request: web.Request, qid: str, routed: Routed | None,
+                            more: dict[str, str] | None = None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           REQUEST_ID: request[REQUEST_ID_KEY], **self._headers(qid, routed)})
+                                           REQUEST_ID: request[REQUEST_ID_KEY], **self._headers(qid, routed),
+                                           **(more or {})})
         await resp.prepare(request)
         return resp
 

@@ -102,17 +102,27 @@ def prompt_logprobs(engine: dict[str, Any], chat: bool) -> Any:
     return engine.get("top_logprobs", 0) if chat else engine.get("logprobs")
 
 
-def check_streamable(engine: dict[str, Any], chat: bool) -> None:
-    """Refuse what vLLM refuses on the streamed request the router always sends: prompt logprobs
-    other than 0 ("`prompt_logprobs` are not available when `stream=True`"). Said here, before a
-    decision, and in words that name the field the client set."""
+def needs_unstreamed(engine: dict[str, Any], chat: bool) -> bool:
+    """Whether vLLM serves the request only unstreamed: prompt logprobs other than 0 ("`prompt_logprobs`
+    are not available when `stream=True`")."""
     n = prompt_logprobs(engine, chat)
-    if isinstance(n, int) and not isinstance(n, bool) and (n > 0 or n == -1):
-        why = "prompt_logprobs" if engine.get("prompt_logprobs") is not None else (
-            "echo with top_logprobs" if chat else "echo with logprobs")
-        raise BearError(ErrorCode.BAD_REQUEST, f"{why} asks for prompt logprobs, which vLLM computes only for an "
-                                               "unstreamed request, and BEAR streams every engine request; "
-                                               "use prompt_logprobs 0 or leave them out")
+    return isinstance(n, int) and not isinstance(n, bool) and (n > 0 or n == -1)
+
+
+def check_streamable(engine: dict[str, Any], chat: bool) -> bool:
+    """Whether the engine request can be streamed (True), or is sent unstreamed (False: a
+    completion asking for prompt logprobs, which vLLM computes only so; its answer then comes as
+    one chunk). A chat request asking for them is refused — a chat completion's prompt logprobs
+    lie outside its choices, where the relay carries nothing — before a decision, in words that
+    name the field the client set."""
+    if not needs_unstreamed(engine, chat):
+        return True
+    if not chat:
+        return False
+    why = "prompt_logprobs" if engine.get("prompt_logprobs") is not None else "echo with top_logprobs"
+    raise BearError(ErrorCode.BAD_REQUEST, f"{why} asks for prompt logprobs, which BEAR serves on completions "
+                                           "(/v1/completions, unstreamed) only; use prompt_logprobs 0 or leave "
+                                           "them out")
 
 
 def skips_prefix_cache(engine: dict[str, Any], chat: bool) -> bool:

@@ -3,6 +3,9 @@ sends a router. The client library builds ``Submit``; the router decodes it once
 (``decode_submit``), the struct checking every field's type, range and finiteness — what the
 router's hand checks did before (issue 25) — with the same ``bad_request`` messages.
 
+``prompt_ids`` carries a token-id prompt (vLLM's ``prompt: [ids]``) as
+``bear.protocol.token_ids`` packs them.
+
 ``sampling`` and ``engine`` stay maps here: the router validates them with their own definitions
 (``bear.protocol.sampling``, ``bear.protocol.engine_fields``), and ``engine`` is forwarded verbatim."""
 
@@ -26,6 +29,7 @@ MAX_TOKENS_LIMIT = 2**31  # max_tokens must lie below
 ShortText = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 Nonce = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NONCE_CHARS)]
 NonNegNumber = Annotated[float, msgspec.Meta(ge=0.0)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 
 
 class Submit(Message, tag=schemas.SUBMIT, kw_only=True, omit_defaults=True):
@@ -48,10 +52,20 @@ class Submit(Message, tag=schemas.SUBMIT, kw_only=True, omit_defaults=True):
     deadline: float | None = None  # epoch s: the client stops waiting for the query to start then
     session: ShortText | None = None
     nonce: Nonce | None = None  # echoed in every message of the answer
+    # a token-id prompt (vLLM's ``prompt: [ids]``), packed as bear.protocol.token_ids packs them
+    # (a list of ints is accepted too): the engine is sent these ids; ``prompt`` is then their
+    # text as far as it is known (the predictor's input; may be ""), and ``model`` is required
+    # (ids mean something to one tokenizer only)
+    prompt_ids: bytes | list[TokenId] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError(_MESSAGES["prompt|messages"])
+        if self.prompt_ids is not None:
+            if self.prompt is None or self.model is None:
+                raise ValueError(_MESSAGES["prompt_ids|model"])
+            if isinstance(self.prompt_ids, bytes) and len(self.prompt_ids) % 4:
+                raise ValueError(_MESSAGES["prompt_ids"])
         for key in ("ttft_target_s", "max_tokens", "lam"):
             v = getattr(self, key)
             if v is not None and not math.isfinite(v):
@@ -105,6 +119,8 @@ _MESSAGES: dict[str, str] = {
     "max_tokens_rest": "max_tokens_rest must be a boolean",
     "sampling": "sampling must be a map",
     "engine": "engine must be a map",
+    "prompt_ids": "prompt_ids must be token ids: packed little-endian uint32 bytes or a list of integers in [0, 2^32)",
+    "prompt_ids|model": "prompt_ids needs prompt (their text, may be empty) and model (the ids are one tokenizer's)",
 }
 _FIELD = re.compile(r"`\$\.([A-Za-z_]+)")
 _MISSING = re.compile(r"Object missing required field `([A-Za-z_]+)`")

@@ -87,19 +87,22 @@ def _produced(choice: Any) -> bool:
     return isinstance(delta, dict) and any(v not in (None, "", []) for k, v in delta.items() if k != "role")
 
 
-def request_body(model: str, prompt: str | None, messages: list[dict[str, Any]] | None, max_tokens: int | None,
-                 extra: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
-    """(path, JSON body) of a streaming completion or chat completion; ``extra``: further body
-    fields (the query's sampling fields, the sim engine's length hints); ``max_tokens`` None:
-    none in the body, so the engine generates up to the rest of its context (vLLM's default)."""
-    body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
+def request_body(model: str, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None,
+                 max_tokens: int | None, extra: dict[str, Any] | None = None,
+                 stream: bool = True) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) of a streaming completion or chat completion (``prompt``: a text or token
+    ids); ``extra``: further body fields (the query's sampling fields, the sim engine's length
+    hints); ``max_tokens`` None: none in the body, so the engine generates up to the rest of its
+    context (vLLM's default); ``stream`` False: an unstreamed request (prompt logprobs)."""
+    body: dict[str, Any] = ({"model": model, "stream": True, "stream_options": {"include_usage": True}} if stream
+                            else {"model": model, "stream": False})
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
     if messages is not None:
         body["messages"] = messages
         path = "/chat/completions"
     else:
-        body["prompt"] = prompt or ""
+        body["prompt"] = "" if prompt is None else prompt
         path = "/completions"
     if extra:
         body.update(extra)
@@ -137,6 +140,9 @@ async def stream_completion(session: Any, base_url: str, request_id: str, path: 
                 if resp.status in REFUSED_STATUSES:
                     raise InstanceRefused(resp.status, engine_reason(text))
                 raise InstanceUnavailable(f"HTTP {resp.status}: {engine_reason(text)}")
+            if body.get("stream") is False:
+                yield whole_answer(json.loads(await resp.read()))
+                return
             buf = b""
             done = False
             # read to the end of the body even after [DONE]: a response left unread closes its
@@ -169,6 +175,18 @@ async def stream_completion(session: Any, base_url: str, request_id: str, path: 
         if started:
             raise StreamBroken(f"{type(exc).__name__}: {exc}") from exc
         raise InstanceUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+
+def whole_answer(d: Any) -> Piece:
+    """An unstreamed answer as one piece: its choices verbatim (each whole, prompt logprobs
+    included), its usage, the first choice's finish reason."""
+    if not isinstance(d, dict) or not isinstance(d.get("choices"), list):
+        raise StreamBroken(f"the engine's answer has no choices: {str(d)[:200]}")
+    choices = d["choices"]
+    first = choices[0] if choices and isinstance(choices[0], dict) else {}
+    usage = d.get("usage")
+    return Piece(text="", usage=_usage(usage) if isinstance(usage, dict) else None,
+                 finish_reason=first.get("finish_reason"), choices=choices, produced=True)
 
 
 def merge_pieces(pieces: list[Piece]) -> Piece:

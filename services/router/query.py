@@ -14,6 +14,7 @@ from bear.protocol.engine_fields import check_engine, check_json, check_streamab
 from bear.protocol.errors import BearError, ErrorCode
 from bear.protocol.sampling import check_sampling
 from bear.protocol.submit import decode_submit
+from bear.protocol.token_ids import count, pack, unpack
 from bear.router.config import RouterConfig
 
 MAX_PROMPT_BYTES = 4 * 1024 * 1024
@@ -47,6 +48,12 @@ class Query:
     max_tokens_cap: int | None = None
     nonce: str | None = None  # the client's per-query nonce, echoed in every message of the answer
     client: str = ""  # the client identity it came from (its submit subject's token; "": anonymous)
+    # a token-id prompt (packed, bear.protocol.token_ids): what the engine is sent; ``prompt`` is
+    # then its text as far as the client knew it (the predictor's input), ``prompt_tokens`` its count
+    prompt_ids: bytes | None = None
+    # the engine request is sent unstreamed (vLLM computes prompt logprobs only so): the answer is
+    # one chunk, and its "first token" is the whole answer
+    unstreamed: bool = False
 
     def max_tokens_at(self, max_model_len: int | None, prompt_tokens: int) -> int | None:
         """The query's output cap at an instance: the client's ``max_tokens``, or with
@@ -75,6 +82,11 @@ class Query:
         return cap if cap < rest else None
 
     @property
+    def engine_prompt(self) -> str | list[int] | None:
+        """The prompt of the engine request: the token ids where the client gave them, else the text."""
+        return list(unpack(self.prompt_ids)) if self.prompt_ids is not None else self.prompt
+
+    @property
     def skips_prefix_cache(self) -> bool:
         """The engine computes the whole prompt, whatever it has cached (prompt logprobs)."""
         return skips_prefix_cache(self.engine, chat=self.messages is not None)
@@ -101,18 +113,20 @@ def parse_submit(data: bytes, cfg: RouterConfig) -> Query:
     if s.messages is not None:
         for m in s.messages:
             check_json(m, "messages", MAX_MESSAGE_DEPTH)
+    ids = None if s.prompt_ids is None else s.prompt_ids if isinstance(s.prompt_ids, bytes) else pack(s.prompt_ids)
     cap = None if s.max_tokens is None else int(s.max_tokens)
     max_tokens = cap if cap is not None else REST_UNKNOWN_MAX_TOKENS if s.max_tokens_rest else cfg.default_max_tokens
     q = Query(query_id=s.query_id, prompt=s.prompt, messages=s.messages,
               ttft_target_s=cfg.default_ttft_target_s if s.ttft_target_s is None else float(s.ttft_target_s),
               max_tokens=int(max_tokens), lam=cfg.lam if s.lam is None else float(s.lam),
-              prompt_tokens=s.prompt_tokens, model=s.model, sampling=check_sampling(s.sampling),
+              prompt_tokens=s.prompt_tokens if ids is None else count(ids), model=s.model,
+              sampling=check_sampling(s.sampling), prompt_ids=ids,
               engine=check_engine(s.engine), deadline=s.deadline, session=s.session,
               rest_of_context=s.max_tokens_rest, max_tokens_cap=cap if s.max_tokens_rest else None,
               nonce=s.nonce)
     if len(q.text.encode()) > MAX_PROMPT_BYTES:
         raise BearError(ErrorCode.TOO_LARGE, f"prompt larger than {MAX_PROMPT_BYTES} bytes")
-    check_streamable(q.engine, chat=s.messages is not None)
+    q.unstreamed = not check_streamable(q.engine, chat=s.messages is not None)
     return q
 
 

@@ -288,6 +288,8 @@ class RouterService:
     async def _tokenize(self, q: Query, insts: list[InstanceInfo]) -> dict[str, bytes]:
         """The query's token ids per tokenizer of its candidates, packed (those loaded; {} when none,
         or when engine fields such as tools change the prompt the engine renders)."""
+        if q.prompt_ids is not None:  # the client's ids: the engine's, whatever its tokenizer
+            return {i.tokenizer: q.prompt_ids for i in insts if i.tokenizer}
         if not self.cfg.tokenize or renders_own_prompt(q.engine):
             return {}
         ids = [i.tokenizer for i in insts if i.tokenizer]
@@ -568,7 +570,8 @@ class RouterService:
                       fallbacks: list[str], cands: list[Candidate], attempt: int) -> None:
         # the rest of the context: no max_tokens in the body, so the engine applies its own rest
         cap = q.body_max_tokens(inst.max_model_len, p.prompt_tokens, inst.id in asked.exact_tokens)
-        path, body = request_body(inst.model, q.prompt, q.messages, cap, {**q.sampling, **q.engine})
+        path, body = request_body(inst.model, q.engine_prompt, q.messages, cap, {**q.sampling, **q.engine},
+                                  stream=not q.unstreamed)
         raw = bool(q.engine)  # engine fields may shape the answer (choices, tool calls): relay it verbatim
         first: float | None = None
         usage: dict[str, int] = {}
@@ -588,7 +591,8 @@ class RouterService:
             key = self.cfg.engine_keys.get(inst.id) or self.cfg.engine_keys.get("*")
             if key and self.registry.engine_key_allowed(inst):  # only to the provisioned address
                 headers["Authorization"] = f"Bearer {key}"
-            limit = asyncio.timeout(self.cfg.first_token_timeout_s)
+            # until the first token; an unstreamed answer comes whole (its idle timeout bounds it)
+            limit = asyncio.timeout(None if q.unstreamed else self.cfg.first_token_timeout_s)
             try:
                 async with limit:  # until the first token only (rescheduled to never then)
                     async for piece in stream_completion(self._session, inst.base_url, request_id, path, body,
@@ -638,7 +642,8 @@ class RouterService:
                     local.pending_prefill_tokens[inst.id] -= uncached
                 local.running[inst.id] -= 1
         end = time.perf_counter()
-        if self.cfg.tokenize and self.cfg.prime_answers and answer_chars <= MAX_PRIMED_CHARS:
+        if (self.cfg.tokenize and self.cfg.prime_answers and answer_chars <= MAX_PRIMED_CHARS
+                and q.prompt_ids is None):
             primed = self.tokenizers.prime(inst.tokenizer, q.prompt, q.messages, "".join(answer))
             if primed is not None:
                 self.m.primed.labels(outcome=primed).inc()
@@ -652,13 +657,14 @@ class RouterService:
         on_time = ttft <= q.ttft_target_s
         per_seq = n_out / sequences(q.engine)  # n answers decode side by side: a token each per step
         tpot = (end - first) / (per_seq - 1) if per_seq > 1 else None
-        with contextlib.suppress(Exception):
-            await self.nc.publish(self.subjects.outcome(inst.id), encode(Outcome(
-                instance=inst.id, ttft_s=ttft, tpot_s=tpot, predicted_ttft_s=_finite(d.candidate.ttft),
-                method=d.candidate.ttft_method, completed=True, t=time.time(),
-                output_tokens=min(round(per_seq), 2**31 - 1), predicted_output_tokens=q.predicted_output,
-                elapsed_s=d.candidate.ttft_elapsed, path_s=d.candidate.ttft_path, prompt_tokens=p.prompt_tokens,
-                engine_ttft_s=_finite(d.candidate.ttft - d.candidate.ttft_elapsed - d.candidate.ttft_path))))
+        if not q.unstreamed:  # an unstreamed answer's "first token" is the whole answer: no TTFT to calibrate
+            with contextlib.suppress(Exception):
+                await self.nc.publish(self.subjects.outcome(inst.id), encode(Outcome(
+                    instance=inst.id, ttft_s=ttft, tpot_s=tpot, predicted_ttft_s=_finite(d.candidate.ttft),
+                    method=d.candidate.ttft_method, completed=True, t=time.time(),
+                    output_tokens=min(round(per_seq), 2**31 - 1), predicted_output_tokens=q.predicted_output,
+                    elapsed_s=d.candidate.ttft_elapsed, path_s=d.candidate.ttft_path, prompt_tokens=p.prompt_tokens,
+                    engine_ttft_s=_finite(d.candidate.ttft - d.candidate.ttft_elapsed - d.candidate.ttft_path))))
         await out.finish(Done(instance=inst.id, model=inst.model, predictor_model=inst.predictor_model, ttft_s=ttft,
                               target_s=q.ttft_target_s, on_time=on_time, utility=utility,
                               predicted_utility=d.candidate.utility(q.lam), predicted_ttft_s=_finite(predicted),
@@ -680,7 +686,7 @@ class RouterService:
             "predict_s": asked.predict_s, "estimate_s": asked.estimate_s, "claim_s": asked.claim_s,
             "tokenize_s": asked.tokenize_s, "estimator_service_s": asked.estimator_service_s,
             "fallbacks": fallbacks, "dropped": d.dropped, "attempt": attempt, "asked_again": asked.asks, "usage": usage, "request_id": request_id,
-            "chunks": seq, "candidates": {c.instance: {
+            "chunks": seq, "engine_streamed": not q.unstreamed, "candidates": {c.instance: {
                 "model": c.model, "acc": c.acc, "cost": c.cost, "out_len": c.out_len, "out_p90": c.out_p90,
                 "ttft": c.ttft, "ttft_elapsed": c.ttft_elapsed, "ttft_path": c.ttft_path, "method": c.ttft_method, "calibration": c.ttft_calibration,
                 "ttft_prefill": c.ttft_prefill, "n_running": c.n_running,

@@ -51,6 +51,11 @@ class RecordingEngine:
         self.requests.append((body, dict(request.headers)))
         if body.get("temperature") == 99.0:  # a value the engine refuses (vLLM would say why)
             return web.json_response({"object": "error", "message": "temperature too high", "code": 400}, status=400)
+        if body.get("stream") is False:  # unstreamed (prompt logprobs): vLLM's whole answer
+            return web.json_response({"id": "cmpl-rec", "object": "text_completion", "model": body["model"], "choices": [{
+                "index": 0, "text": "a b", "logprobs": {"tokens": ["a", " b"], "token_logprobs": [-0.5, -0.25]},
+                "finish_reason": "length", "stop_reason": None, "prompt_logprobs": [None, {"7": {"logprob": -1.5}}]}],
+                "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         chat = "messages" in body

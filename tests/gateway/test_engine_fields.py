@@ -132,11 +132,13 @@ def test_prompt_logprobs_as_vllm_derives_them() -> None:
     assert prompt_logprobs({"echo": True}, chat=False) is None
     assert prompt_logprobs({"echo": True, "logprobs": 2}, chat=False) == 2
     assert prompt_logprobs({"prompt_logprobs": 0, "echo": True, "top_logprobs": 3}, chat=True) == 0
-    check_streamable({"prompt_logprobs": 0}, chat=False)
-    for engine, chat in (({"prompt_logprobs": 1}, True), ({"prompt_logprobs": -1}, False),
-                         ({"echo": True, "top_logprobs": 2}, True), ({"echo": True, "logprobs": 1}, False)):
+    assert check_streamable({"prompt_logprobs": 0}, chat=False) and check_streamable({"echo": True}, chat=False)
+    # a completion asking for them is sent unstreamed; a chat request is refused
+    assert not check_streamable({"prompt_logprobs": -1}, chat=False)
+    assert not check_streamable({"echo": True, "logprobs": 1}, chat=False)
+    for engine in ({"prompt_logprobs": 1}, {"echo": True, "top_logprobs": 2}):
         with pytest.raises(BearError, match="prompt logprobs") as e:
-            check_streamable(engine, chat)
+            check_streamable(engine, chat=True)
         assert e.value.code == "bad_request"
 
 

@@ -128,6 +128,48 @@ async def test_targets_per_request_header_then_body(remote) -> None:
             assert e.value.body["param"] in bad
 
 
+async def test_a_list_of_prompts_is_a_query_each_merged_as_vllm_answers(remote) -> None:
+    """Three prompts: three choices (index = the prompt's), the usage summed, a decision per prompt;
+    streamed, every index finishes; token ids reach the engine as ids; prompt logprobs go unstreamed."""
+    prompts = ["one two", "three four five", "six"]
+    async with aclient(remote) as c:
+        r = await c.completions.create(model="bear", prompt=prompts, max_tokens=3)
+        assert [ch.index for ch in r.choices] == [0, 1, 2] and all(ch.finish_reason for ch in r.choices)
+        assert all(ch.text for ch in r.choices)
+        decisions = r.model_extra["bear"]["prompts"]
+        assert len(decisions) == 3 and all(d["instance"] for d in decisions)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+        assert r.usage.completion_tokens == sum(d["ttft_s"] is not None for d in decisions) * 3
+        finished: dict[int, str] = {}
+        texts: dict[int, str] = {}
+        async for chunk in await c.completions.create(model="bear", prompt=prompts, max_tokens=3, stream=True,
+                                                      stream_options={"include_usage": True}):
+            for ch in chunk.choices:
+                texts[ch.index] = texts.get(ch.index, "") + ch.text
+                if ch.finish_reason:
+                    assert ch.index not in finished
+                    finished[ch.index] = ch.finish_reason
+        assert sorted(finished) == [0, 1, 2] and all(texts.values())
+        before = len(remote.recorder.requests)
+        one = await c.completions.create(model=RECORDER_MODEL, prompt=[5, 6, 7], max_tokens=2)
+        assert one.choices[0].text == "a b" and remote.recorder.requests[before][0]["prompt"] == [5, 6, 7]
+        assert one.model_extra["bear"]["instance"] == "recorder"  # one prompt: its decision as for a string
+        two = await c.completions.create(model=RECORDER_MODEL, prompt=[[1, 2], [3]], max_tokens=2)
+        assert [ch.index for ch in two.choices] == [0, 1] and [ch.text for ch in two.choices] == ["a b", "a b"]
+        sent = sorted(b["prompt"] for b, _ in remote.recorder.requests[before + 1:])
+        assert sent == [[1, 2], [3]] and two.usage.prompt_tokens == 10  # the recorder's 5 each
+        scored = await c.completions.create(model=RECORDER_MODEL, prompt="a b", max_tokens=2, echo=True, logprobs=1)
+        body, _ = remote.recorder.requests[-1]
+        assert body["stream"] is False and body["echo"] is True and "stream_options" not in body
+        ch = scored.choices[0]
+        assert ch.model_extra["prompt_logprobs"] == [None, {"7": {"logprob": -1.5}}]
+        assert ch.logprobs.token_logprobs == [-0.5, -0.25] and ch.finish_reason == "length"
+        assert scored.usage.prompt_tokens == 2
+        with pytest.raises(openai.BadRequestError) as e:  # a chat request's prompt logprobs: refused
+            await c.chat.completions.create(model=RECORDER_MODEL, messages=CHAT, extra_body={"prompt_logprobs": 1})
+        assert "prompt logprobs" in e.value.message
+
+
 async def test_sampling_fields_and_trace_context_reach_the_engine(remote) -> None:
     tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     async with aclient(remote) as c:
@@ -194,8 +236,13 @@ async def test_errors_400_401_404(remote) -> None:
                 await c.chat.completions.create(**kw)
             assert e.value.status_code == 400 and e.value.body["param"] == param, (kw, e.value.body)
         with pytest.raises(openai.BadRequestError) as e:
-            await c.completions.create(model="bear", prompt=[[1, 2, 3]])
-        assert e.value.body["param"] == "prompt"
+            await c.completions.create(model="bear", prompt=[[1, 2, 3]])  # ids need their model named
+        assert e.value.body["param"] == "model"
+        for prompt, param in (([], "prompt"), ([["a"]], "prompt[0]"), (["a", 3], "prompt[1]"), ([1, -1], "prompt"),
+                              ([[1], []], "prompt[1]"), (["x"] * 129, "prompt")):
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.completions.create(model="bear", prompt=prompt)
+            assert e.value.body["param"] == param, (prompt, e.value.body)
         with pytest.raises(openai.BadRequestError) as e:
             await c.completions.create(model="bear", prompt="x", best_of=2)
         assert e.value.body["param"] == "best_of"
