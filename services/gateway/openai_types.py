@@ -420,6 +420,10 @@ def prompts_of(prompt: str | list[Any]) -> list[str | list[int]]:
         if one is None:
             raise ApiError(400, f"prompt must be {_PROMPT_SHAPES}: prompt[{i}] is neither a string nor a "
                                 "non-empty list of token ids", param=f"prompt[{i}]")
+        if out and isinstance(one, str) != isinstance(out[0], str):  # vLLM refuses a mixed list too
+            raise ApiError(400, f"prompt must be {_PROMPT_SHAPES}: prompt[{i}] is "
+                                f"{'a string' if isinstance(one, str) else 'token ids'} in a list of "
+                                f"{'strings' if isinstance(out[0], str) else 'token-id lists'}", param=f"prompt[{i}]")
         out.append(one)
     return out
 

@@ -74,25 +74,30 @@ def usage_sum(dones: list[Done | None]) -> dict[str, int]:
 async def merged(streams: list[AsyncIterator[Reply]]) -> AsyncIterator[tuple[int, Reply]]:
     """Every stream's messages as ``(stream index, message)`` in the order they arrive; closing
     the iterator (or leaving it) cancels the streams still running and closes them."""
-    queue: asyncio.Queue[tuple[int, Reply | None]] = asyncio.Queue()
+    # (i, message), or (i, None) when stream i ended, or (i, exc) when it failed: the pump hands
+    # its failure over itself (a task's exception read after its end marker may not be set yet)
+    queue: asyncio.Queue[tuple[int, Reply | BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int, it: AsyncIterator[Reply]) -> None:
+        end: BaseException | None = None
         try:
             async with contextlib.aclosing(it):  # type: ignore[type-var]
                 async for m in it:
                     await queue.put((i, m))
+        except Exception as exc:
+            end = exc
         finally:
-            queue.put_nowait((i, None))
+            queue.put_nowait((i, end))
 
     tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(streams)]
     open_ = len(tasks)
     try:
         while open_:
             i, m = await queue.get()
+            if isinstance(m, BaseException):
+                raise m
             if m is None:
                 open_ -= 1
-                if tasks[i].done() and not tasks[i].cancelled() and tasks[i].exception() is not None:
-                    raise tasks[i].exception()  # type: ignore[misc]
                 continue
             yield i, m
     finally:

@@ -239,7 +239,8 @@ async def test_errors_400_401_404(remote) -> None:
             await c.completions.create(model="bear", prompt=[[1, 2, 3]])  # ids need their model named
         assert e.value.body["param"] == "model"
         for prompt, param in (([], "prompt"), ([["a"]], "prompt[0]"), (["a", 3], "prompt[1]"), ([1, -1], "prompt"),
-                              ([[1], []], "prompt[1]"), (["x"] * 129, "prompt")):
+                              ([[1], []], "prompt[1]"), (["x"] * 129, "prompt"),
+                              (["a", [1, 2]], "prompt[1]"), ([[1, 2], "a"], "prompt[1]")):
             with pytest.raises(openai.BadRequestError) as e:
                 await c.completions.create(model="bear", prompt=prompt)
             assert e.value.body["param"] == param, (prompt, e.value.body)

@@ -270,7 +270,8 @@ async def test_live_router_exact_tokens_and_mirrored_hits(vllm_py: str, tiny_mod
                     prev = ids
                     qid = f"s{s}-t{t}"
                     out = [m async for m in submit(nc, messages=list(msgs), ttft_target_s=10.0, max_tokens=24,
-                                                   query_id=qid, idle_timeout_s=60.0, session=f"s{s}")]
+                                                   query_id=qid, idle_timeout_s=60.0, session=f"s{s}",
+                                                   accept_timeout_s=30.0)]  # hang-sized (a starved host's deadline)
                     assert out[-1]["v"] == "bear.done/1", out[-1]
                     dones[qid] = out[-1]
                     text = "".join(m.get("text", "") for m in out if m["v"] == "bear.chunk/1")

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import nats
@@ -59,7 +60,8 @@ async def _queries(url: str, n: int) -> list[list[dict]]:
     try:
         async def one(i: int) -> list[dict]:
             return [m async for m in submit(nc, f"up {i}: " + "word " * (10 + 7 * i), ttft_target_s=5.0,
-                                            max_tokens=8, query_id=f"up-{i}", idle_timeout_s=60.0)]
+                                            max_tokens=8, query_id=f"up-{i}", idle_timeout_s=60.0,
+                                            accept_timeout_s=30.0)]  # hang-sized (a starved host's deadline)
 
         return await asyncio.gather(*(one(i) for i in range(n)))
     finally:
@@ -118,6 +120,50 @@ def _engine_fields(base_url: str, key: str) -> None:
     c.close()
 
 
+def _choices(r: Any) -> list[tuple[int, str, str | None]]:
+    return [(c.index, c.text, c.finish_reason) for c in r.choices]
+
+
+def _prompt_forms(base_url: str, key: str, vllm_url: str, vllm_key: str) -> None:
+    """Completions beyond one string prompt, field by field against the same request sent to vLLM
+    itself (greedy, one request at a time: an idle engine computes the same tokens for both): a list
+    of prompts (each its own query, merged as vLLM merges it), token ids, a list of token-id lists,
+    and echo + logprobs (sent unstreamed, the prompt's logprobs relayed whole)."""
+    g = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=300)
+    v = openai.OpenAI(base_url=vllm_url, api_key=vllm_key, max_retries=0, timeout=300)
+    direct = v.models.list().data[0].id
+    cases: list[dict[str, Any]] = [
+        {"model": "bear", "prompt": ["The sky is", "Two plus two is", "Once upon"], "max_tokens": 4},
+        {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 4},
+        {"model": "tiny", "prompt": [[11, 12, 13], [14, 15]], "max_tokens": 3},
+        {"model": "tiny", "prompt": "Hello there", "max_tokens": 2, "echo": True, "logprobs": 1},
+        {"model": "tiny", "prompt": [[21, 22], [23]], "max_tokens": 2, "logprobs": 2},
+    ]
+    for kw in cases:
+        a = g.completions.create(temperature=0, **kw)
+        b = v.completions.create(temperature=0, **{**kw, "model": direct})
+        assert _choices(a) == _choices(b), (kw, a, b)
+        assert (a.usage.prompt_tokens, a.usage.completion_tokens) == (b.usage.prompt_tokens, b.usage.completion_tokens)
+        if kw.get("logprobs"):
+            for ca, cb in zip(a.choices, b.choices, strict=True):
+                assert ca.logprobs.tokens == cb.logprobs.tokens and ca.logprobs.text_offset == cb.logprobs.text_offset
+                assert [x is None for x in ca.logprobs.token_logprobs] == [x is None for x in cb.logprobs.token_logprobs]
+                assert [x for x in ca.logprobs.token_logprobs if x is not None] == pytest.approx(
+                    [x for x in cb.logprobs.token_logprobs if x is not None], abs=1e-3)
+        # streamed: each index's text adds up to the unstreamed answer's, and each finishes once
+        if not kw.get("echo"):
+            texts: dict[int, str] = {}
+            ends: dict[int, int] = {}
+            for ch in g.completions.create(temperature=0, stream=True, **kw):
+                for c in ch.choices:
+                    texts[c.index] = texts.get(c.index, "") + c.text
+                    ends[c.index] = ends.get(c.index, 0) + (c.finish_reason is not None)
+            assert [(i, texts[i]) for i in sorted(texts)] == [(c.index, c.text) for c in b.choices], (kw, texts)
+            assert set(ends.values()) == {1}, ends
+    g.close()
+    v.close()
+
+
 def test_bear_up_backend_vllm(vllm_py: str, tmp_path: Path) -> None:
     work = tmp_path / "up"
     rings_before = _stack_rings()
@@ -147,7 +193,10 @@ def test_bear_up_backend_vllm(vllm_py: str, tmp_path: Path) -> None:
                 assert routed[-1]["model"] == "tiny"
             recs = [json.loads(ln) for ln in (work / "latest" / "outcomes-router-0.jsonl").read_text().splitlines()]
             assert {r["query_id"] for r in recs if r["status"] == "done"} >= {f"up-{i}" for i in range(8)}
-            _engine_fields("http://127.0.0.1:8000/v1", (work / "gateway-api-key").read_text().strip())
+            key = (work / "gateway-api-key").read_text().strip()
+            _engine_fields("http://127.0.0.1:8000/v1", key)
+            engine_key = json.loads((work / "latest" / "auth" / "engine-keys.json").read_text())["vllm-0"]
+            _prompt_forms("http://127.0.0.1:8000/v1", key, f"http://127.0.0.1:{ports['vllm-0']}/v1", engine_key)
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
