@@ -51,6 +51,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import msgspec
 import structlog
 from msgspec import UNSET
 
@@ -59,7 +60,7 @@ from bear.protocol.errors import ErrorCode
 from bear.protocol.messages import encode
 from bear.protocol.replies import Chunk, Done, Error, Reply, decode_reply, error_event
 from bear.protocol.subjects import Subjects
-from bear.protocol.submit import MAX_RESEND_RANGES, Cancel, Resend, Submit
+from bear.protocol.submit import MAX_RESEND_RANGES, TAKEOVER_PROBE_S, Cancel, Resend, Submit
 from bear.protocol.token_ids import pack
 
 log = structlog.get_logger("bear.client")
@@ -74,6 +75,7 @@ RECOVER_S = 1.0  # the silence after which a submission reads its terminal recor
 # Answers with a gap in their chunks: made whole (``answers``), the chunks that filled a gap,
 # the bear.resend/1 requests sent, and answers ended ``incomplete`` (the gap not filled).
 RESUMED = {"answers": 0, "chunks": 0, "requests": 0, "incomplete": 0}
+TAKEOVERS = {"asked": 0}  # takeover resubmissions sent (an accepted query's router silent: gone?)
 RESUME_S = 5.0  # a gap still open this long after the terminal message (no chunk filling it): incomplete
 MAX_HELD = 4096  # chunks held behind a gap; more: the answer ends incomplete at once
 
@@ -238,6 +240,21 @@ class Inboxes:
         self._queues.pop(inbox, None)
 
 
+async def _ask_takeover(nc: Any, subject: str, req: Submit, inbox: str, headers: dict[str, str] | None,
+                        held: int, accept_s: float) -> float:
+    """Resubmit ``req`` as a takeover (``Submit.takeover``: the chunks held): a router whose owner
+    is gone runs it (none held) or answers ``incomplete``; while the owner lives, ``duplicate``.
+    Returns until when the client waits for the takeover to start (loop time)."""
+    TAKEOVERS["asked"] += 1
+    wait = accept_s + TAKEOVER_PROBE_S
+    again = msgspec.structs.replace(req, takeover=held, deadline=time.time() + wait)
+    try:
+        await nc.publish(subject, encode(again), reply=inbox, headers=headers)
+    except Exception:  # NATS away: asked again at the next silent read
+        pass
+    return asyncio.get_running_loop().time() + wait
+
+
 async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1.0, max_tokens: int | None = 256,
                  lam: float | None = None, query_id: str | None = None, messages: list[dict[str, Any]] | None = None,
                  prompt_tokens: int | None = None,
@@ -314,6 +331,7 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
         heard = False
         left = resubmits
         duplicate = False
+        takeover_until = -math.inf  # a takeover asked for: the wait for it to start goes on until then
         since = loop.time()  # the last message (or the submission)
         recover_every = recover_s  # doubles after each read that found nothing (back to recover_s on news)
         reconnects = _reconnects(nc)
@@ -353,8 +371,12 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
                         RECOVERED["terminals"] += 1
                         log.info("terminal message read from its record", query_id=qid, v=rec.v)
                         d = rec
-                    elif loop.time() < since + wait:
-                        continue
+                    else:
+                        if (heard or duplicate) and held is None:  # accepted, then silent: is its router gone?
+                            takeover_until = await _ask_takeover(nc, submit_subject, req, inbox, headers, order.top,
+                                                                 accept_timeout_s * (resubmits + 1))
+                        if loop.time() < max(since + wait, takeover_until):
+                            continue
                 if d is None:
                     since = loop.time()
                     if not heard and left > 0:
@@ -373,7 +395,6 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
                                       query_id=qid, client=True)
                     return
             else:
-                since, recover_every = loop.time(), recover_s
                 d = decode_reply(msg.data)
                 if d is None:  # not a reply-stream message
                     continue
@@ -382,9 +403,11 @@ async def submit(nc: Any, prompt: str | None = None, *, ttft_target_s: float = 1
                     FOREIGN_DROPPED["messages"] += 1
                     continue
                 if isinstance(d, Error) and d.code == ErrorCode.DUPLICATE and (heard or left < resubmits):
-                    # our own resubmission hit the dedup: the original stream comes to this inbox
+                    # our own resubmission (or takeover) hit the dedup: the original stream comes to
+                    # this inbox. Not news of the answer: the silence it is in goes on
                     duplicate = True
                     continue
+                since, recover_every = loop.time(), recover_s
                 heard = True
             if isinstance(d, Chunk):
                 was_whole = order.whole

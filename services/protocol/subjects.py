@@ -138,6 +138,17 @@ class Subjects:
             return None
         return client
 
+    def router_alive(self, router: str) -> str:
+        """``bear.router.alive.<digest of the router's name>``: request-reply, answered by that
+        router while its connection lives; "no responders" says it is gone (bear.router.takeover)."""
+        import hashlib
+
+        return f"{self.prefix}.router.alive.{hashlib.sha1(router.encode()).hexdigest()[:16]}"
+
+    @property
+    def router_alive_all(self) -> str:
+        return f"{self.prefix}.router.alive.*"
+
     @property
     def cancel(self) -> str:
         """``bear.cancel``: a client gave up on a query (``bear.cancel/1 {query_id}``); every router

@@ -32,6 +32,10 @@ NonNegNumber = Annotated[float, msgspec.Meta(ge=0.0)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 
 
+# how long a router probes a takeover's owner before running the query (``Submit.takeover``): a
+# takeover's client waits this much longer for it to start (bear.router.takeover)
+TAKEOVER_PROBE_S = 2.0
+
 class Submit(Message, tag=schemas.SUBMIT, kw_only=True, omit_defaults=True):
     """``bear.submit[.<client>]``: one query. Exactly one of ``prompt`` and ``messages``; unset
     numbers take the router's defaults; ``max_tokens_rest``: up to the rest of the chosen engine's
@@ -57,6 +61,10 @@ class Submit(Message, tag=schemas.SUBMIT, kw_only=True, omit_defaults=True):
     # text as far as it is known (the predictor's input; may be ""), and ``model`` is required
     # (ids mean something to one tokenizer only)
     prompt_ids: bytes | list[TokenId] | None = None
+    # a resubmission after the router that accepted the query went silent: the chunks of the answer
+    # the client holds (0: none). Another router runs it only when that router is gone and no chunk
+    # reached the client (else a coded ``incomplete``); never while it lives (bear.router.takeover)
+    takeover: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

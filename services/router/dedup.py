@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -76,6 +77,32 @@ class Deduplicator:
             self._kv = None
             self._fell_back(exc)
             return True
+
+    async def take_over(self, query_id: str, owner: str, client: str,
+                        gone: Callable[[str], Awaitable[bool]]) -> tuple[str, str]:
+        """A takeover resubmission of ``query_id`` (``bear.router.takeover``): ``taken`` when its
+        claim's owner is ``gone`` and the claim is now ``owner``'s (compare-and-set: one router wins),
+        ``gone`` when the owner is gone but the claim could not be rewritten (another router took it),
+        ``held`` when the owner is this router, is alive, or cannot be known (JetStream away, no claim);
+        with the claim's owner ("" where none was read)."""
+        k = self.key(query_id, client)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                kv = self._kv if self._kv is not None else await self._bucket()
+                entry = await kv.get(k)
+        except Exception:  # no claim (expired, never written) or JetStream away: nothing to take over
+            return "held", ""
+        held_by = (entry.value or b"").decode(errors="replace")
+        if not held_by or held_by == owner or not await gone(held_by):
+            return "held", held_by
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await kv.update(k, owner.encode(), last=entry.revision)
+        except Exception:
+            return "gone", held_by
+        self._local[k] = time.monotonic()
+        log.warning("query taken over from a router that is gone", query_id=query_id, router=held_by)
+        return "taken", held_by
 
     def _fell_back(self, exc: Exception) -> None:
         from bear.router.outcomes import metrics

@@ -45,6 +45,8 @@ def metrics() -> Any:
                        buckets=(0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0)),
         fallbacks=Counter("bear_router_fallbacks_total", "Decisions made without a dependency", ["kind"]),
         duplicates=Counter("bear_router_duplicates_total", "Resubmitted query ids not executed again"),
+        takeovers=Counter("bear_router_takeovers_total", "Queries taken over from a router that is gone: run "
+                                                         "here (run), or answered incomplete (incomplete)", ["outcome"]),
         inflight=Gauge("bear_router_inflight", "Queries in progress"),
         shed=Counter("bear_router_shed_total", "Submits refused on arrival (overloaded) or not started "
                                                "(client deadline passed)", ["reason"]),

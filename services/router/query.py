@@ -54,6 +54,8 @@ class Query:
     # the engine request is sent unstreamed (vLLM computes prompt logprobs only so): the answer is
     # one chunk, and its "first token" is the whole answer
     unstreamed: bool = False
+    takeover: int | None = None  # a resubmission after its router went silent: the chunks its client holds
+    taken_over_from: str | None = None  # the router it was taken over from (bear.router.takeover)
 
     def max_tokens_at(self, max_model_len: int | None, prompt_tokens: int) -> int | None:
         """The query's output cap at an instance: the client's ``max_tokens``, or with
@@ -123,7 +125,7 @@ def parse_submit(data: bytes, cfg: RouterConfig) -> Query:
               sampling=check_sampling(s.sampling), prompt_ids=ids,
               engine=check_engine(s.engine), deadline=s.deadline, session=s.session,
               rest_of_context=s.max_tokens_rest, max_tokens_cap=cap if s.max_tokens_rest else None,
-              nonce=s.nonce)
+              nonce=s.nonce, takeover=s.takeover)
     if len(q.text.encode()) > MAX_PROMPT_BYTES:
         raise BearError(ErrorCode.TOO_LARGE, f"prompt larger than {MAX_PROMPT_BYTES} bytes")
     q.unstreamed = not check_streamable(q.engine, chat=s.messages is not None)

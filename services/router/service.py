@@ -82,6 +82,7 @@ from bear.router.query import Query, parse_submit, peek_deadline, peek_ids
 from bear.router.registry import InstanceInfo, Registry
 from bear.router.reply_bounds import ReplyGuard
 from bear.router.sequencer import Pending, Reservations, Sequencer
+from bear.router.takeover import Liveness
 from bear.runtime import tracing
 from bear.runtime.service import connect, stop_event
 from bear.runtime.shutdown import cancel_all, close_nats
@@ -144,6 +145,7 @@ class RouterService:
         self._resend_task: asyncio.Task[None] | None = None
         self.resender = TerminalResender(nc, self.subjects.terminals_bucket)  # terminals again after a reconnect
         self.keeper = AnswerKeeper(nc)  # the chunks relayed, for a client that missed some (bear.resend/1)
+        self.liveness = Liveness(nc, self.subjects, self.name)  # alive probes: takeovers (bear.router.takeover)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -159,6 +161,7 @@ class RouterService:
                                                    cb=self._on_submit, pending_msgs_limit=65536)
         # every router hears every cancel (no queue group): only the one serving the query acts
         self._cancel_sub = await self.nc.subscribe(self.subjects.cancel, cb=self._on_cancel, pending_msgs_limit=65536)
+        await self.liveness.start()
         await self.nc.flush()
         log.info("router started", router=self.name, policy=self.policy.name, subject=self.subjects.submit)
 
@@ -178,6 +181,7 @@ class RouterService:
         if self.sequencer is not None:
             await self.sequencer.stop()
         await cancel_all([t for t in (self._lag_task, self._resend_task) if t is not None])
+        await self.liveness.stop()
         await self.tokenizers.close()
         if self._session is not None:
             await self._session.close()
@@ -317,10 +321,12 @@ class RouterService:
                 return
             await asyncio.sleep(0)
 
-    async def _ask(self, q: Query, insts: list[InstanceInfo], ptoks: int, estimate: bool = True) -> Asked:
+    async def _ask(self, q: Query, insts: list[InstanceInfo], ptoks: int, estimate: bool = True,
+                   claimed: bool = False) -> Asked:
         """The dedup claim, the predictor and the estimator, concurrently (three tasks, no nesting),
         each clocked where it finished; the estimator after the tokenisation (its input), and only
-        with ``estimate`` (the decision reads its rows)."""
+        with ``estimate`` (the decision reads its rows); ``claimed``: the claim is this router's already
+        (a takeover)."""
         models = sorted({i.predictor_model for i in insts})
         t = time.perf_counter()
         pred = _traced("router.predict", q.trace, lambda h: ask_predictor(
@@ -355,7 +361,8 @@ class RouterService:
                 ahead=ahead))
 
         (claimed, tc), (preds, tp), (reply, te) = await asyncio.gather(
-            _clocked(self.dedup.claim(q.query_id, self.name, q.client)), _clocked(pred), _clocked(tokenize_then_estimate()))
+            _clocked(_already() if claimed else self.dedup.claim(q.query_id, self.name, q.client)), _clocked(pred),
+            _clocked(tokenize_then_estimate()))
         rows = {row.instance: row for row in reply.estimates} if reply is not None else None
         exact = {i.id: count(tokens[i.tokenizer]) for i in insts if i.tokenizer in tokens}
         return Asked(claimed, preds, rows, claim_s=tc - t, predict_s=tp - t, estimate_s=te - t,
@@ -381,6 +388,25 @@ class RouterService:
                               "filter": r.filter, "dropped": r.dropped, "policy": self.policy.name,
                               "target_s": q.ttft_target_s, "deadline": q.deadline, **extra})
 
+    async def _take_over(self, q: Query, out: ClientStream) -> bool:
+        """A takeover resubmission (``bear.router.takeover``): True when the query is now this
+        router's to run; else its reply sent (``duplicate`` while its router lives, ``incomplete``
+        when that router is gone after some of the answer reached the client)."""
+        verdict, held_by = await self.dedup.take_over(q.query_id, self.name, q.client, self.liveness.gone)
+        if verdict == "taken" and not q.takeover:
+            q.taken_over_from = held_by
+            self.m.takeovers.labels(outcome="run").inc()
+            return True
+        if verdict == "taken":
+            self.m.takeovers.labels(outcome="incomplete").inc()
+            await out.error(ErrorCode.INCOMPLETE, f"the router relaying this answer ({held_by}) is gone after "
+                                                  f"{q.takeover} chunks reached the client; its engine request ended "
+                                                  "with it: submit the query again")
+            return False
+        self.m.duplicates.inc()
+        await out.error(ErrorCode.DUPLICATE, "query_id already submitted; not executed again")
+        return False
+
     async def _route(self, q: Query, out: ClientStream, t0: float) -> None:
         healthy = {i.id for i in self.registry.healthy()}
         ptoks = q.token_estimate()  # once per query: it encodes the whole text
@@ -398,7 +424,9 @@ class RouterService:
             q.max_tokens = max(q.max_tokens_at(i.max_model_len, ptoks) or 1 for i in insts)
         # The dedup claim (a JetStream round trip) runs concurrently with the two questions.
         estimate = self.profile.needs_estimate
-        asked = await self._ask(q, insts, ptoks, estimate)
+        if q.takeover is not None and not await self._take_over(q, out):
+            return
+        asked = await self._ask(q, insts, ptoks, estimate, claimed=q.taken_over_from is not None)
         claimed, preds, rows, waited = asked.claimed, asked.preds, asked.rows, asked.wait_s
         if not claimed:
             self.m.duplicates.inc()
@@ -686,7 +714,8 @@ class RouterService:
             "predict_s": asked.predict_s, "estimate_s": asked.estimate_s, "claim_s": asked.claim_s,
             "tokenize_s": asked.tokenize_s, "estimator_service_s": asked.estimator_service_s,
             "fallbacks": fallbacks, "dropped": d.dropped, "attempt": attempt, "asked_again": asked.asks, "usage": usage, "request_id": request_id,
-            "chunks": seq, "engine_streamed": not q.unstreamed, "candidates": {c.instance: {
+            "chunks": seq, "engine_streamed": not q.unstreamed, "taken_over_from": q.taken_over_from,
+            "candidates": {c.instance: {
                 "model": c.model, "acc": c.acc, "cost": c.cost, "out_len": c.out_len, "out_p90": c.out_p90,
                 "ttft": c.ttft, "ttft_elapsed": c.ttft_elapsed, "ttft_path": c.ttft_path, "method": c.ttft_method, "calibration": c.ttft_calibration,
                 "ttft_prefill": c.ttft_prefill, "n_running": c.n_running,
@@ -727,6 +756,10 @@ class Asked:
     def wait_s(self) -> float:
         """The wait for the predictor and the estimator (the claim excluded)."""
         return max(self.predict_s, self.estimate_s)
+
+
+async def _already() -> bool:
+    return True
 
 
 async def _clocked(aw: Any) -> tuple[Any, float]:

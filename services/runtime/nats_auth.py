@@ -138,8 +138,10 @@ def permissions(role: str, name: str, subjects: Subjects | None = None, instance
                      *_kv_claim(s.queries_bucket), *_kv_read(s.instances_bucket), *_kv_read(s.calibration_bucket),
                      *_kv_read(s.provisioned_bucket), *_obj_read(s.tokenizers_bucket),
                      f"$KV.{s.terminals_bucket}.*",  # terminal records (published, not acked)
+                     s.router_alive_all,  # is the router that accepted a query still there (takeover)
                      *(f"_INBOX_{c}.>" for c in clients)),
-            subscribe=(s.submit, s.submit_all, s.cancel, s.outcome_all, inbox))
+            subscribe=(s.submit, s.submit_all, s.cancel, s.outcome_all, s.router_alive_all, inbox),
+            responses=True)  # its answer to another router's alive probe
     if role == "predictor":  # its requests only as a member of the queue group (issue 40)
         return Permissions(subscribe=(f"{s.predict} {PREDICTOR_QUEUE}", "$SRV.>", inbox), responses=True)
     if role == "estimator":

@@ -44,7 +44,7 @@ async def test_a_failing_stream_raises_its_own_exception(ahead: int) -> None:
     gate = asyncio.Event()
     seen = []
     with pytest.raises(Boom, match="engine went away"):
-        async for i, m in merged([chunks(ahead + 1, gate), chunks(1, fail=True)]):
+        async for i, _m in merged([chunks(ahead + 1, gate), chunks(1, fail=True)]):
             seen.append(i)
             gate.set()
     assert 1 in seen
