@@ -17,7 +17,7 @@ from bear.commands.options import policy_list, positive_list
 # checks that it equals run.experiment_names().
 EXPERIMENTS = ["rates", "estimator", "accuracy", "delta", "staleness", "lambda", "bursty", "sensitivity",
                "highload", "tune", "lps", "estimates", "workload", "diagnose", "decomposition", "prefix", "herd",
-               "reliability", "all"]
+               "reliability", "fleet", "all"]
 HEADLINE_SEEDS = "2026,2027,2028"
 
 
@@ -185,6 +185,16 @@ def _print(console: Any, name: str, r: dict[str, Any]) -> None:
             for n, rel in v.get("reliability", {}).items():
                 console.print(f"{panel} {n} (confidence {rel['confidence']:g}): on time among feasible per seed "
                               + ", ".join(f"{s}: {d['share']:.3f} of {int(d['n'])}" for s, d in rel["per_seed"].items()))
+    elif name == "fleet":
+        t = Table(title=f"OnTimeUtility at fleet scale (seed {r['seeds'][0]}; rate per instance, q/s)")
+        for col in ("arrivals", "instances", "q/s/inst", "router", "queries", "OnTimeUtility", "replays/query",
+                    "decisions/CPU-s"):
+            t.add_column(col)
+        for row in r["rows"]:
+            t.add_row(row["arrivals"], str(row["size"]), f"{row['rate_per_instance']:.2f}", row["router"],
+                      str(row["queries"]), f"{row['on_time_utility']:.4f}", f"{row['replays_per_query']:.1f}",
+                      f"{row['decisions_per_cpu_s']:.0f}")
+        console.print(t)
     elif name == "tune":
         console.print(f"tuned on seed(s) {r['seeds']}: {json.dumps(r['chosen'])}")
     else:

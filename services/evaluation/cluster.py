@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -54,6 +55,7 @@ from bear.router.decide import Refused, RoutingProfile, decide, profile_for
 from bear.router.policies import Candidate, Decision, Policy, QueryContext
 from bear.router.policies.on_time import p_on_time
 from bear.router.registry import InstanceInfo
+from bear.router.selection import STAGE_EVERY, Cheap, Selection, SelectionConfig, select
 from bear.sim.profile import Profile, load_profile
 from bear.sim.roofline import RooflineModel
 
@@ -209,19 +211,25 @@ class Cluster:
                  estimator: EstimatorConfig | None = None, prices: dict[str, tuple[float, float]] | None = None,
                  history: dict[str, list[tuple[float, float | None]]] | None = None,
                  oracle: Oracle | None = None, refit: RefitPolicy | None = RefitPolicy(),
-                 decisions: str = "sequenced", window_s: float = 0.0) -> None:
+                 decisions: str = "sequenced", window_s: float = 0.0,
+                 selection: SelectionConfig | None = None) -> None:
         """``history``: (TTFT, TPOT) per instance observed before the run (the profiling runs), so
         that the policies that read observed latencies start from what an operator has measured;
         ``oracle``: inputs handed to the estimator exactly (the error decomposition); ``refit``:
         the calibrator's online refits of β and θ from the run's own batches, as ``bear
         calibrator`` makes them live (None: the profiled calibration throughout; never under the
         step-times oracle, whose engines run on the profiled β); ``decisions``/``window_s``: what a
-        decision sees of the others made beside it (module docstring)."""
+        decision sees of the others made beside it (module docstring); ``selection``: the cheap
+        first stage (``bear.router.selection``) before the replays, for the policies that read
+        estimates (None: every instance replayed)."""
         if decisions not in DECISIONS:
             raise ValueError(f"decisions must be one of {', '.join(DECISIONS)}, not {decisions!r}")
         if window_s < 0 or (window_s > 0 and decisions == "sequenced"):
             raise ValueError("window_s: >= 0, and only for concurrent decisions")
         self.decisions, self.window_s = decisions, window_s
+        self.selection = selection
+        self.selections: dict[str, Selection] = {}  # every decision's stage, by query id
+        self.decide_cpu_s = 0.0  # process CPU seconds inside decide (the decision path, per core)
         self.cfg = estimator or EstimatorConfig()
         self.oracle = oracle or Oracle()
         if self.oracle.arrivals and len(specs) != 1:
@@ -373,12 +381,21 @@ class Cluster:
                            context_tokens=query.prompt_tokens + MAX_TOKENS)  # what the client asks for
         profile = profile_for(policy)
         rows = None
+        infos = self.infos
+        sel = Selection([], len(infos), "none")
         if profile.needs_estimate or self.samples is not None:  # the learned samples' features are rows
+            sel = Selection([info.id for info in infos], len(infos), STAGE_EVERY)
+            if self.selection is not None and profile.needs_estimate:
+                sel = select([self._cheap(info, preds) for info in infos], self.selection)
+                if sel.replayed < len(infos):
+                    keep = set(sel.replay)
+                    infos = [info for info in infos if info.id in keep]
             cands = [EstimateCandidate(instance=info.id, prompt_tokens=preds[info.predictor_model].prompt_tokens)
-                     for info in self.infos]
+                     for info in infos]
             rows = {r.instance: r for r in estimate(query, cands, self.store, t, self.cfg,
                                                     later=self._later(qs, i, t))}
-        cs, used = build_candidates(query.prompt_tokens, self.infos, preds, rows, t,
+        self.selections[qs.ids[i]] = sel
+        cs, used = build_candidates(query.prompt_tokens, infos, preds, rows, t,
                                     default_output_tokens=self.cfg.default_output_tokens)
         d = self.decided(profile, ctx, cs, t)
         c = d.candidate
@@ -405,6 +422,15 @@ class Cluster:
             held.append((self.infos[k].id, dispatch))
         self._predicted[qs.ids[i]] = dispatch.predicted_output_tokens
         return k, policy.latency_estimate(d.candidate)
+
+    def _cheap(self, info: InstanceInfo, preds: dict[str, ModelPrediction]) -> Cheap:
+        """The selection's cheap signals of one instance: the load counters the estimator holds
+        (the snapshot's queued prefill) plus the dispatches there no snapshot has shown yet."""
+        st = self.store.get(info.id)
+        pending = int(st.snap.pending_prefill_tokens()) + sum(
+            int(r["prompt_tokens"]) for r in st.ahead(self.cfg.dispatch_grace_s))
+        return Cheap(info.id, info.predictor_model, pending, preds[info.predictor_model].prompt_tokens,
+                     prefill_tps=info.calibration.prefill_tps())
 
     @staticmethod
     def decided(profile: RoutingProfile, ctx: QueryContext, cands: list[Candidate], t: float) -> Decision:
@@ -461,7 +487,9 @@ class Cluster:
             for i in group:
                 t = float(times[i])
                 self.advance_to(t)
+                c0 = time.process_time()
                 k, est = self.decide(qs, i, t, float(targets[i]), policy, lam, deliver=i == group[0], held=held)
+                self.decide_cpu_s += time.process_time() - c0
                 col = qs.models.index(self.insts[k].spec.model)
                 self.arrival[qs.ids[i]] = t
                 self.submit(k, qs.ids[i], int(qs.prompt_tokens[i, col]), int(qs.true_output[i, col]), t)
@@ -479,7 +507,8 @@ class Cluster:
             outcomes.append(Outcome(
                 query_id=rid, task=qs.tasks[i], instance=self.insts[k].spec.name, model=self.insts[k].spec.model,
                 target_s=float(targets[i]), ttft_s=ttft, utility=qs.true_utility(i, col, lam),
-                predicted_ttft_s=est,
+                predicted_ttft_s=est, stage=self.selections[rid].stage, considered=self.selections[rid].considered,
+                replayed=self.selections[rid].replayed,
             ))
             if self.samples is not None:
                 t0 = self.arrival[rid]

@@ -33,7 +33,7 @@ PLOTS: dict[str, Callable[[dict[str, Any], Path], list[str]]] = {
     "delta": plots.delta, "staleness": plots.staleness, "lambda": plots.lambdas, "bursty": plots.bursty,
     "sensitivity": plots.sensitivity, "tune": plots.tune, "prefix": plots.prefix, "lps": plots.lps, "estimates": plots.estimates,
     "workload": plots.workload, "diagnose": lambda _r, _o: [], "decomposition": decomposition.write,
-    "herd": plots.herd, "reliability": plots.reliability_curves}
+    "herd": plots.herd, "reliability": plots.reliability_curves, "fleet": lambda _r, _o: []}
 VARIANTS = {v.name: v for v in SENSITIVITY}
 
 

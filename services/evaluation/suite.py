@@ -401,6 +401,15 @@ def herd_experiment(rates: Sequence[float] = PAPER_RATES, batch: int = HERD_BATC
     return Experiment("herd", "beyond the paper: the herd (issue 39)", cells, result)
 
 
+def fleet_experiment() -> Experiment:
+    """Pools of 16, 64 and 256 instances (``bear.evaluation.fleet``): BEAR with candidate
+    selection against BEAR with every instance a candidate and the baselines."""
+    from bear.evaluation.fleet import fleet_cells, fleet_result
+
+    return Experiment("fleet", "beyond the paper: fleet scale (issue 45)", fleet_cells,  # type: ignore[arg-type]
+                      fleet_result, multi_seed=False)
+
+
 def _reads_estimator(name: str) -> bool:
     from bear.router.policies import make_policy
 
@@ -462,4 +471,5 @@ def registry(rates: Sequence[float] | None = None, policies: Sequence[str] | Non
         sel["rates"], sel["estimator"], sel["accuracy"],
         delta_experiment(), staleness_experiment(), lambda_experiment(), bursty_experiment(),
         sensitivity_experiment(), sel["highload"], sel["prefix"],
-        tune_experiment(), herd_experiment(rates or PAPER_RATES), reliability_experiment(rates or PAPER_RATES))}
+        tune_experiment(), herd_experiment(rates or PAPER_RATES), reliability_experiment(rates or PAPER_RATES),
+        fleet_experiment())}

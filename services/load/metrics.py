@@ -20,6 +20,11 @@ class Outcome:
     ttft_s: float  # observed (inf if it never got a first token)
     utility: float  # realised acc − λ·cost of the chosen model
     predicted_ttft_s: float  # the policy's own latency estimate for the chosen instance (nan: none)
+    # which stage decided (bear.router.selection): "every" (every instance replayed), "selected"
+    # (the cheap first stage cut some model's instances), "none" (no estimate asked); "" unknown
+    stage: str = ""
+    considered: int = 0  # candidate instances the decision considered
+    replayed: int = 0  # of them, estimated by the exact replay
 
     @property
     def on_time(self) -> bool:

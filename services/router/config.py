@@ -55,3 +55,8 @@ class RouterConfig:
     sequence: bool = True
     sequence_chain: int = 8  # waiting queries a fresh estimate at the chosen instance covers too
     reserve_s: float = 0.25  # this router's dispatches are sent with every estimate this long
+    # candidate selection (bear.router.selection): > 0, a model with more instances than this has
+    # only the k its cheap bounds choose estimated (0: off, every instance estimated)
+    selection_k_max: int = 0
+    selection_k_min: int = 2
+    selection_row_s: float = 2.0  # an instance's last estimate row counts in its cheap bound this long

@@ -81,6 +81,7 @@ from bear.router.predict import ask_estimator, ask_predictor
 from bear.router.query import Query, parse_submit, peek_deadline, peek_ids
 from bear.router.registry import InstanceInfo, Registry
 from bear.router.reply_bounds import ReplyGuard
+from bear.router.selection import Cheap, SelectionConfig, select
 from bear.router.sequencer import Pending, Reservations, Sequencer
 from bear.router.takeover import Liveness
 from bear.runtime import tracing
@@ -126,6 +127,12 @@ class RouterService:
         self.outcomes = OutcomeLog(self.cfg.outcome_log)
         self.m = self.outcomes.m
         self.local = LocalLoad(defaultdict(int), defaultdict(int))  # in flight here: the eq. 8 fallback
+        # the cheap first stage over large pools (bear.router.selection), and each instance's last
+        # estimate row (monotonic time, row): its queued prefill is the stage's load signal
+        self.selection = (SelectionConfig(k_max=self.cfg.selection_k_max,
+                                          k_min=min(self.cfg.selection_k_min, self.cfg.selection_k_max))
+                          if self.cfg.selection_k_max > 0 else None)
+        self._last_rows: dict[str, tuple[float, EstimateRow]] = {}
         # this router's recent dispatches, sent with every estimate; decisions in order (the sequencer)
         self.reservations = Reservations(keep_s=self.cfg.reserve_s)
         self.sequencer = (Sequencer(self.reservations, monotone=self.policy.monotone, chain=self.cfg.sequence_chain,
@@ -420,13 +427,24 @@ class RouterService:
             await self._refuse(q, out, kept)
             return
         insts = [self.registry.get(c.instance) for c in kept]
+        estimate = self.profile.needs_estimate
+        selection = None
+        if self.selection is not None and estimate:  # only the instances worth a replay are asked about
+            selection = select([self._cheap(i, ptoks) for i in insts], self.selection)
+            if selection.replayed < len(insts):
+                chosen = set(selection.replay)
+                insts = [i for i in insts if i.id in chosen]
         if q.rest_of_context and all(i.max_model_len for i in insts):
             q.max_tokens = max(q.max_tokens_at(i.max_model_len, ptoks) or 1 for i in insts)
         # The dedup claim (a JetStream round trip) runs concurrently with the two questions.
-        estimate = self.profile.needs_estimate
         if q.takeover is not None and not await self._take_over(q, out):
             return
         asked = await self._ask(q, insts, ptoks, estimate, claimed=q.taken_over_from is not None)
+        asked.selection = selection.record() if selection is not None else None
+        if asked.rows:
+            seen = time.monotonic()
+            for row in asked.rows.values():
+                self._last_rows[row.instance] = (seen, row)
         claimed, preds, rows, waited = asked.claimed, asked.preds, asked.rows, asked.wait_s
         if not claimed:
             self.m.duplicates.inc()
@@ -512,6 +530,14 @@ class RouterService:
         await out.error(ErrorCode.UNAVAILABLE, f"no instance answered: {attempts}")
         self.outcomes.record({"query_id": q.query_id, "t": time.time(), "status": "unavailable",
                               "policy": self.policy.name, "attempts": attempts, "target_s": q.ttft_target_s})
+
+    def _cheap(self, inst: InstanceInfo, ptoks: int) -> Cheap:
+        """The selection's cheap signals of one instance: the queued prefill of its last estimate
+        row (while younger than ``selection_row_s``) plus what this router has in flight there."""
+        seen = self._last_rows.get(inst.id)
+        queued = seen[1].pending_prefill_tokens if seen and time.monotonic() - seen[0] <= self.cfg.selection_row_s else 0
+        return Cheap(inst.id, inst.predictor_model, queued + self.local.pending_prefill_tokens.get(inst.id, 0), ptoks,
+                     prefill_tps=inst.calibration.prefill_tps())
 
     async def _ask_parts(self, instance: str, parts: list[EstimatePart]) -> EstimateReply | None:
         """A sequencer's chain at one instance: every part in one request to its shard."""
@@ -713,7 +739,7 @@ class RouterService:
             "decided_at": asked.decided_at, "estimated_at": asked.estimated_at, "deadline": q.deadline,
             "predict_s": asked.predict_s, "estimate_s": asked.estimate_s, "claim_s": asked.claim_s,
             "tokenize_s": asked.tokenize_s, "estimator_service_s": asked.estimator_service_s,
-            "fallbacks": fallbacks, "dropped": d.dropped, "attempt": attempt, "asked_again": asked.asks, "usage": usage, "request_id": request_id,
+            "fallbacks": fallbacks, "dropped": d.dropped, "selection": asked.selection, "attempt": attempt, "asked_again": asked.asks, "usage": usage, "request_id": request_id,
             "chunks": seq, "engine_streamed": not q.unstreamed, "taken_over_from": q.taken_over_from,
             "candidates": {c.instance: {
                 "model": c.model, "acc": c.acc, "cost": c.cost, "out_len": c.out_len, "out_p90": c.out_p90,
@@ -751,6 +777,8 @@ class Asked:
     versions: dict[str, int] = field(default_factory=dict)  # the instances' commits here when it was asked
     estimate_sent: float = 0.0  # perf_counter when the estimate was asked
     asks: int = 0  # estimates asked again by the sequencer (decisions before it changed the picture)
+    # the cheap first stage (Selection.record: stage, considered, replayed, k per model); None: off
+    selection: dict[str, object] | None = None
 
     @property
     def wait_s(self) -> float:

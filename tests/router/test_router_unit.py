@@ -619,3 +619,33 @@ def test_malformed_text_event_raises_value_error() -> None:
 
     with pytest.raises(ValueError):
         parse_text_event(b"{not json")
+
+
+async def test_selection_asks_the_estimator_about_the_k_chosen_and_records_the_stage(nats_server, tmp_path) -> None:
+    """With ``selection_k_max`` a model of more instances has only k of them estimated and
+    considered by the policy; the outcome record says which stage decided. Off (the default),
+    every instance is a candidate and the record says so (None)."""
+    nc = await nats.connect(nats_server.url)
+    good = FakeInstance()
+    await good.start()
+    names = {f"i{k}" for k in range(5)}
+    for name in sorted(names):
+        await register(nc, name, "m/one", good.port, 1.0)
+    try:
+        for n, k_max in enumerate((2, 0)):
+            log_path = tmp_path / f"sel-{k_max}.jsonl"
+            router = await started_router(nc, log_path, names, policy="bear", selection_k_max=k_max,
+                                          selection_k_min=1)
+            msgs = await collect(nc, ttft_target_s=1.0, max_tokens=3, query_id=f"sel-{n}")
+            await router.stop()
+            assert msgs[-1]["v"] == "bear.done/1"
+            rec = json.loads(log_path.read_text().splitlines()[-1])
+            if k_max:  # no load known anywhere: the bounds tie, so k is k_max
+                assert rec["selection"]["stage"] == "selected"
+                assert rec["selection"]["considered"] == 5 and rec["selection"]["replayed"] == 2
+                assert len(rec["candidates"]) == 2 and rec["instance"] in rec["candidates"]
+            else:
+                assert rec["selection"] is None and set(rec["candidates"]) == names
+    finally:
+        await good.stop()
+        await nc.close()
