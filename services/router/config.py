@@ -41,6 +41,9 @@ class RouterConfig:
     first_token_timeout_s: float = 25.0
     dedup_ttl_s: float = 600.0
     dedup_timeout_s: float = 0.1
+    # submits are taken only once the registry's initial entries are in (a router restarted under
+    # load answered "no healthy instance registered" to the first query it heard), waiting at most this
+    registry_wait_s: float = 10.0
     outcome_log: Path | None = None
     aliases: dict[str, str] = field(default_factory=dict)  # served model → predictor model
     name: str = ""

@@ -158,6 +158,7 @@ class RouterService:
     async def start(self) -> None:
         self._session = engine_session()
         await self.registry.start()
+        await self._registry_loaded()
         self._lag_task = asyncio.create_task(self.admission.watch_loop())
         self._resend_task = asyncio.create_task(self.resender.run())
         self._sub = await self.nc.subscribe(self.subjects.submit, queue="bear-router", cb=self._on_submit,
@@ -171,6 +172,17 @@ class RouterService:
         await self.liveness.start()
         await self.nc.flush()
         log.info("router started", router=self.name, policy=self.policy.name, subject=self.subjects.submit)
+
+    async def _registry_loaded(self) -> None:
+        """Until the registry's initial entries (and bindings, with provisioning) are in, or
+        ``registry_wait_s``: before that every query would be refused for want of instances."""
+        events = [self.registry.loaded, *([self.registry.provisioned_loaded] if self.registry.provisioning else [])]
+        try:
+            async with asyncio.timeout(self.cfg.registry_wait_s):
+                for e in events:
+                    await e.wait()
+        except TimeoutError:
+            log.warning("registry not loaded; taking queries anyway", router=self.name, waited_s=self.cfg.registry_wait_s)
 
     async def stop(self, drain_s: float = 5.0) -> None:
         """Stop taking queries, let those in flight finish (up to ``drain_s``), close."""

@@ -412,3 +412,22 @@ def test_a_crashed_child_is_restarted_with_backoff(tmp_path) -> None:
     c.restart_at = None
     st.supervise()
     assert c.restarts == 0
+
+
+async def test_a_started_router_routes_its_first_query_to_the_instances_already_registered(nats_server,
+                                                                                           tmp_path) -> None:
+    """A router restarted under load (its pod killed, issue 41) answered the first query it heard
+    "no healthy instance registered": it took submits before its registry's initial entries were in."""
+    eng = await FakeEngine(tokens=2).start()
+    nc = await nats.connect(nats_server.url)
+    await register(nc, "e0", "m/e0", eng.port)
+    router = RouterService(nc, RouterConfig(outcome_log=tmp_path / "out.jsonl", **FAST))
+    try:
+        await router.start()
+        assert router.registry.loaded.is_set()
+        msgs = await collect(nc, max_tokens=2, accept_timeout_s=HANG_S, idle_timeout_s=HANG_S)
+        assert msgs[-1]["v"] == "bear.done/1" and msgs[-1]["instance"] == "e0", msgs[-1]
+    finally:
+        await router.stop()
+        await eng.stop()
+        await nc.close()
