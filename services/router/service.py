@@ -422,11 +422,16 @@ class RouterService:
                                                   f"{q.takeover} chunks reached the client; its engine request ended "
                                                   "with it: submit the query again")
             return False
-        self.m.duplicates.inc()
-        await out.error(ErrorCode.DUPLICATE, "query_id already submitted; not executed again")
+        await self._duplicate(out)
         return False
 
+    async def _duplicate(self, out: ClientStream) -> None:
+        self.m.duplicates.inc()
+        await out.error(ErrorCode.DUPLICATE, "query_id already submitted; not executed again")
+
     async def _route(self, q: Query, out: ClientStream, t0: float) -> None:
+        if q.takeover is not None and not await self._take_over(q, out):
+            return
         healthy = {i.id for i in self.registry.healthy()}
         ptoks = q.token_estimate()  # once per query: it encodes the whole text
         ctx = self._context(q, ptoks)
@@ -449,18 +454,15 @@ class RouterService:
         if q.rest_of_context and all(i.max_model_len for i in insts):
             q.max_tokens = max(q.max_tokens_at(i.max_model_len, ptoks) or 1 for i in insts)
         # The dedup claim (a JetStream round trip) runs concurrently with the two questions.
-        if q.takeover is not None and not await self._take_over(q, out):
-            return
         asked = await self._ask(q, insts, ptoks, estimate, claimed=q.taken_over_from is not None)
         asked.selection = selection.record() if selection is not None else None
-        if asked.rows:
+        if selection is not None and asked.rows:  # the rows' queues: the next selection's load signal
             seen = time.monotonic()
             for row in asked.rows.values():
                 self._last_rows[row.instance] = (seen, row)
         claimed, preds, rows, waited = asked.claimed, asked.preds, asked.rows, asked.wait_s
         if not claimed:
-            self.m.duplicates.inc()
-            await out.error(ErrorCode.DUPLICATE, "query_id already submitted; not executed again")
+            await self._duplicate(out)
             return
         fallbacks = []
         if preds is None:
